@@ -1,0 +1,28 @@
+"""``trainguard service NAME``: one service in the foreground (one process or pod each)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from .. import registry, tracing
+from ..service import run_service
+from .common import add_connection_flags, settings_from
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("service", help="run one service (for real deployments)",
+                       description="Run one trainguard service until SIGTERM/SIGINT.")
+    p.add_argument("name", help="service name: " + (", ".join(sorted(registry.available()))
+                                                   or "none installed"))
+    add_connection_flags(p)
+    p.add_argument("--health-port", type=int, default=None,
+                   help="port for /livez, /readyz, /metrics (0 = any free port)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    cls = registry.load(args.name)
+    settings = settings_from(args, cls.settings_type, health_port=args.health_port)
+    tracing.setup_tracing(f"trainguard-{cls.name}", settings.otel_exporter)
+    return asyncio.run(run_service(cls(settings)))

@@ -1,0 +1,132 @@
+"""One typed, frozen configuration object per process.
+
+Values come from, lowest to highest: the dataclass defaults (which work with the
+embedded control plane of ``trainguard up``), ``TRAINGUARD_<FIELD>`` environment
+variables, and explicit overrides (CLI flags). Services subclass :class:`Settings` to add
+their own fields; the same loader handles them. An unknown override key or a value of the
+wrong type is a :class:`ConfigError` that names the setting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, TypeVar, get_type_hints
+
+from .errors import ConfigError, InvalidToken
+from .subjects import DEFAULT_PREFIX, Subjects
+
+ENV_PREFIX = "TRAINGUARD_"
+DEFAULT_NATS_PORT = 4222
+DEFAULT_REDIS_PORT = 6379
+
+S = TypeVar("S", bound="Settings")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Settings:
+    """Settings every trainguard process shares."""
+
+    nats_url: str = f"nats://127.0.0.1:{DEFAULT_NATS_PORT}"
+    redis_url: str = f"redis://127.0.0.1:{DEFAULT_REDIS_PORT}/0"
+    prefix: str = DEFAULT_PREFIX
+    connect_timeout: float = 5.0
+    """Bound on the first NATS/Redis connect; reconnects after that go on forever."""
+    health_host: str = "127.0.0.1"
+    health_port: int = 0
+    """Port of /livez, /readyz, /metrics; 0 picks a free one (logged at start)."""
+    max_deliver: int = 5
+    """Deliveries of a message whose handler keeps failing before it is dead-lettered."""
+    ack_wait: float = 30.0
+    fetch_batch: int = 64
+    otel_exporter: str = ""
+    """none, console, file:<path> or otlp; empty: OTLP if OTEL_EXPORTER_OTLP_ENDPOINT is set."""
+    log_level: str = "INFO"
+
+    @property
+    def subjects(self) -> Subjects:
+        return Subjects(self.prefix)
+
+    def redis_key(self, *parts: str) -> str:
+        """A Redis key under this deployment's prefix: ``<prefix>:<part>:<part>``."""
+        return ":".join((self.prefix, *parts))
+
+    def replace(self: S, **changes: Any) -> S:
+        return load_settings(type(self), env={}, overrides={**dataclasses.asdict(self), **changes})
+
+
+def _coerce(name: str, raw: Any, hint: Any) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if raw is None or (isinstance(raw, str) and raw.lower() in ("", "none", "null")):
+            return None
+        return _coerce(name, raw, args[0])
+    try:
+        if hint is bool:
+            if isinstance(raw, bool):
+                return raw
+            text = str(raw).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError("expected true/false")
+        if hint is int:
+            if isinstance(raw, bool):
+                raise ValueError("expected an integer")
+            return int(raw)
+        if hint is float:
+            return float(raw)
+        if hint is str:
+            return str(raw)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"setting {name}={raw!r} is not a valid {getattr(hint, '__name__', hint)}: {exc}"
+        ) from None
+    return raw
+
+
+def load_settings(
+    cls: type[S],
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> S:
+    """Build ``cls`` from defaults, then ``env`` (default: ``os.environ``), then overrides.
+
+    Overrides whose value is None are skipped, so argparse namespaces can be passed as
+    they are.
+    """
+    env = os.environ if env is None else env
+    hints = get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    values: dict[str, Any] = {}
+    for name in fields:
+        key = ENV_PREFIX + name.upper()
+        if key in env:
+            values[name] = _coerce(key, env[key], hints[name])
+    for name, raw in (overrides or {}).items():
+        if name not in fields:
+            known = ", ".join(sorted(fields))
+            raise ConfigError(f"unknown setting {name!r}; known settings: {known}")
+        if raw is not None:
+            values[name] = _coerce(name, raw, hints[name])
+    settings = cls(**values)
+    try:
+        settings.subjects  # noqa: B018 - validates the prefix early
+    except InvalidToken as exc:
+        raise ConfigError(str(exc)) from None
+    for url_field, schemes in (("nats_url", ("nats", "tls")), ("redis_url", ("redis", "rediss",
+                                                                            "unix"))):
+        url = getattr(settings, url_field)
+        for part in url.split(","):
+            scheme = part.split("://", 1)[0] if "://" in part else ""
+            if scheme not in schemes:
+                raise ConfigError(
+                    f"{url_field}={url!r} is not a valid URL: expected "
+                    f"{' or '.join(s + '://host:port' for s in schemes)}"
+                )
+    return settings

@@ -1,0 +1,71 @@
+"""``/livez``, ``/readyz`` and ``/metrics`` on a small asyncio HTTP server.
+
+Liveness only proves the event loop answers (it never depends on NATS or Redis, or a
+Redis blip would get every pod restarted); readiness is whatever the service's check
+says (NATS connected, consumers bound, Redis answers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+ReadyCheck = Callable[[], Awaitable[tuple[bool, str]]]
+
+
+class HealthServer:
+    def __init__(self, registry: CollectorRegistry, ready: ReadyCheck) -> None:
+        self._registry = registry
+        self._ready = ready
+        self._server: asyncio.Server | None = None
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None, "health server not started"
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def start(self, host: str, port: int) -> None:
+        self._server = await asyncio.start_server(self._handle, host, port)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 2.0)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            request = await asyncio.wait_for(reader.readline(), 5.0)
+            while (await asyncio.wait_for(reader.readline(), 5.0)) not in (b"\r\n", b"\n", b""):
+                pass
+            parts = request.decode("latin-1").split()
+            path = parts[1] if len(parts) >= 2 else ""
+            status, ctype, body = await self._route(path)
+            writer.write(
+                f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body
+            )
+            await writer.drain()
+        except (TimeoutError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def _route(self, path: str) -> tuple[str, str, bytes]:
+        if path == "/livez":
+            return "200 OK", "text/plain", b"ok\n"
+        if path == "/readyz":
+            try:
+                ok, detail = await asyncio.wait_for(self._ready(), 3.0)
+            except Exception as exc:
+                ok, detail = False, f"check failed: {exc!r}"
+            return ("200 OK" if ok else "503 Service Unavailable"), "text/plain", \
+                f"{detail}\n".encode()
+        if path == "/metrics":
+            return "200 OK", CONTENT_TYPE_LATEST, generate_latest(self._registry)
+        return "404 Not Found", "text/plain", b"not found\n"

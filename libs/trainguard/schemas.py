@@ -1,0 +1,377 @@
+"""Every message on the bus, as msgspec Structs (v1 of each).
+
+Two families, encoded differently (DESIGN.md section 12):
+
+* Telemetry (``Heartbeat``, ``StepReport``, ``Fingerprint``, ``GpuSample``,
+  ``NodeHeartbeat``) is high-rate and fire-and-forget: MessagePack, with a tag
+  ``<type>.v<N>`` that carries the version, no headers.
+* Durable messages (events, commands, acks, exits, checkpoint reports, hellos, dead
+  letters) travel on JetStream as JSON with CloudEvents headers; ``ce-type`` =
+  ``io.trainguard.<kind>.v<major>`` is authoritative and the body's ``schema`` field
+  mirrors it.
+
+Wire types never forbid unknown fields, so an old reader tolerates a newer writer that
+added a field. Entities that change (an anomaly resolved, an incident moving on) are
+republished with the same ``id``, a higher ``rev`` and a new ``status``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+import msgspec
+
+# -- telemetry (MessagePack, tagged) ---------------------------------------------------
+
+
+class Telemetry(msgspec.Struct, tag_field="t", kw_only=True):
+    """Fields every telemetry message carries.
+
+    ``time`` is the sender's clock and ``seq`` its sequence number: a client that
+    reconnects delivers buffered messages late, so receivers judge by these, never by
+    arrival time.
+    """
+
+    job: str
+    time: float
+    seq: int = 0
+
+
+class Heartbeat(Telemetry, tag="hb.v1"):
+    rank: int
+    attempt: int = 0
+    host: str = ""
+    pid: int = 0
+    step: int | None = None
+    phase: str | None = None
+    phase_elapsed: float = 0.0
+    coll_seq: int = 0
+    coll_done: int = 0
+    dropped: int = 0
+
+
+class StepReport(Telemetry, tag="step.v1"):
+    rank: int
+    step: int
+    attempt: int = 0
+    duration: float = 0.0
+    phases: dict[str, float] = {}
+    loss: float | None = None
+    grad_norm: float | None = None
+    nonfinite: int = 0
+    nonfinite_params: list[str] = []
+    tokens: int | None = None
+    samples: int | None = None
+    steps: int = 1
+    extra: dict[str, float] = {}
+
+
+class Fingerprint(Telemetry, tag="fp.v1"):
+    rank: int
+    step: int
+    checksum: int
+    attempt: int = 0
+    group: str = "dp"
+
+
+class GpuStats(msgspec.Struct, kw_only=True):
+    """One GPU's counters in a :class:`GpuSample`; absent readings are None."""
+
+    index: int
+    uuid: str = ""
+    name: str = ""
+    temperature_c: float | None = None
+    power_w: float | None = None
+    power_limit_w: float | None = None
+    sm_clock_mhz: float | None = None
+    throttle_reasons: list[str] = []
+    util_pct: float | None = None
+    mem_used: int | None = None
+    mem_total: int | None = None
+    ecc_corrected_volatile: int | None = None
+    ecc_uncorrected_volatile: int | None = None
+    ecc_corrected_aggregate: int | None = None
+    ecc_uncorrected_aggregate: int | None = None
+    retired_pages_pending: bool | None = None
+    remapped_rows_pending: bool | None = None
+    pcie_replay: int | None = None
+    nvlink_errors: int | None = None
+
+
+class XidEvent(msgspec.Struct, kw_only=True):
+    gpu: int
+    code: int
+    time: float
+    detail: str = ""
+
+
+class GpuSample(Telemetry, tag="gpu.v1"):
+    host: str
+    gpus: list[GpuStats] = []
+    xids: list[XidEvent] = []
+    source: str = "nvml"
+
+
+class NodeHeartbeat(Telemetry, tag="node.v1"):
+    """The agent's view of its local ranks: process state letter (R/S/T/D/Z) by rank."""
+
+    host: str
+    ranks: dict[int, str] = {}
+    pids: dict[int, int] = {}
+    attempt: int = 0
+
+
+TelemetryMessage = Heartbeat | StepReport | Fingerprint | GpuSample | NodeHeartbeat
+
+# -- durable (JSON + CloudEvents) ------------------------------------------------------
+
+
+class Durable(msgspec.Struct, kw_only=True):
+    """Base of every JetStream message; ``KIND`` and ``VERSION`` make up ``ce-type``."""
+
+    KIND: ClassVar[str] = ""
+    VERSION: ClassVar[int] = 1
+    schema: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.schema:
+            self.schema = self.ce_type()
+
+    @classmethod
+    def ce_type(cls) -> str:
+        return f"io.trainguard.{cls.KIND}.v{cls.VERSION}"
+
+
+AnomalyKind = Literal[
+    "crash", "unresponsive", "gpu_health", "hang", "straggler", "nonfinite",
+    "grad_explosion", "grad_vanishing", "loss_spike", "sdc_mismatch",
+    "throughput_drop", "data_stall", "checkpoint_slow",
+]
+Cause = Literal[
+    "gpu_lost", "hbm_ecc", "network", "storage_io", "oom", "numeric", "sdc_suspect",
+    "straggler_thermal", "straggler_power", "straggler", "data_pipeline",
+    "process_crash", "rank_hang", "unknown",
+]
+Severity = Literal["info", "warning", "critical"]
+CommandKind = Literal[
+    # agent
+    "restart", "isolate", "stop", "dump", "kill", "freeze", "thaw", "ecc", "xid", "throttle",
+    # ranks
+    "save_now", "set_interval", "hang", "slow", "nan", "sdc", "crash",
+]
+AckOutcome = Literal["done", "failed", "too_late", "unknown_kind", "refused"]
+
+
+class Attempt(msgspec.Struct, kw_only=True):
+    """Which incarnation of a rank this is: steps and sequences restart with it."""
+
+    restart_count: int = 0
+    pid: int = 0
+    started_at: float = 0.0
+
+
+class RankHello(Durable, kw_only=True):
+    KIND: ClassVar[str] = "rank_hello"
+    job: str
+    rank: int
+    world_size: int
+    local_rank: int = 0
+    host: str = ""
+    pid: int = 0
+    attempt: Attempt = msgspec.field(default_factory=Attempt)
+    env: dict[str, str] = {}
+    time: float = 0.0
+
+
+class NodeHello(Durable, kw_only=True):
+    KIND: ClassVar[str] = "node_hello"
+    job: str
+    host: str
+    local_ranks: list[int] = []
+    nnodes_min: int = 1
+    nnodes_max: int = 1
+    drills_allowed: bool = False
+    hosts_store: bool = False
+    pid: int = 0
+    time: float = 0.0
+
+
+class WorkerExit(Durable, kw_only=True):
+    KIND: ClassVar[str] = "worker_exit"
+    id: str
+    job: str
+    host: str
+    rank: int
+    local_rank: int = 0
+    pid: int = 0
+    exit_code: int | None = None
+    signal: str | None = None
+    stderr_tail: str = ""
+    error: str = ""
+    initiated_by: str | None = None
+    attempt: int = 0
+    time: float = 0.0
+
+
+class FileDigest(msgspec.Struct, kw_only=True):
+    bytes: int
+    crc32: int | None = None
+
+
+class CheckpointReport(Durable, kw_only=True):
+    KIND: ClassVar[str] = "checkpoint_report"
+    id: str
+    job: str
+    rank: int
+    step: int
+    path: str
+    world_size: int
+    bytes: int = 0
+    seconds_blocked: float = 0.0
+    seconds_total: float = 0.0
+    files: dict[str, FileDigest] = {}
+    attempt: int = 0
+    ok: bool = True
+    error: str = ""
+    time: float = 0.0
+
+
+class Anomaly(Durable, kw_only=True):
+    KIND: ClassVar[str] = "anomaly"
+    id: str
+    job: str
+    kind: AnomalyKind
+    ranks: list[int] = []
+    hosts: list[str] = []
+    step: int | None = None
+    onset_at: float
+    detected_at: float
+    severity: Severity = "warning"
+    evidence: dict[str, Any] = {}
+    status: Literal["open", "resolved"] = "open"
+    rev: int = 1
+    resolved_at: float | None = None
+
+
+class EvidenceItem(msgspec.Struct, kw_only=True):
+    fact: str
+    source: str
+    value: Any = None
+
+
+class Diagnosis(Durable, kw_only=True):
+    KIND: ClassVar[str] = "diagnosis"
+    id: str
+    job: str
+    anomaly_ids: list[str]
+    cause: Cause
+    confidence: float
+    ranks: list[int] = []
+    hosts: list[str] = []
+    evidence: list[EvidenceItem] = []
+    recommended: list[str] = []
+    summary: str = ""
+    onset_at: float | None = None
+    step: int | None = None
+    time: float = 0.0
+    rev: int = 1
+
+
+class Action(Durable, kw_only=True):
+    KIND: ClassVar[str] = "action"
+    id: str
+    job: str
+    action: str
+    incident_id: str = ""
+    diagnosis_id: str = ""
+    command_ids: list[str] = []
+    status: Literal["sent", "acked", "failed", "skipped"] = "sent"
+    detail: str = ""
+    time: float = 0.0
+    rev: int = 1
+
+
+class Incident(Durable, kw_only=True):
+    KIND: ClassVar[str] = "incident"
+    id: str
+    job: str
+    cause: Cause
+    status: Literal["open", "mitigating", "resolved", "escalated"] = "open"
+    rev: int = 1
+    ranks: list[int] = []
+    hosts: list[str] = []
+    diagnosis_ids: list[str] = []
+    anomaly_ids: list[str] = []
+    onset_at: float | None = None
+    detected_at: float | None = None
+    diagnosed_at: float | None = None
+    first_action_at: float | None = None
+    mitigated_at: float | None = None
+    resolved_at: float | None = None
+    failure_step: int | None = None
+    resume_step: int | None = None
+    steps_lost: int | None = None
+    actions: list[dict[str, Any]] = []
+    summary: str = ""
+
+
+class CheckpointCommitted(Durable, kw_only=True):
+    KIND: ClassVar[str] = "checkpoint"
+    id: str
+    job: str
+    step: int
+    path: str
+    status: Literal["committed", "failed", "suspect"] = "committed"
+    world_size: int = 0
+    bytes: int = 0
+    missing_ranks: list[int] = []
+    reason: str = ""
+    time: float = 0.0
+
+
+class Command(Durable, kw_only=True):
+    KIND: ClassVar[str] = "command"
+    id: str
+    job: str
+    kind: str
+    issuer: str
+    epoch: int = 0
+    target: str = "all"
+    params: dict[str, Any] = {}
+    at_step: int | None = None
+    deadline: float | None = None
+    issued_at: float = 0.0
+    retry_of: str | None = None
+    seq: int = 0
+
+
+class CommandAck(Durable, kw_only=True):
+    KIND: ClassVar[str] = "command_ack"
+    command_id: str
+    job: str
+    responder: str
+    outcome: AckOutcome
+    detail: str = ""
+    kind: str = ""
+    time: float = 0.0
+
+
+class DeadLetter(Durable, kw_only=True):
+    """A message that could not be processed, with why, kept whole for inspection."""
+
+    KIND: ClassVar[str] = "dead_letter"
+    job: str
+    subject: str
+    reason: str
+    service: str = ""
+    payload: bytes = b""
+    headers: dict[str, str] = {}
+    deliveries: int = 0
+    time: float = 0.0
+
+
+DURABLE_TYPES: tuple[type[Durable], ...] = (
+    RankHello, NodeHello, WorkerExit, CheckpointReport, Anomaly, Diagnosis, Action,
+    Incident, CheckpointCommitted, Command, CommandAck, DeadLetter,
+)
+BY_CE_TYPE: dict[str, type[Durable]] = {t.ce_type(): t for t in DURABLE_TYPES}

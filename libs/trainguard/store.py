@@ -1,0 +1,51 @@
+"""Redis access shared by the services: one client, retries with backoff, clear errors.
+
+Commands retry on connection errors with exponential backoff for a few seconds, which
+covers a Redis restart or failover. Beyond that the error reaches the handler, and the
+service base settles the message with a delayed redelivery (never a dead letter), so
+nothing that was acknowledged on the bus is lost while Redis is away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+TRANSIENT_REDIS_ERRORS: tuple[type[Exception], ...] = (RedisConnectionError, RedisTimeoutError)
+
+
+class StoreUnavailable(ConnectionError):
+    """Redis did not answer the first ping within its bound."""
+
+
+def redis_client(url: str, *, retries: int = 8) -> aioredis.Redis:
+    """A client whose commands retry transient failures (8 retries: about 5 s in all)."""
+    backoff = ExponentialBackoff(cap=1.0, base=0.05)
+    return aioredis.Redis.from_url(
+        url,
+        decode_responses=True,
+        socket_connect_timeout=1.0,
+        socket_timeout=5.0,
+        retry=Retry(backoff, retries),
+        retry_on_error=[RedisConnectionError, RedisTimeoutError],
+        health_check_interval=10,
+    )
+
+
+async def connect_redis(url: str, *, timeout: float = 5.0) -> aioredis.Redis:
+    """A client that has answered one PING, so a wrong URL fails at start, clearly."""
+    client = redis_client(url)
+    try:
+        await asyncio.wait_for(client.ping(), timeout)
+    except (TimeoutError, RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        await client.aclose()
+        raise StoreUnavailable(
+            f"cannot reach Redis at {url} within {timeout:.0f}s ({exc!r}); is redis-server "
+            "running? `trainguard up` starts one, or pass --redis / TRAINGUARD_REDIS_URL"
+        ) from None
+    return client

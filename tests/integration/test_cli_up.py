@@ -1,0 +1,97 @@
+"""``trainguard up`` as a user runs it: a subprocess that comes up, answers, and stops."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from trainguard.embedded import free_port
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True,
+                         text=True, check=False).stdout
+    return [int(p) for p in out.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split()[2] != "Z"
+
+
+def _trainguard(*args: str) -> list[str]:
+    return [sys.executable, "-m", "trainguard", *args]
+
+
+def test_up_starts_embedded_servers_answers_and_stops_cleanly(tmp_path: Path) -> None:
+    nats_port, redis_port = free_port(), free_port()
+    proc = subprocess.Popen(
+        _trainguard("up", "--nats-port", str(nats_port), "--redis-port", str(redis_port),
+                    "--data-dir", str(tmp_path)),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "trainguard up: running" in line:
+                break
+        text = "".join(lines)
+        assert f"nats:  nats://127.0.0.1:{nats_port}" in text, text
+        assert f"redis: redis://127.0.0.1:{redis_port}/0" in text, text
+        children = _children(proc.pid)
+        assert len(children) >= 2
+        with socket.create_connection(("127.0.0.1", nats_port), timeout=2) as s:
+            assert s.recv(4) == b"INFO"
+        with socket.create_connection(("127.0.0.1", redis_port), timeout=2) as s:
+            s.sendall(b"PING\r\n")
+            assert s.recv(7) == b"+PONG\r\n"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert not any(_alive(c) for c in children)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+
+
+def test_up_refuses_a_taken_port(tmp_path: Path) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        out = subprocess.run(_trainguard("up", "--nats-port", str(port), "--redis-port",
+                                         str(free_port()), "--data-dir", str(tmp_path)),
+                             capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert f"port {port} on 127.0.0.1 is already in use" in out.stderr
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("service", "nonexistent"), "unknown service 'nonexistent'"),
+    (("up", "--nats", "localhost:4222"), "is not a valid URL"),
+    (("up", "--redis", "http://x"), "redis_url='http://x' is not a valid URL"),
+    (("up", "--nats-port", "70000"), "use a TCP port between 1 and 65535"),
+])
+def test_bad_arguments_say_what_is_wrong(args: tuple[str, ...], message: str) -> None:
+    out = subprocess.run(_trainguard(*args), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out
+    assert message in out.stderr
+
+

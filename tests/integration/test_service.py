@@ -1,0 +1,208 @@
+"""The service base against real nats-server and redis-server: settling, dead letters,
+health, and recovery from NATS and Redis outages."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from typing import Any
+
+import nats
+import redis.asyncio as aioredis
+
+from tests.conftest import wait_until
+from tests.integration.recorder import Recorder, recorder_settings, running
+from trainguard.bus import Bus
+from trainguard.codec import decode_durable
+from trainguard.embedded import NatsServer, RedisServer
+from trainguard.schemas import Anomaly, CommandAck, DeadLetter
+from trainguard.subjects import Subjects
+
+
+def anomaly(job: str, ident: str) -> Anomaly:
+    return Anomaly(id=ident, job=job, kind="hang", ranks=[1], onset_at=1.0, detected_at=2.0)
+
+
+async def collect_dead(nc: Any, prefix: str, job: str) -> list[DeadLetter]:
+    letters: list[DeadLetter] = []
+
+    async def cb(msg: Any) -> None:
+        letters.append(decode_durable(msg.data, DeadLetter))
+
+    await nc.subscribe(Subjects(prefix).dead(job), cb=cb)
+    await nc.flush()
+    return letters
+
+
+async def recorded(redis_url: str, key: str) -> set[str]:
+    r = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        return set(await r.smembers(key))
+    finally:
+        await r.aclose()
+
+
+async def test_handled_messages_are_acked_once(nats_url: str, redis_url: str, prefix: str,
+                                               job: str, nc: Any) -> None:
+    svc = Recorder(recorder_settings(nats_url, redis_url, prefix))
+    async with running(svc) as rt:
+        bus = Bus(nc, Subjects(prefix), source="test")
+        for i in range(20):
+            await bus.publish_durable(Subjects(prefix).event(job, "anomaly"), anomaly(job, f"a{i}"))
+        await wait_until(lambda: recorded(redis_url, svc.key), what="records")
+        await wait_until(lambda: len(svc.attempts) == 20, what="20 anomalies handled")
+        assert all(n == 1 for n in svc.attempts.values())
+        assert await recorded(redis_url, svc.key) == {f"a{i}" for i in range(20)}
+        assert rt.metrics.messages.labels("recorder", "recorder", "ack")._value.get() == 20
+
+
+async def test_failing_handler_is_retried_then_dead_lettered_and_service_goes_on(
+        nats_url: str, redis_url: str, prefix: str, job: str, nc: Any) -> None:
+    svc = Recorder(recorder_settings(nats_url, redis_url, prefix),
+                   fail_times={"flaky": 2})
+    dead = await collect_dead(nc, prefix, job)
+    async with running(svc) as rt:
+        bus = Bus(nc, Subjects(prefix), source="test")
+        subject = Subjects(prefix).event(job, "anomaly")
+        for ident in ("flaky", "poison-1", "reject-1", "after"):
+            await bus.publish_durable(subject, anomaly(job, ident))
+        await wait_until(lambda: len(dead) >= 2, timeout=30, what="two dead letters")
+        await wait_until(lambda: recorded(redis_url, svc.key), what="records")
+        by_id = {decode_durable(d.payload, Anomaly).id: d for d in dead}
+        assert set(by_id) == {"poison-1", "reject-1"}
+        assert "handler failed 3 times" in by_id["poison-1"].reason
+        assert "cannot record poison-1" in by_id["poison-1"].reason
+        assert by_id["poison-1"].deliveries == 3 and svc.attempts["poison-1"] == 3
+        assert "refuses" in by_id["reject-1"].reason and svc.attempts["reject-1"] == 1
+        assert by_id["poison-1"].subject == subject
+        assert by_id["poison-1"].headers["ce-type"] == "io.trainguard.anomaly.v1"
+        await wait_until(lambda: len(svc.attempts) == 4 and svc.attempts["flaky"] == 3,
+                         what="flaky recorded on its third delivery")
+        assert await recorded(redis_url, svc.key) == {"flaky", "after"}
+        assert rt.metrics.dead.labels("recorder", "handler_failed")._value.get() == 1
+
+
+async def test_malformed_and_wrong_type_go_to_dead_letters_at_once(
+        nats_url: str, redis_url: str, prefix: str, job: str, nc: Any) -> None:
+    svc = Recorder(recorder_settings(nats_url, redis_url, prefix))
+    dead = await collect_dead(nc, prefix, job)
+    async with running(svc):
+        js = nc.jetstream()
+        subject = Subjects(prefix).event(job, "anomaly")
+        await js.publish(subject, b"{not json", headers={"ce-type": "io.trainguard.anomaly.v1"})
+        await js.publish(subject, b"{}", headers={"ce-type": "io.trainguard.anomaly.v7"})
+        bus = Bus(nc, Subjects(prefix), source="test")
+        await bus.publish_durable(subject, CommandAck(command_id="c", job=job, responder="x",
+                                                      outcome="done"))
+        await bus.publish_durable(subject, anomaly(job, "good"))
+        await wait_until(lambda: len(dead) >= 3, what="three dead letters")
+        reasons = sorted(d.reason for d in dead)
+        assert any("malformed anomaly (not JSON)" in r for r in reasons), reasons
+        assert any("unknown message type or version 'io.trainguard.anomaly.v7'" in r
+                   for r in reasons), reasons
+        assert any("CommandAck is not accepted" in r for r in reasons), reasons
+        assert all(d.deliveries == 1 for d in dead)
+        assert dead[0].payload in (b"{not json", b"{}") or dead[1].payload == b"{not json"
+        await wait_until(lambda: svc.attempts.get("good") == 1, what="good message handled")
+
+
+async def test_health_endpoints(nats_url: str, redis_url: str, prefix: str) -> None:
+    svc = Recorder(recorder_settings(nats_url, redis_url, prefix))
+    async with running(svc) as rt:
+        assert rt.health is not None
+        port = rt.health.port
+
+        async def get(path: str) -> tuple[int, str]:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            await writer.drain()
+            data = (await reader.read()).decode()
+            writer.close()
+            return int(data.split()[1]), data.split("\r\n\r\n", 1)[1]
+
+        assert (await get("/livez"))[0] == 200
+        await wait_until(lambda: rt.ready(), what="ready")
+        code, body = await get("/readyz")
+        assert code == 200 and "ready" in body
+        code, body = await get("/metrics")
+        assert code == 200 and "trainguard_handler_seconds" in body
+        assert (await get("/nope"))[0] == 404
+
+
+async def test_service_survives_a_nats_server_restart(private_nats: NatsServer, redis_url: str,
+                                                      prefix: str, job: str) -> None:
+    svc = Recorder(recorder_settings(private_nats.url, redis_url, prefix))
+    subject = Subjects(prefix).event(job, "anomaly")
+    async with running(svc) as rt:
+        pub = await nats.connect(private_nats.url, max_reconnect_attempts=-1,
+                                 reconnect_time_wait=0.2)
+        bus = Bus(pub, Subjects(prefix), source="test")
+        for i in range(5):
+            await bus.publish_durable(subject, anomaly(job, f"before-{i}"))
+        await wait_until(lambda: len(svc.attempts) == 5, what="first batch")
+        private_nats.kill()
+        await wait_until(lambda: not rt.bus.connected, what="service sees the outage")
+        private_nats.start()
+        await wait_until(lambda: rt.bus.connected and pub.is_connected, timeout=30,
+                         what="reconnect")
+        for i in range(5):
+            await bus.publish_durable(subject, anomaly(job, f"after-{i}"))
+        await wait_until(lambda: len(svc.attempts) == 10, timeout=30, what="second batch")
+        await wait_until(lambda: rt.ready(), timeout=30, what="ready again")
+        await pub.close()
+    assert await recorded(redis_url, svc.key) == {f"{w}-{i}" for w in ("before", "after")
+                                                  for i in range(5)}
+
+
+async def test_redis_outage_delays_but_loses_no_acknowledged_event(
+        nats_url: str, private_redis: RedisServer, prefix: str, job: str, nc: Any) -> None:
+    svc = Recorder(recorder_settings(nats_url, private_redis.url, prefix))
+    subject = Subjects(prefix).event(job, "anomaly")
+    dead = await collect_dead(nc, prefix, job)
+    async with running(svc) as rt:
+        bus = Bus(nc, Subjects(prefix), source="test")
+        await bus.publish_durable(subject, anomaly(job, "e-0"))
+        await wait_until(lambda: recorded(private_redis.url, svc.key), what="first record")
+        private_redis.stop()
+        acked = []
+        for i in range(1, 6):
+            acked.append(await bus.publish_durable(subject, anomaly(job, f"e-{i}")))
+        transient = rt.metrics.messages.labels("recorder", "recorder", "transient")
+        await wait_until(lambda: transient._value.get() >= 1, timeout=60,
+                         what="a handler to hit the outage")
+        private_redis.start()
+        want = {f"e-{i}" for i in range(6)}
+        await wait_until(lambda: _has_all(private_redis.url, svc.key, want), timeout=60,
+                         what="every event recorded after Redis returned")
+    assert all(a.seq for a in acked)
+    assert dead == []
+
+
+async def _has_all(url: str, key: str, want: set[str]) -> bool:
+    try:
+        return want <= await recorded(url, key)
+    except Exception:
+        return False
+
+
+async def test_sigterm_drains_and_exits_zero(nats_url: str, redis_url: str, prefix: str,
+                                             tmp_path: Any) -> None:
+    env = {**os.environ, "TRAINGUARD_NATS_URL": nats_url, "TRAINGUARD_REDIS_URL": redis_url,
+           "TRAINGUARD_PREFIX": prefix}
+    script = ("import asyncio; from tests.integration.recorder import Recorder; "
+              "from trainguard.config import load_settings, Settings; "
+              "from trainguard.service import run_service; "
+              "asyncio.run(run_service(Recorder(load_settings(Settings), "
+              "), started=lambda rt: print('READY', flush=True)))")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", script, env=env, stdout=asyncio.subprocess.PIPE,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert proc.stdout is not None
+    line = await asyncio.wait_for(proc.stdout.readline(), 30)
+    assert line.strip() == b"READY"
+    proc.send_signal(signal.SIGTERM)
+    assert await asyncio.wait_for(proc.wait(), 20) == 0
+
+
