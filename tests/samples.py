@@ -46,5 +46,6 @@ DURABLE: list[s.Durable] = [
     s.Command(id="c9", job="j1", kind="save_now", issuer="remediator", epoch=3,
               params={"deadline_s": 30}, at_step=120, deadline=99.0),
     s.CommandAck(command_id="c9", job="j1", responder="rank-0", outcome="too_late"),
+    s.ResumePoint(job="j1", step=100, path="/ckpt/j1/step-100", world_size=4),
     s.DeadLetter(job="j1", subject="tg.j1.event.anomaly", reason="bad", payload=b"\x00\xff"),
 ]

@@ -159,6 +159,15 @@ CommandKind = Literal[
     # ranks
     "save_now", "set_interval", "hang", "slow", "nan", "sdc", "crash",
 ]
+# Who runs which command kind (DESIGN.md section 12). Each receiver ignores the others'.
+AGENT_KINDS: frozenset[str] = frozenset({
+    "restart", "isolate", "stop", "dump", "kill", "freeze", "thaw", "ecc", "xid", "throttle"})
+RANK_KINDS: frozenset[str] = frozenset({
+    "save_now", "set_interval", "hang", "slow", "nan", "sdc", "crash"})
+COLLECTIVE_KINDS: frozenset[str] = frozenset({"save_now", "set_interval"})
+"""Kinds every rank must run at the same step (``at_step`` or the side-group agreement)."""
+RANK_DRILLS: frozenset[str] = frozenset({"hang", "slow", "nan", "sdc", "crash"})
+AGENT_DRILLS: frozenset[str] = frozenset({"kill", "freeze", "thaw", "ecc", "xid", "throttle"})
 AckOutcome = Literal["done", "failed", "too_late", "unknown_kind", "refused"]
 
 
@@ -356,6 +365,17 @@ class CommandAck(Durable, kw_only=True):
     time: float = 0.0
 
 
+class ResumePoint(Durable, kw_only=True):
+    """Reply of ``<prefix>.<job>.rpc.resume``: the newest committed, verified checkpoint."""
+
+    KIND: ClassVar[str] = "resume_point"
+    job: str
+    step: int
+    path: str
+    checkpoint_id: str = ""
+    world_size: int = 0
+
+
 class DeadLetter(Durable, kw_only=True):
     """A message that could not be processed, with why, kept whole for inspection."""
 
@@ -372,6 +392,6 @@ class DeadLetter(Durable, kw_only=True):
 
 DURABLE_TYPES: tuple[type[Durable], ...] = (
     RankHello, NodeHello, WorkerExit, CheckpointReport, Anomaly, Diagnosis, Action,
-    Incident, CheckpointCommitted, Command, CommandAck, DeadLetter,
+    Incident, CheckpointCommitted, Command, CommandAck, ResumePoint, DeadLetter,
 )
 BY_CE_TYPE: dict[str, type[Durable]] = {t.ce_type(): t for t in DURABLE_TYPES}

@@ -1,0 +1,214 @@
+"""Commands for a rank: intake on the transport thread, execution at safe points.
+
+A command never runs on the background thread in the middle of a step. The transport
+thread only decodes, filters and queues; the training thread runs commands when it enters
+or leaves ``guard.step`` (the safe points):
+
+* no ``at_step``: at the next safe point;
+* ``at_step = S``: right after step S completes on this rank, which is the same place on
+  every rank; a rank that already passed S acknowledges ``too_late`` and the sender
+  retries with a later step;
+* collective kinds (``save_now``, ``set_interval``) without ``at_step`` but with a ``seq``:
+  at the next ``sync_every`` boundary, after the ranks agree through an all-reduce (MAX)
+  of the highest sequence each has received; a rank that has not received the agreed
+  command yet waits for it up to ``collective_timeout``.
+
+Every command is acknowledged once (done, failed with the reason, too_late, unknown_kind,
+refused for a stale epoch); a redelivered id, or a retry of a command already run, is not
+run again.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from nats.aio.msg import Msg
+
+from .. import tracing
+from ..codec import decode_durable
+from ..envelope import H_TRACEPARENT, normalize_headers
+from ..errors import DecodeError, InvalidToken
+from ..schemas import AGENT_KINDS, COLLECTIVE_KINDS, RANK_KINDS, AckOutcome, Command, CommandAck
+from ..subjects import Subjects
+from .identity import Identity
+from .transport import Transport
+
+log = logging.getLogger("trainguard.client")
+
+Handler = Callable[[Command], "str | None"]
+Agreement = Callable[[int], int]
+"""All-reduce (MAX) of an int across ranks; installed when torch.distributed is running."""
+
+_SEEN_LIMIT = 10_000
+
+
+@dataclass
+class Queued:
+    command: Command
+    traceparent: str | None
+    received_at: float
+
+
+class CommandDesk:
+    def __init__(self, identity: Identity, subjects: Subjects, transport: Transport, *,
+                 sync_every: int = 10, collective_timeout: float = 30.0) -> None:
+        self.identity = identity
+        self.subjects = subjects
+        self.transport = transport
+        self.sync_every = max(1, sync_every)
+        self.collective_timeout = collective_timeout
+        self.handlers: dict[str, Handler] = {}
+        self.inbox: collections.deque[Queued] = collections.deque(maxlen=10_000)
+        self.agreement: Agreement | None = None
+        self._seen: collections.OrderedDict[str, AckOutcome] = collections.OrderedDict()
+        self._max_epoch = 0
+        self._at_step: list[Queued] = []
+        self._collective: dict[int, Queued] = {}
+        self._highest_seq = 0
+        self._agreed_seq = 0
+        self._last_completed: int | None = None
+        self.executed: list[str] = []
+        """Ids of commands run, in order (for tests and ``stats``)."""
+
+    # -- transport thread ---------------------------------------------------------------
+    def on_message(self, msg: Msg) -> None:
+        """Decode and queue; everything else happens on the training thread."""
+        headers = normalize_headers(msg.headers)
+        try:
+            cmd = decode_durable(msg.data, Command)
+        except DecodeError as exc:
+            log.warning("ignoring malformed command on %s: %s", msg.subject, exc.reason)
+            return
+        if cmd.kind in AGENT_KINDS:
+            return  # the agent's business
+        self.inbox.append(Queued(cmd, headers.get(H_TRACEPARENT), time.time()))
+
+    # -- training thread ----------------------------------------------------------------
+    def safe_point(self, completed: int | None) -> None:
+        """Run what is due. ``completed`` is the step this rank just finished, or None
+        when entering a step."""
+        inbox = self.inbox
+        while inbox:
+            self._admit(inbox.popleft(), completed)
+        if self._at_step:
+            self._run_at_step(completed)
+        if completed is not None and self.agreement is not None \
+                and completed % self.sync_every == 0:
+            self._agree_and_run()
+
+    def _admit(self, q: Queued, completed: int | None) -> None:
+        cmd = q.command
+        if cmd.id in self._seen:
+            return  # redelivered: already acknowledged
+        if cmd.retry_of is not None and cmd.retry_of in self._seen \
+                and self._seen[cmd.retry_of] == "done":
+            self._ack(q, "done", f"already done as {cmd.retry_of}")
+            return
+        if cmd.epoch < self._max_epoch:
+            self._ack(q, "refused", f"stale epoch {cmd.epoch} < {self._max_epoch}")
+            return
+        self._max_epoch = max(self._max_epoch, cmd.epoch)
+        if cmd.kind not in RANK_KINDS and cmd.kind not in self.handlers:
+            self._ack(q, "unknown_kind", f"ranks do not run {cmd.kind!r}")
+            return
+        if cmd.at_step is not None:
+            self._at_step.append(q)
+            return
+        if cmd.kind in COLLECTIVE_KINDS and cmd.seq > 0 and self.agreement is not None:
+            self._collective[cmd.seq] = q
+            self._highest_seq = max(self._highest_seq, cmd.seq)
+            return
+        self._execute(q)
+
+    def _run_at_step(self, completed: int | None) -> None:
+        last = self._last_completed
+        if last is None:
+            return  # no step finished yet: every at_step is still ahead
+        keep: list[Queued] = []
+        for q in sorted(self._at_step, key=lambda x: (x.command.at_step or 0, x.received_at)):
+            at = q.command.at_step
+            assert at is not None
+            if at > last:
+                keep.append(q)
+            elif at == last and completed is not None:
+                self._execute(q)
+            else:
+                self._ack(q, "too_late", f"at_step {at} already passed (step {last} done)")
+        self._at_step = keep
+
+    def note_completed(self, step: int) -> None:
+        self._last_completed = step
+
+    def _agree_and_run(self) -> None:
+        assert self.agreement is not None
+        try:
+            agreed = self.agreement(self._highest_seq)
+        except Exception as exc:
+            log.warning("collective command agreement failed (%r); running commands locally",
+                        exc)
+            self.agreement = None
+            for seq in sorted(self._collective):
+                self._execute(self._collective.pop(seq))
+            return
+        if agreed <= self._agreed_seq:
+            return
+        deadline = time.monotonic() + self.collective_timeout
+        for seq in range(self._agreed_seq + 1, agreed + 1):
+            while seq not in self._collective and time.monotonic() < deadline:
+                # Another rank has it; ours is in flight. Admit arrivals while waiting.
+                while self.inbox:
+                    self._admit(self.inbox.popleft(), None)
+                if seq not in self._collective:
+                    time.sleep(0.002)
+            q = self._collective.pop(seq, None)
+            if q is not None:
+                self._execute(q)
+        self._agreed_seq = agreed
+
+    def _execute(self, q: Queued) -> None:
+        cmd = q.command
+        handler = self.handlers.get(cmd.kind)
+        if handler is None:
+            self._ack(q, "failed", f"no handler registered for {cmd.kind!r} on this rank")
+            return
+        ctx = tracing.extract({H_TRACEPARENT: q.traceparent} if q.traceparent else None)
+        with tracing.tracer("trainguard.client").start_as_current_span(
+            f"process {cmd.kind}", context=ctx,
+            attributes={"trainguard.job": cmd.job, "trainguard.rank": self.identity.rank,
+                        "trainguard.command": cmd.kind},
+        ):
+            try:
+                detail = handler(cmd)
+            except DrillCrash:
+                self._ack(q, "done", "crashing as asked")
+                raise
+            except Exception as exc:
+                self._ack(q, "failed", f"{type(exc).__name__}: {exc}")
+                return
+            self.executed.append(cmd.id)
+            self._ack(q, "done", detail or "")
+
+    def _ack(self, q: Queued, outcome: AckOutcome, detail: str) -> None:
+        cmd = q.command
+        self._seen[cmd.id] = outcome
+        while len(self._seen) > _SEEN_LIMIT:
+            self._seen.popitem(last=False)
+        try:
+            subject = self.subjects.ack(cmd.job, cmd.issuer)
+        except InvalidToken:
+            return
+        ack = CommandAck(command_id=cmd.id, job=cmd.job, responder=self.identity.responder,
+                         outcome=outcome, detail=detail[:2000], kind=cmd.kind, time=time.time())
+        headers: dict[str, str] = {}
+        tracing.inject(headers)
+        self.transport.publish_durable(subject, ack,
+                                       traceparent=headers.get(H_TRACEPARENT) or q.traceparent)
+
+
+class DrillCrash(RuntimeError):
+    """Raised into the training loop by the ``crash`` drill: the one exception the client
+    lets through on purpose."""

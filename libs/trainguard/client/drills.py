@@ -1,0 +1,72 @@
+"""Fault drills a rank runs on itself, for chaos tests and the demo.
+
+Off unless the job was launched with drills allowed (``trainguard launch --allow-drills``
+sets ``TRAINGUARD_ALLOW_DRILLS=1``) or ``Guard(allow_drills=True)``. Each drill produces
+the real symptom, not a fake event: a blocked main thread, a slower compute phase, a NaN
+that all-reduce spreads, a flipped bit in one replica, an exception out of the loop.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from ..schemas import Command
+from .commands import DrillCrash
+
+if TYPE_CHECKING:
+    from .guard import Guard
+
+
+class Drills:
+    def __init__(self, guard: Guard) -> None:
+        self.guard = guard
+        self.nan_pending = False
+
+    def handle(self, cmd: Command) -> str:
+        if not self.guard.allow_drills:
+            raise PermissionError("drills are disabled for this job: launch it with "
+                                  "--allow-drills (TRAINGUARD_ALLOW_DRILLS=1)")
+        method = getattr(self, f"_{cmd.kind}")
+        return str(method(cmd.params))
+
+    def _hang(self, params: dict[str, Any]) -> str:
+        """Block the training thread (heartbeats go on, showing ``phase``)."""
+        seconds = float(params.get("seconds", 3600.0))
+        phase = str(params.get("phase", "data"))
+        g = self.guard
+        g._phase = phase
+        g._phase_t0 = time.monotonic()
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+        g._phase = None
+        return f"hung {seconds:.1f}s in {phase}"
+
+    def _slow(self, params: dict[str, Any]) -> str:
+        factor = float(params.get("factor", 2.0))
+        if not 1.0 <= factor <= 100.0:
+            raise ValueError(f"slow factor {factor} must be between 1 and 100")
+        self.guard._slow_factor = factor
+        return f"compute phase slowed {factor}x"
+
+    def _nan(self, params: dict[str, Any]) -> str:
+        self.nan_pending = True
+        model = self.guard.model
+        if model is not None:
+            from ..torch.stats import poison_with_nan
+
+            name = poison_with_nan(model)
+            return f"NaN written into {name}"
+        return "next reported loss is NaN"
+
+    def _sdc(self, params: dict[str, Any]) -> str:
+        model = self.guard.model
+        if model is None:
+            raise RuntimeError("the sdc drill needs guard.attach(model)")
+        from ..torch.stats import flip_bit
+
+        return flip_bit(model, bit=int(params.get("bit", 20)))
+
+    def _crash(self, params: dict[str, Any]) -> str:
+        raise DrillCrash(str(params.get("message", "trainguard crash drill")))

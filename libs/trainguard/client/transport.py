@@ -1,0 +1,279 @@
+"""The Guard's background thread: its own asyncio loop and NATS connection.
+
+The training thread never waits on the bus. It appends to bounded deques (~0.05 µs,
+oldest dropped when full) and this thread drains them every ``flush_interval``. Telemetry
+is fire-and-forget on core NATS; durable messages (hello, acks, checkpoint reports) are
+retried until JetStream acknowledges them, within a bounded outbox. If NATS is down at
+start, the thread keeps trying to connect while the buffers fill and overflow (counted as
+drops); nothing here raises into training.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from .. import tracing
+from ..codec import encode_durable, encode_telemetry
+from ..envelope import make_headers
+from ..schemas import Durable, TelemetryMessage
+
+log = logging.getLogger("trainguard.client")
+
+MessageCallback = Callable[[Msg], None]
+
+
+@dataclass
+class TransportStats:
+    """Counters the Guard reports (``dropped`` also travels in every heartbeat)."""
+
+    sent: int = 0
+    dropped: int = 0
+    durable_sent: int = 0
+    durable_dropped: int = 0
+    connects: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """A durable message with its headers fixed at enqueue time, so every retry carries
+    the same ``Nats-Msg-Id`` and JetStream drops the copies of one that did arrive."""
+
+    subject: str
+    msg: Durable
+    headers: dict[str, str]
+
+
+class Transport:
+    """Owns the loop thread, the connection, the buffers and the subscriptions."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        name: str,
+        source: str,
+        buffer_size: int = 10_000,
+        durable_buffer: int = 1_000,
+        flush_interval: float = 0.05,
+        connect_timeout: float = 2.0,
+        pending_size: int = 2 * 1024 * 1024,
+    ) -> None:
+        self.url = url
+        self.name = name
+        self.source = source
+        self.flush_interval = flush_interval
+        self.connect_timeout = connect_timeout
+        self.pending_size = pending_size
+        self.stats = TransportStats()
+        self.telemetry: collections.deque[tuple[str, TelemetryMessage]] = collections.deque(
+            maxlen=buffer_size)
+        self.durable: collections.deque[Outgoing] = collections.deque(maxlen=durable_buffer)
+        self._subscriptions: list[tuple[str, MessageCallback]] = []
+        self._periodic: list[tuple[float, Callable[[], None]]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._nc: NATS | None = None
+        self._thread: threading.Thread | None = None
+        self._stop: asyncio.Event | None = None
+        self._started = threading.Event()
+        self._flushed = threading.Event()
+
+    # -- called from the training thread ------------------------------------------------
+    def publish(self, subject: str, msg: TelemetryMessage) -> None:
+        """Queue telemetry; when the buffer is full the oldest message is dropped."""
+        q = self.telemetry
+        if len(q) == q.maxlen:
+            self.stats.dropped += 1
+        q.append((subject, msg))
+
+    def publish_durable(self, subject: str, msg: Durable,
+                        traceparent: str | None = None) -> None:
+        """Queue a JetStream message; ``traceparent`` continues a trace (else the current)."""
+        headers = make_headers(msg, source=self.source, subject=subject)
+        if traceparent:
+            headers["traceparent"] = traceparent
+        else:
+            tracing.inject(headers)
+        q = self.durable
+        if len(q) == q.maxlen:
+            self.stats.durable_dropped += 1
+        q.append(Outgoing(subject, msg, headers))
+
+    def subscribe(self, subject: str, callback: MessageCallback) -> None:
+        """Register a core subscription (made, and remade, once connected).
+
+        ``callback`` runs on the transport thread and must only hand work over.
+        """
+        self._subscriptions.append((subject, callback))
+
+    def every(self, seconds: float, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the transport thread every ``seconds`` (e.g. the heartbeat)."""
+        self._periodic.append((seconds, fn))
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name=f"trainguard-{self.name}",
+                                        daemon=True)
+        self._thread.start()
+        self._started.wait(5.0)
+
+    def request(self, subject: str, payload: bytes, timeout: float) -> bytes | None:
+        """A NATS request from the training thread, bounded by ``timeout``; None on failure."""
+        loop, nc = self._loop, self._nc
+        if loop is None or nc is None or not nc.is_connected:
+            return None
+
+        async def _req() -> bytes:
+            reply = await nc.request(subject, payload, timeout=timeout)
+            return bytes(reply.data)
+
+        try:
+            return asyncio.run_coroutine_threadsafe(_req(), loop).result(timeout + 0.5)
+        except Exception as exc:
+            log.debug("request %s failed: %r", subject, exc)
+            return None
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Flush what is queued (bounded by ``timeout``) and stop the thread."""
+        loop, stop, thread = self._loop, self._stop, self._thread
+        if thread is None or loop is None or stop is None:
+            return
+        with contextlib.suppress(RuntimeError):  # loop already closed
+            loop.call_soon_threadsafe(stop.set)
+        thread.join(timeout)
+        self._thread = None
+
+    @property
+    def connected(self) -> bool:
+        nc = self._nc
+        return bool(nc is not None and nc.is_connected)
+
+    # -- the transport thread ---------------------------------------------------------
+    def _run(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        try:
+            loop.run_until_complete(self._main())
+        except Exception:
+            log.exception("trainguard transport stopped")
+        finally:
+            with contextlib.suppress(Exception):
+                loop.close()
+
+    async def _main(self) -> None:
+        self._stop = asyncio.Event()
+        self._started.set()
+        periodic = [asyncio.create_task(self._tick(s, fn)) for s, fn in self._periodic]
+        connector = asyncio.create_task(self._connect_forever())
+        try:
+            while not self._stop.is_set():
+                await self._drain()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), self.flush_interval)
+            for task in periodic:
+                task.cancel()
+            # Final flush: whatever is queued gets one chance to go out.
+            await self._drain()
+            if self._nc is not None and self._nc.is_connected:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self._nc.flush(), 2.0)
+        finally:
+            connector.cancel()
+            for task in periodic:
+                task.cancel()
+            if self._nc is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self._nc.close(), 2.0)
+
+    async def _tick(self, seconds: float, fn: Callable[[], None]) -> None:
+        while True:
+            try:
+                fn()
+            except Exception:
+                log.debug("periodic job failed", exc_info=True)
+            await asyncio.sleep(seconds)
+
+    async def _connect_forever(self) -> None:
+        """First connect with a bound, retried until it works; then NATS reconnects itself."""
+        assert self._stop is not None
+        while not self._stop.is_set():
+            nc = NATS()
+
+            async def _error_cb(exc: Exception) -> None:
+                key = type(exc).__name__
+                self.stats.errors[key] = self.stats.errors.get(key, 0) + 1
+
+            async def _reconnected_cb() -> None:
+                self.stats.connects += 1
+
+            try:
+                options: dict[str, Any] = {
+                    "servers": self.url.split(","), "name": self.name,
+                    "max_reconnect_attempts": -1, "reconnect_time_wait": 0.5,
+                    "connect_timeout": self.connect_timeout, "pending_size": self.pending_size,
+                    "error_cb": _error_cb, "reconnected_cb": _reconnected_cb,
+                    "allow_reconnect": True,
+                }
+                await asyncio.wait_for(nc.connect(**options), self.connect_timeout * 2)
+            except Exception:
+                with contextlib.suppress(Exception):
+                    await nc.close()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), 1.0)
+                continue
+            for subject, cb in self._subscriptions:
+                await nc.subscribe(subject, cb=self._wrap(cb))
+            self._nc = nc
+            self.stats.connects += 1
+            return
+
+    @staticmethod
+    def _wrap(cb: MessageCallback) -> Callable[[Msg], Any]:
+        async def _cb(msg: Msg) -> None:
+            try:
+                cb(msg)
+            except Exception:
+                log.debug("subscription callback failed", exc_info=True)
+
+        return _cb
+
+    async def _drain(self) -> None:
+        nc = self._nc
+        if nc is None or not nc.is_connected:
+            return
+        q = self.telemetry
+        while q:
+            subject, msg = q.popleft()
+            try:
+                await nc.publish(subject, encode_telemetry(msg))
+                self.stats.sent += 1
+            except nats.errors.OutboundBufferLimitError:
+                self.stats.dropped += 1
+            except Exception:
+                self.stats.dropped += 1
+        js = nc.jetstream(timeout=2.0)
+        dq = self.durable
+        while dq and nc.is_connected:
+            item = dq[0]
+            try:
+                # js.publish mutates the dict it gets: hand it a copy.
+                await js.publish(item.subject, encode_durable(item.msg),
+                                 headers=dict(item.headers))
+            except Exception as exc:
+                log.debug("durable publish to %s failed: %r", item.subject, exc)
+                return
+            dq.popleft()
+            self.stats.durable_sent += 1
+

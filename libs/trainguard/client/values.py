@@ -1,0 +1,42 @@
+"""Metric values that may be tensors, read without forcing a GPU sync on the hot path.
+
+A Python number is used as it is. A CPU tensor is read with ``item()`` (no device to
+wait for). A CUDA tensor is copied to pinned host memory with ``non_blocking=True`` and
+an event is recorded after the copy; the value is read once the event has completed,
+which the Guard checks at later safe points (``Event.query()`` never blocks). The client
+itself never imports torch: it only recognises tensors the trainer hands it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol
+
+
+class Deferred(Protocol):
+    def ready(self) -> bool: ...
+
+    def value(self) -> float: ...
+
+
+def is_tensor(value: object) -> bool:
+    return type(value).__module__ == "torch" and hasattr(value, "device")
+
+
+def read_number(value: Any) -> float | Deferred | None:
+    """A float now, a :class:`Deferred` for a device tensor, or None for None."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if is_tensor(value):
+        if value.device.type == "cpu":
+            return float(value.detach().item())
+        from ..torch.values import defer_tensor
+
+        return defer_tensor(value)
+    return float(value)
+
+
+def is_finite(value: float | None) -> bool:
+    return value is None or math.isfinite(value)

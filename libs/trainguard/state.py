@@ -1,0 +1,83 @@
+"""Redis state shared between parts: key names and the structs stored under them.
+
+Only the owner writes each key (DESIGN.md section 12): the detector writes ``progress``,
+the remediator the blocklist and incidents, the coordinator checkpoints. Values are JSON
+(msgspec), so any tool can read them with ``redis-cli GET``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import msgspec
+
+RankState = Literal["ok", "slow", "hung", "silent", "exited", "stopped"]
+
+
+class RankProgress(msgspec.Struct, kw_only=True):
+    rank: int
+    host: str = ""
+    step: int | None = None
+    phase: str | None = None
+    phase_elapsed: float = 0.0
+    state: RankState = "ok"
+    process_state: str | None = None
+    """The agent's R/S/T/D/Z letter, where an agent reports it."""
+    last_seen: float = 0.0
+    attempt: int = 0
+
+
+class Progress(msgspec.Struct, kw_only=True):
+    """The detector's once-a-second summary of a job: what at_step choices, incident
+    resolution and ``trainguard status`` read instead of raw telemetry."""
+
+    job: str
+    time: float
+    world_size: int = 0
+    attempt: int = 0
+    last_step: int | None = None
+    """Highest step any rank of the current attempt completed."""
+    min_step: int | None = None
+    """Lowest step among live ranks: the job as a whole has passed it."""
+    median_step_time: float | None = None
+    ranks: dict[int, RankProgress] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """Every Redis key name, under one deployment prefix."""
+
+    prefix: str = "tg"
+
+    def _k(self, *parts: str) -> str:
+        return ":".join((self.prefix, *parts))
+
+    def jobs(self) -> str:
+        """Set of known job names (from RankHello)."""
+        return self._k("jobs")
+
+    def progress(self, job: str) -> str:
+        return self._k("progress", job)
+
+    def lease(self, role: str, job: str) -> str:
+        """Per-job ownership lease of a partitioned service (e.g. the detector)."""
+        return self._k("lease", role, job)
+
+    def node(self, job: str, host: str) -> str:
+        return self._k("node", job, host)
+
+    def dedupe(self, role: str, job: str) -> str:
+        """Hash of entity keys a service has already acted on (survives its restart)."""
+        return self._k("dedupe", role, job)
+
+
+_progress_decoder = msgspec.json.Decoder(Progress)
+
+
+def encode_progress(p: Progress) -> bytes:
+    return msgspec.json.encode(p)
+
+
+def decode_progress(data: bytes | str) -> Progress:
+    return _progress_decoder.decode(data)

@@ -1,0 +1,159 @@
+"""Tensor statistics for the Guard: gradient norm, non-finite checks, fingerprints.
+
+All return tensors on the parameters' device and never call ``.item()``: the Guard
+reads them later without a host sync (see :mod:`trainguard.client.values`). The few
+helpers that must look at values (``nonfinite_grad_names``, ``check_batch``) say so and
+run only when something is already wrong or when the trainer asks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+ParamsLike = nn.Module | Iterable[torch.Tensor]
+
+
+def _params(model_or_params: ParamsLike) -> Iterator[torch.Tensor]:
+    if isinstance(model_or_params, nn.Module):
+        return iter(model_or_params.parameters())
+    return iter(model_or_params)
+
+
+def grad_norm(model_or_params: ParamsLike, norm_type: float = 2.0) -> torch.Tensor:
+    """Total gradient norm, as ``clip_grad_norm_`` computes it, in fused kernels.
+
+    One ``torch._foreach_norm`` per (device, dtype) group, then one norm of the norms: no
+    per-parameter ``.item()``. Returns a 0-dim tensor on the first gradient's device.
+    """
+    grads = [p.grad for p in _params(model_or_params) if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    for g in grads:
+        groups[(g.device, g.dtype)].append(g.detach())
+    device = grads[0].device
+    norms: list[torch.Tensor] = []
+    for tensors in groups.values():
+        norms.extend(n.to(device) for n in torch._foreach_norm(tensors, norm_type))
+    total: torch.Tensor = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]),
+                                                   norm_type)
+    return total
+
+
+def nonfinite(value: torch.Tensor | float) -> torch.Tensor | bool:
+    """True where ``value`` has a NaN or Inf: a bool for numbers, a 0-dim bool tensor
+    (no sync) for tensors."""
+    if isinstance(value, torch.Tensor):
+        return ~torch.isfinite(value.detach()).all()
+    return not math.isfinite(value)
+
+
+def nonfinite_grad_names(model: nn.Module, limit: int = 5) -> list[str]:
+    """Names of the first parameters whose gradients hold NaN/Inf.
+
+    Syncs the device: the Guard calls it only once a step's gradient norm is already
+    non-finite, to point at where the bad values start.
+    """
+    names: list[str] = []
+    for name, p in model.named_parameters():
+        if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+            names.append(name)
+            if len(names) >= limit:
+                break
+    return names
+
+
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def fingerprint(model_or_params: ParamsLike) -> torch.Tensor:
+    """Integer checksum of parameters: each viewed as integers of its element size and
+    summed in int64, on the device. Bit-exact replicas agree; one flipped bit changes it.
+
+    Pass only the parameters that are replicated across the data-parallel group (the
+    default, all of a model's parameters, fits plain data parallelism).
+    """
+    total: torch.Tensor | None = None
+    for p in _params(model_or_params):
+        t = p.detach()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        part = t.view(_INT_VIEW[t.element_size()]).sum(dtype=torch.int64)
+        total = part if total is None else total + part
+    return total if total is not None else torch.zeros((), dtype=torch.int64)
+
+
+@dataclass
+class BatchCheck:
+    """What :func:`check_batch` found; ``ok`` is False for NaN/Inf or extreme values."""
+
+    ok: bool = True
+    nonfinite: int = 0
+    max_abs: float = 0.0
+    problems: list[str] = field(default_factory=list)
+
+
+def check_batch(batch: Any, *, max_abs: float = 1e6, name: str = "batch") -> BatchCheck:
+    """Flag NaN/Inf or extreme values in an input batch (tensors in dicts/lists/tuples).
+
+    Tells bad data from bad numerics. It reads values, so on a GPU it syncs: call it on
+    the loader's CPU tensors, or only after a non-finite loss.
+    """
+    result = BatchCheck()
+
+    def visit(obj: Any, path: str) -> None:
+        if isinstance(obj, torch.Tensor):
+            if not (obj.is_floating_point() or obj.is_complex()) or obj.numel() == 0:
+                return
+            t = obj.detach()
+            bad = int((~torch.isfinite(t)).sum())
+            finite = t[torch.isfinite(t)]
+            peak = float(finite.abs().max()) if finite.numel() else 0.0
+            result.max_abs = max(result.max_abs, peak)
+            if bad:
+                result.nonfinite += bad
+                result.problems.append(f"{path}: {bad} non-finite values")
+            if peak > max_abs:
+                result.problems.append(f"{path}: |value| up to {peak:.3g} > {max_abs:.3g}")
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                visit(v, f"{path}[{k!r}]")
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                visit(v, f"{path}[{i}]")
+
+    visit(batch, name)
+    result.ok = not result.problems
+    return result
+
+
+def poison_with_nan(model: nn.Module) -> str:
+    """The ``nan`` drill: fill the first floating parameter with NaN (every input then
+    meets it, and the gradient all-reduce spreads it to every rank)."""
+    for name, p in model.named_parameters():
+        if p.is_floating_point():
+            with torch.no_grad():
+                p.fill_(float("nan"))
+            return name
+    raise RuntimeError("the model has no floating-point parameter to poison")
+
+
+def flip_bit(model: nn.Module, bit: int = 20) -> str:
+    """The ``sdc`` drill: flip one bit of the first element of the first parameter."""
+    for name, p in model.named_parameters():
+        if p.element_size() in _INT_VIEW and p.numel():
+            bits = p.element_size() * 8
+            if not 0 <= bit < bits - 1:
+                raise ValueError(f"bit {bit} out of range for {bits}-bit values")
+            with torch.no_grad():
+                view = p.data.view(-1).view(_INT_VIEW[p.element_size()])
+                view[0] ^= 1 << bit
+            return f"flipped bit {bit} of {name}[0]"
+    raise RuntimeError("the model has no parameter to flip a bit in")

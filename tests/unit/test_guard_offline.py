@@ -1,0 +1,102 @@
+"""Guard behaviour that needs no bus: what it queues, intervals, aggregation, cost."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from trainguard import Guard
+from trainguard.embedded import free_port
+from trainguard.schemas import Command, Fingerprint, StepReport
+
+
+def offline_guard(**kw: object) -> Guard:
+    """A Guard whose NATS URL is dead: everything it publishes stays in its buffers."""
+    return Guard(job="offline", rank=0, world_size=1, host="h",
+                 nats_url=f"nats://127.0.0.1:{free_port()}", heartbeat_interval=60, **kw)
+
+
+def queued(guard: Guard, cls: type) -> list:
+    return [m for _, m in guard._transport.telemetry if isinstance(m, cls)]
+
+
+def test_tensor_metrics_are_read_and_nonfinite_grads_named() -> None:
+    g = offline_guard()
+    model = torch.nn.Linear(4, 2)
+    g.attach(model)
+    model(torch.ones(1, 4)).sum().backward()
+    model.weight.grad[0, 0] = float("inf")
+    with g.step(0) as s:
+        s.report(loss=torch.tensor(2.5), grad_norm=torch.tensor(float("inf")), lr=1e-3)
+    g.close(timeout=0.1)
+    (report,) = queued(g, StepReport)
+    assert report.loss == 2.5 and math.isinf(report.grad_norm)
+    assert report.nonfinite == 1 and report.nonfinite_params == ["weight"]
+    assert report.extra == {"lr": 1e-3}
+
+
+def test_fingerprints_every_n_steps_with_a_model() -> None:
+    g = offline_guard(fingerprint_every=5)
+    g.attach(torch.nn.Linear(4, 2))
+    for i in range(11):
+        with g.step(i):
+            pass
+    g.close(timeout=0.1)
+    fps = queued(g, Fingerprint)
+    assert [f.step for f in fps] == [0, 5, 10]
+    assert len({f.checksum for f in fps}) == 1
+
+
+def test_report_every_aggregates() -> None:
+    g = offline_guard(report_every=4)
+    for i in range(8):
+        with g.step(i) as s:
+            with s.phase("compute"):
+                pass
+            s.report(loss=float(i), grad_norm=float(i), tokens=10)
+    g.close(timeout=0.1)
+    reports = queued(g, StepReport)
+    assert [(r.step, r.steps, r.tokens, r.grad_norm) for r in reports] == [
+        (3, 4, 40, 3.0), (7, 4, 40, 7.0)]
+
+
+def test_should_checkpoint_follows_set_interval() -> None:
+    g = offline_guard(checkpoint_every=10)
+    assert [s for s in range(40) if g.should_checkpoint(s)] == [9, 19, 29, 39]
+    g._set_interval(Command(id="x", job="offline", kind="set_interval", issuer="coordinator",
+                            params={"every_steps": 7, "from_step": 20}))
+    assert g.checkpoint_interval == (7, 20)
+    assert [s for s in range(40) if g.should_checkpoint(s)] == [26, 33]
+    g.close(timeout=0.1)
+
+
+def test_disabled_guard_is_a_no_op() -> None:
+    g = offline_guard(enabled=False)
+    for i in range(5):
+        with g.step(i) as s:
+            s.report(loss=1.0)
+    g.close(timeout=0.1)
+    assert len(g._transport.telemetry) == 0 and g._transport._thread is None
+
+
+def test_exceptions_in_the_step_propagate_unchanged() -> None:
+    g = offline_guard()
+    try:
+        with g.step(0):
+            raise KeyError("trainer bug")
+    except KeyError as exc:
+        assert exc.args == ("trainer bug",)
+    g.close(timeout=0.1)
+    assert queued(g, StepReport) == []
+
+
+def test_close_is_bounded_and_idempotent() -> None:
+    g = offline_guard()
+    with g.step(0):
+        pass
+    t0 = time.monotonic()
+    g.close(timeout=0.5)
+    g.close(timeout=0.5)
+    assert time.monotonic() - t0 < 3
