@@ -31,6 +31,9 @@ test-e2e: setup
 test: lint
 	$(PYTEST) tests
 
+bench: setup
+	$(BIN)/python bench/run_all.py
+
 up: setup
 	$(BIN)/trainguard up
 

@@ -77,6 +77,11 @@ def _allreduce_hook(state: CommTimer, bucket: Any) -> torch.futures.Future[torch
     return result
 
 
+# DDP validates a hook's annotations as objects; this module's are strings (PEP 563).
+_allreduce_hook.__annotations__ = {"state": CommTimer, "bucket": dist.GradBucket,  # type: ignore[attr-defined]
+                                   "return": torch.futures.Future[torch.Tensor]}
+
+
 def instrument_ddp(model: Any, guard: Guard, process_group: Any = None) -> CommTimer:
     """Register the timing hook on a ``DistributedDataParallel`` model (before training)."""
     timer = CommTimer(guard, process_group)

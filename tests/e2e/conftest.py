@@ -1,0 +1,52 @@
+"""End-to-end helpers: real torchrun jobs (gloo on CPU), loopback only."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+from trainguard.embedded import free_port
+
+E2E_TIMEOUT = 180
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "tests/e2e/" in str(item.fspath):
+            item.add_marker(pytest.mark.e2e)
+            item.add_marker(pytest.mark.timeout(E2E_TIMEOUT))
+
+
+def job_env(nats_url: str, prefix: str, **extra: str) -> dict[str, str]:
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "TRAINGUARD_NATS_URL": nats_url,
+           "TRAINGUARD_PREFIX": prefix, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+           **extra}
+    env.pop("TRAINGUARD_DISABLED", None)
+    return env
+
+
+def torchrun(nproc: int, args: Sequence[str], env: dict[str, str], log: Path,
+             module: str = "trainguard.examples.toy_trainer") -> subprocess.Popen[bytes]:
+    """A single-node torchrun job on loopback; output goes to ``log``."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+           "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), "--local-addr", "127.0.0.1",
+           "-m", module, *args]
+    with open(log, "wb") as fh:
+        return subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT)
+
+
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Processes a test started; killed (by PID) if still running at the end."""
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
