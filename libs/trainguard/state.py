@@ -67,6 +67,14 @@ class Keys:
     def node(self, job: str, host: str) -> str:
         return self._k("node", job, host)
 
+    def cmd_seq(self, job: str) -> str:
+        """Counter of collective-command sequence numbers (INCR), shared by all issuers."""
+        return self._k("cmdseq", job)
+
+    def epoch(self, role: str) -> str:
+        """Fencing-token counter of a role's leader (INCR on each leadership)."""
+        return self._k("epoch", role)
+
     def dedupe(self, role: str, job: str) -> str:
         """Hash of entity keys a service has already acted on (survives its restart)."""
         return self._k("dedupe", role, job)

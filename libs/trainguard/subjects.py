@@ -123,8 +123,12 @@ class Subjects:
     def ack(self, job: str, issuer: str) -> str:
         return f"{self._job(job)}.ack.{check_token('issuer', issuer)}"
 
+    def rpc(self, job: str, name: str) -> str:
+        """Core request/reply endpoints: ``resume``, ``save``, ``rollback`` (coordinator)."""
+        return f"{self._job(job)}.rpc.{check_token('rpc name', name)}"
+
     def rpc_resume(self, job: str) -> str:
-        return f"{self._job(job)}.rpc.resume"
+        return self.rpc(job, "resume")
 
     def dead(self, job: str) -> str:
         return f"{self._job(job)}.dead"
