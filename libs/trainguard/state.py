@@ -75,6 +75,10 @@ class Keys:
         """Fencing-token counter of a role's leader (INCR on each leadership)."""
         return self._k("epoch", role)
 
+    def blocklist(self) -> str:
+        """Hash host -> JSON {reason, time, job, incident}; written by the remediator only."""
+        return self._k("blocklist")
+
     def dedupe(self, role: str, job: str) -> str:
         """Hash of entity keys a service has already acted on (survives its restart)."""
         return self._k("dedupe", role, job)

@@ -9,7 +9,7 @@ from typing import Any
 
 from tests.conftest import wait_until
 from tests.e2e.conftest import job_env, torchrun
-from tests.integration.test_client import tapped
+from tests.tap import tapped
 from trainguard.schemas import Command, Fingerprint, Heartbeat, StepReport
 from trainguard.subjects import Subjects
 

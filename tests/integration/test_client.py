@@ -3,65 +3,22 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
-import nats
 import pytest
 
 from tests.conftest import wait_until
+from tests.tap import tapped
 from trainguard import Guard
-from trainguard.bus import Bus
 from trainguard.client import DrillCrash
 from trainguard.client.identity import resolve_identity
-from trainguard.codec import decode_durable, decode_telemetry
 from trainguard.embedded import NatsServer, free_port
-from trainguard.schemas import Command, CommandAck, Heartbeat, RankHello, StepReport
+from trainguard.schemas import Command, Heartbeat, StepReport
 from trainguard.subjects import Subjects
-from trainguard.topology import provision, streams
-
-
-class Tap:
-    """Collects what ranks publish for one job, decoded, as a real subscriber would."""
-
-    def __init__(self) -> None:
-        self.telemetry: list[Any] = []
-        self.acks: list[CommandAck] = []
-        self.hellos: list[RankHello] = []
-
-    def of(self, cls: type) -> list[Any]:
-        return [m for m in self.telemetry if isinstance(m, cls)]
-
-
-@contextlib.asynccontextmanager
-async def tapped(url: str, prefix: str, job: str) -> AsyncIterator[tuple[Tap, Bus]]:
-    nc = await nats.connect(url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
-    s = Subjects(prefix)
-    await provision(nc.jetstream(), streams(prefix))
-    tap = Tap()
-
-    async def on_tel(msg: Any) -> None:
-        tap.telemetry.append(decode_telemetry(msg.data))
-
-    async def on_ack(msg: Any) -> None:
-        tap.acks.append(decode_durable(msg.data, CommandAck))
-
-    async def on_hello(msg: Any) -> None:
-        tap.hellos.append(decode_durable(msg.data, RankHello))
-
-    for kind in ("hb", "step", "fp"):
-        await nc.subscribe(s.pattern(kind, job=job), cb=on_tel)
-    await nc.subscribe(s.pattern("ack", job=job), cb=on_ack)
-    await nc.subscribe(s.pattern("reg", job=job), cb=on_hello)
-    await nc.flush()
-    try:
-        yield tap, Bus(nc, s, source="trainguard/test")
-    finally:
-        await nc.close()
 
 
 def make_guard(url: str, prefix: str, job: str, **kw: Any) -> Guard:

@@ -8,9 +8,24 @@ import sys
 from collections.abc import Sequence
 
 from ..errors import TrainguardError
-from . import service_cmd, up
+from . import inject, service_cmd, up
 
-COMMANDS = (up, service_cmd)
+COMMANDS = (up, service_cmd, inject)
+
+
+def _plugin_commands() -> list[object]:
+    """Sub-commands that live outside the library (``trainguard launch`` is the agent's),
+    found through the ``trainguard.commands`` entry-point group so the library imports
+    no service."""
+    from importlib.metadata import entry_points
+
+    modules = []
+    for ep in sorted(entry_points(group="trainguard.commands"), key=lambda e: e.name):
+        try:
+            modules.append(ep.load())
+        except Exception as exc:
+            print(f"trainguard: cannot load command {ep.name!r}: {exc}", file=sys.stderr)
+    return modules
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,14 +36,29 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default=None,
                         help="DEBUG, INFO, WARNING or ERROR (default: INFO)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in COMMANDS:
-        module.register(sub)
+    for module in (*COMMANDS, *_plugin_commands()):
+        module.register(sub)  # type: ignore[attr-defined]
     return parser
 
 
+def _raw_command(argv: list[str]) -> argparse.Namespace | None:
+    """Commands that take their arguments raw (``launch`` passes most on to torchrun,
+    which argparse's REMAINDER mangles): ``trainguard NAME ...`` goes straight to them."""
+    if not argv:
+        return None
+    for module in _plugin_commands():
+        if getattr(module, "RAW_COMMAND", None) == argv[0]:
+            return argparse.Namespace(command=argv[0], rest=argv[1:], log_level=None,
+                                      run=module.run)  # type: ignore[attr-defined]
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    raw = list(sys.argv[1:] if argv is None else argv)
+    args = _raw_command(raw)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    if args is None:
+        args = parser.parse_args(raw)
     level = (args.log_level or "INFO").upper()
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         parser.error(f"--log-level {args.log_level!r}: use DEBUG, INFO, WARNING or ERROR")

@@ -239,7 +239,9 @@ class Guard:
         hello = RankHello(job=self.job, rank=self.rank, world_size=self.world_size,
                           local_rank=self.identity.local_rank, host=self.host,
                           pid=os.getpid(), attempt=self.identity.attempt,
-                          env=environment_record(self.seed), time=time.time())
+                          env={**environment_record(self.seed),
+                               "drills": "1" if self.allow_drills else "0"},
+                          time=time.time())
         t.publish_durable(self.subjects.reg_rank(self.job, self.rank), hello)
         t.start()
         self._install_stack_dumps()

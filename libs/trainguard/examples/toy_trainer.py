@@ -37,6 +37,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fingerprint-every", type=int, default=10)
     p.add_argument("--sync-every", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--raise-at", metavar="RANK:STEP", default=None,
+                   help="raise an exception on RANK at STEP (first attempt only): a crash "
+                        "without trainguard's drills, for baselines")
+    p.add_argument("--raise-message", default="RuntimeError raised by --raise-at")
     p.add_argument("--pg-timeout", type=float, default=120.0,
                    help="process-group timeout in seconds (default 120)")
     return p.parse_args(argv)
@@ -68,7 +72,12 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     guard.attach(model, optimizer)
     data = torch.Generator().manual_seed(1000 + rank)
+    fail_rank, fail_step = (int(x) for x in args.raise_at.split(":")) if args.raise_at \
+        else (-1, -1)
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     for step in range(args.steps):
+        if rank == fail_rank and step == fail_step and first_attempt:
+            raise RuntimeError(args.raise_message)
         with guard.step(step) as s:
             with s.phase("data"):
                 tokens = torch.randint(0, 64, (8, 16), generator=data)

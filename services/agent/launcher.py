@@ -1,0 +1,244 @@
+"""``trainguard launch``: torch's elastic launcher (torchrun), watched and steered.
+
+The node's ranks run under torch's own ``LocalElasticAgent``; a thin subclass reports
+every worker start and exit to :class:`LocalNode`, kills stuck (stopped or D-state)
+workers at once instead of waiting out the SIGTERM grace, and turns SIGTERM into a
+save-now request (preemption) before stopping. Defaults differ from stock torchrun where
+stock behaviour breaks recovery:
+
+* c10d rendezvous with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (stock restarts reuse the
+  agent's store and fail on gloo with "Gloo connectFullMesh failed");
+* ``--max-restarts 1000``: the remediator's restart budget is the real limit;
+* short ``last_call_timeout`` and keep-alive settings so survivors re-form quickly after
+  a node leaves;
+* each worker's stderr tee'd to a file, so exits carry their last lines.
+
+Exit codes: the job's (0, or 1 when workers failed), 75 when this host was isolated
+(schedulers must not retry on this node), 143 after a SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import ipaddress
+import logging
+import os
+import signal
+import socket
+import tempfile
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from trainguard.embedded import free_port, port_taken
+from trainguard.schemas import NodeHello, WorkerExit
+
+from . import procs
+from .gpu import GpuSource, ScriptedSource, open_source
+from .link import AgentLink
+from .node import FLIGHT_RECORDER_PREFIX, Failure, LocalNode, Worker
+from .settings import AgentSettings
+
+log = logging.getLogger("trainguard.agent")
+
+EXIT_ISOLATED = 75
+EXIT_SIGTERM = 128 + signal.SIGTERM
+
+RDZV_DEFAULTS = {"last_call_timeout": "2", "keep_alive_interval": "1",
+                 "keep_alive_max_attempt": "3", "join_timeout": "120", "close_timeout": "10"}
+
+
+def _given(argv: list[str], *flags: str) -> bool:
+    return any(a == f or a.startswith(f + "=") for a in argv for f in flags)
+
+
+def _is_local(host: str) -> bool:
+    if host in ("localhost", socket.gethostname(), socket.getfqdn()):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def prepare_torchrun(torchrun_argv: list[str], settings: AgentSettings,
+                     log_dir: str) -> tuple[argparse.Namespace, bool]:
+    """torchrun's own argument parsing, then trainguard's defaults; returns the namespace
+    and whether this node hosts the rendezvous store."""
+    run_mod: Any = importlib.import_module("torch.distributed.run")
+    ns: argparse.Namespace = run_mod.parse_args(torchrun_argv)
+    _, max_nodes = run_mod.parse_min_max_nnodes(ns.nnodes)
+    if ns.standalone or (ns.rdzv_backend == "static" and not ns.rdzv_endpoint and max_nodes == 1):
+        ns.standalone = False
+        ns.rdzv_backend = "c10d"
+        ns.rdzv_endpoint = f"127.0.0.1:{free_port()}"
+        ns.rdzv_id = ns.rdzv_id if ns.rdzv_id != "none" else str(uuid.uuid4())
+    if not _given(torchrun_argv, "--max-restarts", "--max_restarts"):
+        ns.max_restarts = 1000
+    conf = dict(kv.split("=", 1) for kv in ns.rdzv_conf.split(",") if "=" in kv)
+    for k, v in RDZV_DEFAULTS.items():
+        conf.setdefault(k, v)
+    hosts_store = False
+    if ns.rdzv_backend == "c10d" and ns.rdzv_endpoint:
+        host, _, port = ns.rdzv_endpoint.rpartition(":")
+        if "is_host" in conf:
+            hosts_store = conf["is_host"].lower() in ("1", "true", "yes")
+        elif _is_local(host) and port.isdigit():
+            # Decide explicitly instead of letting torch race for the port: the first
+            # agent on the endpoint's machine hosts the store, and knows it.
+            hosts_store = not port_taken(int(port), host if host != "localhost" else "127.0.0.1")
+            conf["is_host"] = "true" if hosts_store else "false"
+    elif ns.rdzv_backend == "static":
+        hosts_store = ns.node_rank == 0
+    ns.rdzv_conf = ",".join(f"{k}={v}" for k, v in conf.items())
+    if not _given(torchrun_argv, "--tee", "--redirects", "-t", "-r"):
+        ns.tee = "2"
+    if not _given(torchrun_argv, "--log-dir", "--log_dir"):
+        ns.log_dir = log_dir
+    if ns.master_port is None:
+        ns.master_port = 29500
+    return ns, hosts_store
+
+
+def worker_environment(settings: AgentSettings, log_dir: str) -> dict[str, str]:
+    """What the ranks need so ``Guard()`` takes no arguments, plus collective-failure
+    settings that make NCCL fail fast and leave evidence (user values win)."""
+    env = {
+        "TRAINGUARD_JOB": settings.job,
+        "TRAINGUARD_HOST": settings.host,
+        "TRAINGUARD_NATS_URL": settings.nats_url,
+        "TRAINGUARD_PREFIX": settings.prefix,
+        "TRAINGUARD_ALLOW_DRILLS": "1" if settings.allow_drills else "0",
+    }
+    defaults = {
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_BUFFER_SIZE": "2000",
+        "TORCH_FR_DUMP_TEMP_FILE": os.path.join(log_dir, FLIGHT_RECORDER_PREFIX),
+        "TORCH_NCCL_ENABLE_MONITORING": "1",
+    }
+    for k, v in defaults.items():
+        env.setdefault(k, os.environ.get(k, v))
+    return env
+
+
+def _agent_class(node: LocalNode, on_started: Callable[[], None]) -> type:
+    """A LocalElasticAgent subclass that reports to ``node`` (built lazily: torch)."""
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    class GuardedAgent(LocalElasticAgent):
+        def _start_workers(self, worker_group: Any) -> dict[int, Any]:
+            pids: dict[int, Any] = super()._start_workers(worker_group)
+            stderrs = getattr(self._pcontext, "stderrs", {}) or {}
+            workers = [Worker(rank=w.global_rank, local_rank=w.local_rank,
+                              pid=int(pids[w.local_rank]), stderr=stderrs.get(w.local_rank))
+                       for w in worker_group.workers]
+            spec = worker_group.spec
+            node.workers_started(workers, spec.max_restarts - self._remaining_restarts)
+            on_started()
+            return pids
+
+        def _monitor_workers(self, worker_group: Any) -> RunResult:
+            result: RunResult = super()._monitor_workers(worker_group)
+            if result.state == WorkerState.FAILED:
+                failures = {r: Failure(rank=r, local_rank=f.local_rank, pid=f.pid,
+                                       exitcode=f.exitcode, message=str(f.message or ""))
+                            for r, f in result.failures.items()}
+                node.workers_exited(failures, succeeded=False)
+            elif result.state == WorkerState.SUCCEEDED:
+                node.workers_exited({}, succeeded=True)
+            return result
+
+        def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM,
+                      timeout: int = 30) -> None:
+            if self._pcontext is not None:
+                procs.kill_stuck(self._pcontext.pids().values())
+            super()._shutdown(death_sig, timeout)
+
+    return GuardedAgent
+
+
+def launch(settings: AgentSettings, torchrun_argv: list[str]) -> int:
+    """Run the node's ranks until the job ends; returns the process exit code."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    # torch's launcher builds its LocalElasticAgent by module-global name: swap in ours.
+    launcher_api: Any = importlib.import_module("torch.distributed.launcher.api")
+    run_mod: Any = importlib.import_module("torch.distributed.run")
+
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    log_dir = tempfile.mkdtemp(prefix=f"trainguard-{settings.job}-{settings.host}-")
+    ns, hosts_store = prepare_torchrun(torchrun_argv, settings, log_dir)
+    os.environ.update(worker_environment(settings, log_dir))
+
+    gpu: GpuSource | None
+    gpu, why = open_source()
+    print(f"trainguard launch: gpu: {'unavailable' if gpu is None else 'nvml'} ({why})",
+          flush=True)
+    if settings.allow_drills:
+        gpu = ScriptedSource(gpus=max(1, settings.scripted_gpus), base=gpu)
+
+    link_box: list[AgentLink] = []
+
+    def publish_exit(exit_msg: WorkerExit) -> None:
+        link_box[0].publish(settings.subjects.exit(settings.job, settings.host), exit_msg)
+
+    node = LocalNode(settings, hosts_store=hosts_store, gpu=gpu, publish_exit=publish_exit,
+                     log_dir=log_dir)
+    min_nodes, max_nodes = run_mod.parse_min_max_nnodes(ns.nnodes)
+    hello = NodeHello(job=settings.job, host=settings.host,
+                      local_ranks=list(range(int(ns.nproc_per_node)
+                                             if str(ns.nproc_per_node).isdigit() else 0)),
+                      nnodes_min=min_nodes, nnodes_max=max_nodes,
+                      drills_allowed=settings.allow_drills, hosts_store=hosts_store,
+                      pid=os.getpid())
+    link = AgentLink(settings, node, hello)
+    link_box.append(link)
+    link.start()
+    link.ready.wait(settings.connect_timeout + 2.0)
+    reason = link.blocklisted()
+    if reason:
+        print(f"trainguard launch: host {settings.host} is on the blocklist ({reason}); "
+              f"not joining (exit {EXIT_ISOLATED}: do not retry on this node)", flush=True)
+        link.close()
+        return EXIT_ISOLATED
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        if node.isolating is None and node.stopping is None:
+            # Preemption: try to save within the grace period, then stop like torchrun.
+            answer = link.request_save(settings.preempt_grace)
+            log.warning("SIGTERM: save-now before stopping: %s", answer)
+        raise SignalException(f"Process {os.getpid()} got signal: {signum}",
+                              sigval=signal.Signals(signum))
+
+    def reinstall() -> None:
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+    original = launcher_api.LocalElasticAgent
+    launcher_api.LocalElasticAgent = _agent_class(node, reinstall)
+    print(f"trainguard launch: job {settings.job} on host {settings.host} "
+          f"(rendezvous {ns.rdzv_endpoint}, store host: {hosts_store}, logs {log_dir})",
+          flush=True)
+    try:
+        run_mod.run(ns)
+        code = 0
+    except ChildFailedError:
+        code = 1
+    except SignalException:
+        if node.isolating is not None:
+            code = EXIT_ISOLATED
+        elif node.stopping is not None:
+            code = 0
+        else:
+            code = EXIT_SIGTERM
+    finally:
+        launcher_api.LocalElasticAgent = original
+        link.close()
+    if code == EXIT_ISOLATED:
+        print(f"trainguard launch: host {settings.host} isolated; exit {EXIT_ISOLATED} "
+              "(do not retry on this node)", flush=True)
+    return code

@@ -1,0 +1,292 @@
+"""The agent's connection to the control plane, on a background thread.
+
+The main thread belongs to torch's elastic agent (it installs signal handlers and polls
+its workers), so NATS and Redis live on a thread with its own event loop. Order at start
+matters: the durable command consumer exists *before* ``NodeHello`` goes out, because the
+command stream has interest retention and drops commands nobody is bound to yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import nats.errors
+
+from trainguard import tracing
+from trainguard.bus import Bus, BusUnavailable, connect_nats
+from trainguard.codec import decode_durable
+from trainguard.envelope import H_TRACEPARENT, normalize_headers
+from trainguard.errors import DecodeError, InvalidToken
+from trainguard.schemas import (
+    Command,
+    CommandAck,
+    Durable,
+    GpuSample,
+    NodeHeartbeat,
+    NodeHello,
+    TelemetryMessage,
+)
+from trainguard.state import Keys
+from trainguard.store import redis_client
+from trainguard.topology import ConsumerSpec, ensure_consumer, provision, streams
+
+from .executor import CommandExecutor
+from .node import LocalNode
+from .settings import AgentSettings
+
+log = logging.getLogger("trainguard.agent")
+
+
+def consumer_spec(settings: AgentSettings) -> ConsumerSpec:
+    s = settings.subjects
+    return ConsumerSpec(
+        "cmds", f"agent-{settings.job}-{settings.host}",
+        (s.cmd_all(settings.job), s.cmd_host(settings.job, settings.host)),
+        ack_wait=120.0, inactive_threshold=3600.0)
+
+
+class AgentLink:
+    def __init__(self, settings: AgentSettings, node: LocalNode, hello: NodeHello) -> None:
+        self.settings = settings
+        self.node = node
+        self.hello = hello
+        self.executor = CommandExecutor(node)
+        self._outbox: queue.SimpleQueue[tuple[str, Durable]] = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._bus: Bus | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread: threading.Thread | None = None
+        self.ready = threading.Event()
+        self.gpu_unavailable_reason = ""
+        self._gpu_seq = 0
+        self._hb_seq = 0
+
+    # -- any thread ---------------------------------------------------------------------
+    def publish(self, subject: str, msg: Durable) -> None:
+        self._outbox.put((subject, msg))
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="trainguard-agent-link",
+                                        daemon=True)
+        self._thread.start()
+
+    def close(self, timeout: float = 5.0) -> None:
+        loop, stop = self._loop, self._stop
+        if loop is not None and stop is not None:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(stop.set)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def call(self, fn: Callable[[], Any], timeout: float) -> Any:
+        """Run a coroutine factory on the link's loop from another thread, bounded."""
+        loop = self._loop
+        if loop is None:
+            return None
+        try:
+            return asyncio.run_coroutine_threadsafe(fn(), loop).result(timeout)
+        except Exception as exc:
+            log.debug("link call failed: %r", exc)
+            return None
+
+    def request_save(self, deadline: float) -> str:
+        """Ask the checkpoint coordinator for a save-now (preemption); bounded wait."""
+        subject = self.settings.subjects.rpc(self.settings.job, "save")
+        payload = json.dumps({"deadline": deadline, "reason": "preemption"}).encode()
+
+        async def _req() -> bytes:
+            assert self._bus is not None
+            reply = await self._bus.nc.request(subject, payload, timeout=deadline)
+            return bytes(reply.data)
+
+        reply = self.call(_req, deadline + 1.0)
+        return reply.decode(errors="replace") if reply else "no answer from the coordinator"
+
+    def blocklisted(self, timeout: float = 3.0) -> str | None:
+        """The reason this host is on the remediator's blocklist, or None."""
+        key = Keys(self.settings.prefix).blocklist()
+
+        async def _get() -> str | None:
+            client = redis_client(self.settings.redis_url, retries=1)
+            try:
+                raw = await asyncio.wait_for(client.hget(key, self.settings.host), timeout)
+                return str(raw) if raw is not None else None
+            finally:
+                await client.aclose()
+
+        result = self.call(_get, timeout + 1.0)
+        return str(result) if result else None
+
+    # -- the link thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        try:
+            loop.run_until_complete(self._main())
+        except Exception:
+            log.exception("agent link stopped")
+        finally:
+            with contextlib.suppress(Exception):
+                loop.close()
+
+    async def _main(self) -> None:
+        self._stop = asyncio.Event()
+        s = self.settings
+        while not self._stop.is_set():
+            try:
+                nc = await connect_nats(s.nats_url, name=f"trainguard-agent-{s.host}",
+                                        timeout=s.connect_timeout)
+                break
+            except BusUnavailable as exc:
+                log.warning("%s; retrying", exc)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), 2.0)
+        else:
+            return
+        self._bus = bus = Bus(nc, s.subjects, source=f"trainguard/agent/{s.host}")
+        tasks: list[asyncio.Task[None]] = []
+        try:
+            await provision(bus.js, streams(s.prefix))
+            spec = consumer_spec(s)
+            stream = await ensure_consumer(bus.js, s.prefix, spec)
+            sub = await bus.js.pull_subscribe_bind(spec.durable, stream)
+            self.hello.time = time.time()
+            await bus.publish_durable(s.subjects.reg_node(s.job, s.host), self.hello)
+            await self._write_node_record()
+            self.ready.set()
+            tasks = [asyncio.create_task(self._commands(sub)),
+                     asyncio.create_task(self._every(s.node_interval, self._node_beat)),
+                     asyncio.create_task(self._every(s.gpu_interval, self._gpu_sample))]
+            while not self._stop.is_set():
+                await self._drain()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), 0.1)
+            await self._drain()
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await bus.close()
+
+    async def _write_node_record(self) -> None:
+        from trainguard.codec import encode_durable
+
+        client = redis_client(self.settings.redis_url, retries=1)
+        try:
+            key = Keys(self.settings.prefix).node(self.settings.job, self.settings.host)
+            await asyncio.wait_for(client.set(key, encode_durable(self.hello)), 3.0)
+        except Exception as exc:
+            log.warning("could not record the node in Redis: %r", exc)
+        finally:
+            await client.aclose()
+
+    async def _drain(self) -> None:
+        assert self._bus is not None
+        while True:
+            try:
+                subject, msg = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            for attempt in range(30):
+                try:
+                    await self._bus.publish_durable(subject, msg)
+                    break
+                except Exception as exc:
+                    log.debug("publish to %s failed (%r), attempt %d", subject, exc, attempt)
+                    await asyncio.sleep(0.5)
+
+    async def _every(self, seconds: float, fn: Callable[[], Any]) -> None:
+        while True:
+            try:
+                await fn()
+            except Exception:
+                log.debug("periodic task failed", exc_info=True)
+            await asyncio.sleep(seconds)
+
+    async def _telemetry(self, subject: str, msg: TelemetryMessage) -> None:
+        assert self._bus is not None
+        with contextlib.suppress(nats.errors.Error, OSError):
+            await self._bus.publish_telemetry(subject, msg)
+
+    async def _node_beat(self) -> None:
+        s = self.settings
+        states, pids = self.node.states()
+        self._hb_seq += 1
+        await self._telemetry(s.subjects.node(s.job, s.host), NodeHeartbeat(
+            job=s.job, time=time.time(), seq=self._hb_seq, host=s.host, ranks=states,
+            pids=pids, attempt=self.node.restart_count))
+
+    async def _gpu_sample(self) -> None:
+        s = self.settings
+        reading = await asyncio.to_thread(self.node.gpu_reading)
+        if reading is None:
+            return
+        gpus, xids = reading
+        self._gpu_seq += 1
+        source = self.node.gpu.name if self.node.gpu else ""
+        await self._telemetry(s.subjects.gpu(s.job, s.host), GpuSample(
+            job=s.job, time=time.time(), seq=self._gpu_seq, host=s.host, gpus=gpus, xids=xids,
+            source=source))
+
+    async def _commands(self, sub: Any) -> None:
+        while True:
+            try:
+                msgs = await sub.fetch(8, timeout=1.0)
+            except (TimeoutError, nats.errors.TimeoutError):
+                continue
+            except Exception as exc:
+                log.debug("command fetch failed: %r", exc)
+                await asyncio.sleep(0.5)
+                continue
+            for msg in msgs:
+                await self._command(msg)
+
+    async def _command(self, msg: Any) -> None:
+        headers = normalize_headers(msg.headers)
+        try:
+            cmd = decode_durable(msg.data, Command)
+        except DecodeError as exc:
+            assert self._bus is not None
+            with contextlib.suppress(Exception):
+                await self._bus.dead_letter(subject=msg.subject, payload=msg.data,
+                                            reason=exc.reason, service="agent",
+                                            headers=headers)
+            await msg.term()
+            return
+        ctx = tracing.extract(headers)
+        with tracing.tracer("trainguard.agent").start_as_current_span(
+            f"process {msg.subject}", context=ctx,
+            attributes={"trainguard.job": cmd.job, "trainguard.host": self.settings.host,
+                        "trainguard.command": cmd.kind},
+        ):
+            await msg.in_progress()
+            outcome = await asyncio.to_thread(self.executor.handle, cmd)
+            if outcome is not None:
+                await self._ack(cmd, outcome.outcome, outcome.detail,
+                                headers.get(H_TRACEPARENT))
+        with contextlib.suppress(Exception):
+            await msg.ack()
+
+    async def _ack(self, cmd: Command, outcome: Any, detail: str, parent: str | None) -> None:
+        assert self._bus is not None
+        try:
+            subject = self.settings.subjects.ack(cmd.job, cmd.issuer)
+        except InvalidToken:
+            return
+        ack = CommandAck(command_id=cmd.id, job=cmd.job, responder=f"host-{self.settings.host}",
+                         outcome=outcome, detail=detail[-32_000:], kind=cmd.kind,
+                         time=time.time())
+        for _ in range(10):
+            try:
+                await self._bus.publish_durable(subject, ack)
+                return
+            except Exception:
+                await asyncio.sleep(0.5)

@@ -1,0 +1,193 @@
+"""The local side of the agent: the node's workers, and what can be done to them.
+
+The torch elastic agent (main thread) tells this object when workers start and exit;
+commands (transport thread) act on the same worker table. Exits are reported as
+``WorkerExit`` with ``initiated_by`` set for the ones the agent itself caused, so the
+detector does not mistake a restart for a crash, and ``launcher`` for the group teardown
+that follows another worker's failure.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from trainguard.envelope import uuid7
+from trainguard.schemas import GpuStats, WorkerExit, XidEvent
+
+from . import procs
+from .gpu import GpuSource, ScriptedSource
+from .settings import AgentSettings
+
+log = logging.getLogger("trainguard.agent")
+
+LAUNCHER = "launcher"
+FLIGHT_RECORDER_PREFIX = "nccl_trace_rank_"
+"""Flight-recorder dumps land in the launch log dir as <prefix><rank>: exit evidence."""
+
+
+@dataclass
+class Worker:
+    rank: int
+    local_rank: int
+    pid: int
+    stderr: str | None
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What the elastic launcher saw of one exited worker (torch-independent)."""
+
+    rank: int
+    local_rank: int
+    pid: int
+    exitcode: int
+    message: str = ""
+
+
+class LocalNode:
+    def __init__(self, settings: AgentSettings, *, hosts_store: bool,
+                 gpu: GpuSource | None, publish_exit: Callable[[WorkerExit], None],
+                 log_dir: str = "") -> None:
+        self.log_dir = log_dir
+        self.settings = settings
+        self.host = settings.host
+        self.hosts_store = hosts_store
+        self.drills_allowed = settings.allow_drills
+        self.gpu = gpu
+        self._publish_exit = publish_exit
+        self._lock = threading.Lock()
+        self.workers: dict[int, Worker] = {}
+        self.initiated: dict[int, str] = {}
+        self.restart_count = 0
+        self.isolating: str | None = None
+        self.stopping: str | None = None
+
+    # -- from the elastic agent (main thread) -----------------------------------------
+    def workers_started(self, workers: list[Worker], restart_count: int) -> None:
+        with self._lock:
+            self.workers = {w.rank: w for w in workers}
+            self.initiated = {}
+            self.restart_count = restart_count
+        log.info("workers started on %s (attempt %d): %s", self.host, restart_count,
+                 {w.rank: w.pid for w in workers})
+
+    def workers_exited(self, failures: Mapping[int, Failure], succeeded: bool) -> None:
+        """Publish one WorkerExit per worker that ended; decide who caused each."""
+        now = time.time()
+        with self._lock:
+            workers = dict(self.workers)
+            initiated = dict(self.initiated)
+        if succeeded:
+            for w in workers.values():
+                self._publish_exit(self._exit(w, 0, None, "", now))
+            return
+        independent = [f for f in failures.values()
+                       if f.pid not in initiated and f.exitcode != -signal.SIGTERM]
+        for f in failures.values():
+            w = workers.get(f.rank) or Worker(f.rank, f.local_rank, f.pid, None)
+            if f.pid in initiated:
+                by: str | None = initiated[f.pid]
+            elif f.exitcode == -signal.SIGTERM and (independent or initiated):
+                by = LAUNCHER  # the teardown that follows another worker's failure
+            else:
+                by = None
+            self._publish_exit(self._exit(w, f.exitcode, by, f.message, now))
+
+    def _exit(self, w: Worker, code: int, by: str | None, message: str,
+              now: float) -> WorkerExit:
+        sig = None
+        if code < 0:
+            try:
+                sig = signal.Signals(-code).name
+            except ValueError:
+                sig = f"SIG{-code}"
+        error = message if message and not message.startswith("Signal") else ""
+        if self.log_dir:
+            dumps = sorted(glob.glob(os.path.join(self.log_dir,
+                                                  f"{FLIGHT_RECORDER_PREFIX}{w.rank}*")))
+            if dumps:
+                error = (error + "\n" if error else "") + "flight recorder: " + ", ".join(dumps)
+        return WorkerExit(id=uuid7(), job=self.settings.job, host=self.host, rank=w.rank,
+                          local_rank=w.local_rank, pid=w.pid, exit_code=code, signal=sig,
+                          stderr_tail=procs.stderr_tail(w.stderr, 4096), error=error,
+                          initiated_by=by, attempt=self.restart_count, time=now)
+
+    # -- for the executor (commands) ---------------------------------------------------
+    def rank_pids(self) -> dict[int, int]:
+        with self._lock:
+            return {r: w.pid for r, w in self.workers.items()}
+
+    def states(self) -> tuple[dict[int, str], dict[int, int]]:
+        pids = self.rank_pids()
+        return {r: procs.state_of(p) for r, p in pids.items()}, pids
+
+    def _mark(self, command_id: str) -> list[int]:
+        with self._lock:
+            pids = [w.pid for w in self.workers.values()]
+            for pid in pids:
+                self.initiated[pid] = command_id
+        return pids
+
+    def restart(self, command_id: str) -> str:
+        pids = self._mark(command_id)
+        procs.terminate(pids, self.settings.stop_grace)
+        return f"stopped {len(pids)} local worker(s); the elastic launcher restarts the group"
+
+    def isolate(self, command_id: str) -> str:
+        self.isolating = command_id
+        self._mark(command_id)
+        os.kill(os.getpid(), signal.SIGTERM)  # torch's agent stops workers, keeps the rdzv open
+        return f"host {self.host} leaves the job (trainguard launch exits 75)"
+
+    def stop(self, command_id: str) -> str:
+        self.stopping = command_id
+        self._mark(command_id)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return f"stopping the workers on {self.host}"
+
+    def dump(self, ranks: list[int]) -> str:
+        pids = self.rank_pids()
+        for r in ranks:
+            procs.send(pids[r], signal.SIGUSR1)
+        time.sleep(1.0)  # faulthandler writes from a C handler; give it a moment to land
+        with self._lock:
+            files = {r: self.workers[r].stderr for r in ranks if r in self.workers}
+        parts = [f"--- rank {r} (pid {pids[r]}) stderr tail ---\n"
+                 f"{procs.stderr_tail(files.get(r), 6000)}" for r in ranks]
+        return "\n".join(parts)
+
+    def signal_rank(self, rank: int, action: str) -> str:
+        pid = self.rank_pids()[rank]
+        sig = {"kill": signal.SIGKILL, "freeze": signal.SIGSTOP, "thaw": signal.SIGCONT}[action]
+        if not procs.send(pid, sig):
+            raise ProcessLookupError(f"rank {rank} (pid {pid}) is not running")
+        return f"{sig.name} sent to rank {rank} (pid {pid})"
+
+    def gpu_drill(self, kind: str, params: dict[str, object]) -> str:
+        if not isinstance(self.gpu, ScriptedSource):
+            raise RuntimeError("GPU drills need the scripted GPU source (--allow-drills)")
+        gpu = int(str(params.get("gpu", 0)))
+        if kind == "ecc":
+            count = int(str(params.get("count", 1)))
+            self.gpu.inject_ecc(gpu, count)
+            return f"scripted {count} uncorrectable ECC error(s) on GPU {gpu}"
+        if kind == "xid":
+            code = int(str(params.get("code", 79)))
+            self.gpu.inject_xid(code, gpu)
+            return f"scripted XID {code} on GPU {gpu}"
+        reasons = params.get("reasons") or ["hw_power_brake_slowdown"]
+        self.gpu.inject_throttle([str(r) for r in reasons]
+                                 if isinstance(reasons, list) else [str(reasons)], gpu)
+        return f"scripted throttling {reasons} on GPU {gpu}"
+
+    def gpu_reading(self) -> tuple[list[GpuStats], list[XidEvent]] | None:
+        if self.gpu is None:
+            return None
+        return self.gpu.sample(), self.gpu.xids()

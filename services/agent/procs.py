@@ -1,0 +1,83 @@
+"""Local worker processes: their Linux state letters and the signals the agent sends.
+
+A stopped (T) or uninterruptible (D) worker ignores SIGTERM until it runs again, which
+would hold a restart for the launcher's whole grace period; such workers get SIGCONT and
+SIGKILL at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Iterable
+
+
+def state_of(pid: int) -> str:
+    """The state letter of ``pid`` (R, S, D, T, t, Z, ...), or ``X`` if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
+            data = fh.read()
+    except OSError:
+        return "X"
+    # The command name (field 2) may contain spaces; the state follows its closing ')'.
+    return data[data.rfind(")") + 2: data.rfind(")") + 3] or "X"
+
+
+def is_stuck(state: str) -> bool:
+    """Stopped (T, t) or in uninterruptible sleep (D): cannot act on SIGTERM now."""
+    return state in ("T", "t", "D")
+
+
+def alive(pid: int) -> bool:
+    return state_of(pid) not in ("X", "Z")
+
+
+def send(pid: int, sig: signal.Signals) -> bool:
+    """Signal our own worker; False if it is already gone."""
+    try:
+        os.kill(pid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def kill_stuck(pids: Iterable[int]) -> list[int]:
+    """SIGCONT + SIGKILL every stuck worker; returns the pids it killed."""
+    killed = []
+    for pid in pids:
+        if is_stuck(state_of(pid)):
+            send(pid, signal.SIGCONT)
+            send(pid, signal.SIGKILL)
+            killed.append(pid)
+    return killed
+
+
+def terminate(pids: Iterable[int], grace: float) -> None:
+    """SIGTERM (SIGKILL for stuck ones), then SIGKILL whatever is left after ``grace``."""
+    pids = list(pids)
+    kill_stuck(pids)
+    for pid in pids:
+        send(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.05)
+    for pid in pids:
+        if alive(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def stderr_tail(path: str | None, max_bytes: int = 8192) -> str:
+    """The last ``max_bytes`` of a worker's tee'd stderr file."""
+    if not path:
+        return ""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - max_bytes))
+            return fh.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""

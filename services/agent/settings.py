@@ -1,0 +1,23 @@
+"""The agent's settings: the shared ones plus what only a node agent needs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from trainguard.config import Settings
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AgentSettings(Settings):
+    job: str = ""
+    host: str = ""
+    allow_drills: bool = False
+    node_interval: float = 1.0
+    """Seconds between node heartbeats (process state of each local rank)."""
+    gpu_interval: float = 5.0
+    stop_grace: float = 10.0
+    """SIGTERM-to-SIGKILL grace when the agent stops workers (restart, stop)."""
+    preempt_grace: float = 30.0
+    """On SIGTERM to ``trainguard launch``: how long a save-now may take before stopping."""
+    scripted_gpus: int = 0
+    """Fake GPUs for drills on machines without one (0: only with --allow-drills, 1 GPU)."""

@@ -1,0 +1,67 @@
+"""A subscriber that records what one job's ranks and agents publish, decoded."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import nats
+
+from trainguard.bus import Bus
+from trainguard.codec import decode_any_durable, decode_telemetry
+from trainguard.envelope import normalize_headers
+from trainguard.schemas import CommandAck, Durable, NodeHello, RankHello, WorkerExit
+from trainguard.subjects import Subjects
+from trainguard.topology import provision, streams
+
+
+class Tap:
+    def __init__(self) -> None:
+        self.telemetry: list[Any] = []
+        self.durable: list[Durable] = []
+
+    def of(self, cls: type) -> list[Any]:
+        return [m for m in (*self.telemetry, *self.durable) if isinstance(m, cls)]
+
+    @property
+    def acks(self) -> list[CommandAck]:
+        return self.of(CommandAck)
+
+    @property
+    def hellos(self) -> list[RankHello]:
+        return self.of(RankHello)
+
+    @property
+    def node_hellos(self) -> list[NodeHello]:
+        return self.of(NodeHello)
+
+    @property
+    def exits(self) -> list[WorkerExit]:
+        return self.of(WorkerExit)
+
+
+@contextlib.asynccontextmanager
+async def tapped(url: str, prefix: str, job: str) -> AsyncIterator[tuple[Tap, Bus]]:
+    """Provision the topology, subscribe to everything of ``job``; yield the tap and a bus."""
+    nc = await nats.connect(url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+    s = Subjects(prefix)
+    await provision(nc.jetstream(), streams(prefix))
+    tap = Tap()
+
+    async def on_tel(msg: Any) -> None:
+        tap.telemetry.append(decode_telemetry(msg.data))
+
+    async def on_durable(msg: Any) -> None:
+        headers = normalize_headers(msg.headers)
+        tap.durable.append(decode_any_durable(msg.data, headers.get("ce-type")))
+
+    for kind in ("hb", "step", "fp", "node", "gpu"):
+        await nc.subscribe(s.pattern(kind, job=job), cb=on_tel)
+    for kind in ("ack", "reg", "exit"):
+        await nc.subscribe(s.pattern(kind, job=job), cb=on_durable)
+    await nc.flush()
+    try:
+        yield tap, Bus(nc, s, source="trainguard/test")
+    finally:
+        await nc.close()

@@ -1,0 +1,165 @@
+"""The agent's pure parts: command rules, torchrun defaults, GPU sources."""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass, field
+
+import pytest
+
+from trainguard.config import load_settings
+from trainguard.schemas import Command, GpuStats, WorkerExit
+from trainguard.services.agent.executor import CommandExecutor
+from trainguard.services.agent.gpu import ScriptedSource, open_source, throttle_names
+from trainguard.services.agent.launcher import prepare_torchrun, worker_environment
+from trainguard.services.agent.node import Failure, LocalNode, Worker
+from trainguard.services.agent.settings import AgentSettings
+
+
+@dataclass
+class FakeNode:
+    """A stand-in for the local worker table (the executor's only collaborator)."""
+
+    host: str = "node-b"
+    hosts_store: bool = False
+    drills_allowed: bool = True
+    calls: list[str] = field(default_factory=list)
+
+    def rank_pids(self) -> dict[int, int]:
+        return {2: 1002, 3: 1003}
+
+    def restart(self, command_id: str) -> str:
+        self.calls.append(f"restart:{command_id}")
+        return "restarted"
+
+    def isolate(self, command_id: str) -> str:
+        self.calls.append(f"isolate:{command_id}")
+        return "isolated"
+
+    def stop(self, command_id: str) -> str:
+        self.calls.append("stop")
+        return "stopped"
+
+    def dump(self, ranks: list[int]) -> str:
+        self.calls.append(f"dump:{ranks}")
+        return "stacks"
+
+    def signal_rank(self, rank: int, action: str) -> str:
+        self.calls.append(f"{action}:{rank}")
+        return f"{action} {rank}"
+
+    def gpu_drill(self, kind: str, params: dict[str, object]) -> str:
+        self.calls.append(f"gpu:{kind}")
+        return kind
+
+
+def cmd(ident: str, kind: str, **kw: object) -> Command:
+    return Command(id=ident, job="j", kind=kind, issuer="remediator", **kw)  # type: ignore[arg-type]
+
+
+def test_each_command_runs_once_in_order() -> None:
+    node = FakeNode()
+    ex = CommandExecutor(node)
+    assert ex.handle(cmd("a", "restart")).outcome == "done"  # type: ignore[union-attr]
+    assert ex.handle(cmd("a", "restart")) is None  # redelivered
+    retry = ex.handle(cmd("b", "restart", retry_of="a"))
+    assert retry is not None and retry.detail == "already done as a"
+    assert node.calls == ["restart:a"]
+
+
+def test_rank_commands_are_not_the_agents() -> None:
+    assert CommandExecutor(FakeNode()).handle(cmd("s", "save_now")) is None
+
+
+def test_stale_epochs_are_refused() -> None:
+    node = FakeNode()
+    ex = CommandExecutor(node)
+    ex.handle(cmd("new", "dump", epoch=5))
+    out = ex.handle(cmd("old", "restart", epoch=4))
+    assert out is not None and out.outcome == "refused" and "stale epoch 4 < 5" in out.detail
+    assert node.calls == ["dump:[2, 3]"]
+
+
+def test_drills_need_permission_and_a_local_rank() -> None:
+    ex = CommandExecutor(FakeNode(drills_allowed=False))
+    out = ex.handle(cmd("k", "kill", params={"rank": 2}))
+    assert out is not None and out.outcome == "refused" and "--allow-drills" in out.detail
+    node = FakeNode()
+    ex = CommandExecutor(node)
+    out = ex.handle(cmd("k2", "freeze", params={"rank": 7}))
+    assert out is not None and out.outcome == "refused" and "local ranks: [2, 3]" in out.detail
+    assert ex.handle(cmd("k3", "kill", params={"rank": 3})).outcome == "done"  # type: ignore[union-attr]
+    assert node.calls == ["kill:3"]
+
+
+def test_the_rendezvous_store_host_refuses_isolation() -> None:
+    out = CommandExecutor(FakeNode(hosts_store=True)).handle(cmd("i", "isolate"))
+    assert out is not None and out.outcome == "refused" and "rendezvous store" in out.detail
+    node = FakeNode()
+    assert CommandExecutor(node).handle(cmd("i", "isolate")).outcome == "done"  # type: ignore[union-attr]
+
+
+def settings(**kw: object) -> AgentSettings:
+    return load_settings(AgentSettings, env={}, overrides={"job": "j", "host": "node-a", **kw})
+
+
+def test_torchrun_defaults_fix_restarts_and_keep_user_values(tmp_path: object) -> None:
+    ns, hosts_store = prepare_torchrun(["--nproc-per-node", "2", "train.py", "--lr", "1"],
+                                       settings(), "/tmp/logs")
+    assert ns.rdzv_backend == "c10d" and ns.rdzv_endpoint.startswith("127.0.0.1:")
+    assert ns.max_restarts == 1000 and hosts_store
+    conf = dict(kv.split("=") for kv in ns.rdzv_conf.split(","))
+    assert conf["last_call_timeout"] == "2" and conf["is_host"] == "true"
+    assert ns.tee == "2" and ns.log_dir == "/tmp/logs"
+    assert ns.training_script == "train.py" and ns.training_script_args == ["--lr", "1"]
+    ns, _ = prepare_torchrun(["--max-restarts", "3", "--rdzv-backend", "c10d",
+                              "--rdzv-endpoint", "10.1.2.3:29400", "--nnodes", "1:2",
+                              "--rdzv-conf", "last_call_timeout=9", "x.py"], settings(), "/l")
+    conf = dict(kv.split("=") for kv in ns.rdzv_conf.split(","))
+    assert ns.max_restarts == 3 and conf["last_call_timeout"] == "9" and "is_host" not in conf
+
+
+def test_worker_environment_lets_guard_take_no_arguments() -> None:
+    env = worker_environment(settings(allow_drills=True, prefix="p"), "/logs")
+    assert env["TRAINGUARD_JOB"] == "j" and env["TRAINGUARD_HOST"] == "node-a"
+    assert env["TRAINGUARD_ALLOW_DRILLS"] == "1" and env["TRAINGUARD_PREFIX"] == "p"
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert env["TORCH_FR_DUMP_TEMP_FILE"].startswith("/logs/")
+
+
+def test_exits_name_the_root_and_the_collateral() -> None:
+    sent: list[WorkerExit] = []
+    node = LocalNode(settings(), hosts_store=False, gpu=None, publish_exit=sent.append)
+    node.workers_started([Worker(0, 0, 100, None), Worker(1, 1, 101, None),
+                          Worker(2, 2, 102, None)], 0)
+    node.workers_exited({1: Failure(1, 1, 101, 1, "RuntimeError: boom"),
+                         0: Failure(0, 0, 100, -signal.SIGTERM),
+                         2: Failure(2, 2, 102, -signal.SIGTERM)}, succeeded=False)
+    by_rank = {e.rank: e for e in sent}
+    assert by_rank[1].initiated_by is None and by_rank[1].exit_code == 1
+    assert by_rank[1].error == "RuntimeError: boom"
+    assert by_rank[0].initiated_by == "launcher" and by_rank[0].signal == "SIGTERM"
+    sent.clear()
+    node.initiated = {100: "cmd-1", 101: "cmd-1"}
+    node.workers_exited({0: Failure(0, 0, 100, -signal.SIGTERM),
+                         1: Failure(1, 1, 101, -signal.SIGKILL)}, succeeded=False)
+    assert {e.initiated_by for e in sent} == {"cmd-1"}
+
+
+def test_gpu_probe_is_unavailable_here_and_scripted_evidence_is_well_formed() -> None:
+    source, why = open_source()
+    if source is not None:  # a machine with a GPU: the probe must read it
+        assert all(isinstance(s, GpuStats) for s in source.sample())
+        source.close()
+        pytest.skip("this machine has a GPU")
+    assert "NVML" in why or "nvidia-ml-py" in why or "no GPU" in why
+    scripted = ScriptedSource(gpus=2)
+    scripted.inject_ecc(1, 2)
+    scripted.inject_xid(79, 1)
+    scripted.inject_throttle(["hw_thermal_slowdown"], 0)
+    g0, g1 = scripted.sample()
+    assert g1.ecc_uncorrected_volatile == 2 and g1.remapped_rows_pending
+    assert g0.throttle_reasons == ["hw_thermal_slowdown"] and g0.temperature_c == 92.0
+    (xid,) = scripted.xids()
+    assert (xid.gpu, xid.code) == (1, 79) and scripted.xids() == []
+    assert throttle_names(0x4 | 0x80) == ["sw_power_cap", "hw_power_brake_slowdown"]
