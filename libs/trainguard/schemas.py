@@ -284,6 +284,10 @@ class Diagnosis(Durable, kw_only=True):
     step: int | None = None
     time: float = 0.0
     rev: int = 1
+    status: Literal["open", "superseded"] = "open"
+    superseded_by: str | None = None
+    """A later diagnosis that found the root of the same failure (its anomaly ids include
+    this one's)."""
 
 
 class Action(Durable, kw_only=True):

@@ -75,6 +75,10 @@ class Keys:
         """Fencing-token counter of a role's leader (INCR on each leadership)."""
         return self._k("epoch", role)
 
+    def host_history(self, host: str) -> str:
+        """Hash of a host's diagnoses: ``<cause>`` -> count, ``last_cause``, ``last_time``."""
+        return self._k("hosthist", host)
+
     def blocklist(self) -> str:
         """Hash host -> JSON {reason, time, job, incident}; written by the remediator only."""
         return self._k("blocklist")

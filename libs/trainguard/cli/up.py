@@ -89,7 +89,11 @@ async def _serve(names: list[str], base: Settings) -> int:
         loop.add_signal_handler(sig, stop.set)
     tasks = []
     for name in names:
-        cls = registry.load(name)
+        try:
+            cls = registry.load(name)
+        except Exception as exc:  # noqa: BLE001 - a broken service must not stop the rest
+            _say(f"{name}: cannot load ({exc!r}); skipped")
+            continue
         tasks.append(asyncio.create_task(_supervise(cls(_settings_for(cls, base)), stop),
                                          name=name))
     if not names:

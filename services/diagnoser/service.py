@@ -1,0 +1,73 @@
+"""The diagnoser's async shell: anomalies, exits and GPU samples in; diagnoses out."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from trainguard.schemas import Anomaly, GpuSample, TelemetryMessage, WorkerExit
+from trainguard.service import Consumer, Delivery, Runtime, Service
+from trainguard.state import Keys
+from trainguard.topology import ConsumerSpec
+
+from .rules import Diagnoser, HostRecord
+from .settings import DiagnoserSettings
+
+
+class DiagnoserService(Service):
+    name = "diagnoser"
+    settings_type = DiagnoserSettings
+
+    def __init__(self, settings: DiagnoserSettings) -> None:
+        super().__init__(settings)
+        self.cfg = settings
+        self.rules = Diagnoser(window=settings.correlation_window,
+                               gpu_window=settings.gpu_window)
+        self.keys = Keys(settings.prefix)
+        self.rt: Runtime | None = None
+
+    def consumers(self) -> Sequence[Consumer]:
+        s = self.settings.subjects
+        return [
+            Consumer(ConsumerSpec("reports", "diagnoser-exits", (s.pattern("exit"),)),
+                     self.on_exit, (WorkerExit,)),
+            Consumer(ConsumerSpec("events", "diagnoser", (s.pattern("event", tail="anomaly"),)),
+                     self.on_anomaly, (Anomaly,)),
+        ]
+
+    async def start(self, rt: Runtime) -> None:
+        self.rt = rt
+        await rt.subscribe_telemetry(self.settings.subjects.pattern("gpu"), self.on_gpu)
+
+    def on_gpu(self, msg: TelemetryMessage, subject: str) -> None:
+        if isinstance(msg, GpuSample):
+            self.rules.observe_gpu(msg)
+
+    async def on_exit(self, ex: WorkerExit, delivery: Delivery) -> None:
+        self.rules.observe_exit(ex)
+
+    async def on_anomaly(self, a: Anomaly, delivery: Delivery) -> None:
+        assert self.rt is not None
+        redis = self.rt.redis
+        dedupe = self.keys.dedupe("diagnoser", a.job)
+        if a.status == "resolved" or await redis.hexists(dedupe, a.id):
+            return
+        history: dict[str, HostRecord] = {}
+        for host in a.hosts:
+            raw = await redis.hgetall(self.keys.host_history(host))
+            history[host] = HostRecord({str(k): int(v) for k, v in raw.items()
+                                        if str(v).isdigit()})
+        decision = self.rules.on_anomaly(a, time.time(), history)
+        subject = self.settings.subjects.event(a.job, "diagnosis")
+        for d in decision.publish:
+            await self.rt.publish_event(subject, d, ctx=delivery.ctx)
+        fresh = [d for d in decision.publish if d.rev == 1]
+        async with redis.pipeline(transaction=True) as pipe:
+            for d in fresh:
+                for host in d.hosts:
+                    key = self.keys.host_history(host)
+                    pipe.hincrby(key, d.cause, 1)
+                    pipe.hset(key, mapping={"last_cause": d.cause, "last_time": str(d.time)})
+            pipe.hset(dedupe, a.id, decision.publish[-1].id if decision.publish else "")
+            pipe.expire(dedupe, int(self.cfg.dedupe_ttl))
+            await pipe.execute()

@@ -1,0 +1,16 @@
+"""Diagnoser settings."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from trainguard.config import Settings
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DiagnoserSettings(Settings):
+    correlation_window: float = 60.0
+    """Anomalies of one job this close together may share a root cause."""
+    gpu_window: float = 120.0
+    """How far back GPU samples count as evidence."""
+    dedupe_ttl: float = 7 * 86400.0

@@ -1,0 +1,66 @@
+"""The diagnoser service on real NATS and Redis."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from tests.conftest import wait_until
+from tests.integration.recorder import running
+from trainguard.bus import Bus
+from trainguard.codec import decode_durable, encode_telemetry
+from trainguard.config import load_settings
+from trainguard.schemas import Anomaly, DeadLetter, Diagnosis, GpuSample, WorkerExit, XidEvent
+from trainguard.services.diagnoser.service import DiagnoserService
+from trainguard.services.diagnoser.settings import DiagnoserSettings
+from trainguard.state import Keys
+from trainguard.subjects import Subjects
+
+
+async def test_exit_and_crash_become_one_diagnosis(nats_url: str, redis_url: str, prefix: str,
+                                                   job: str, nc: Any) -> None:
+    s = Subjects(prefix)
+    settings = load_settings(DiagnoserSettings, env={}, overrides={
+        "nats_url": nats_url, "redis_url": redis_url, "prefix": prefix})
+    got: list[Diagnosis] = []
+    dead: list[DeadLetter] = []
+
+    async def on_diag(msg: Any) -> None:
+        got.append(decode_durable(msg.data, Diagnosis))
+
+    async def on_dead(msg: Any) -> None:
+        dead.append(decode_durable(msg.data, DeadLetter))
+
+    await nc.subscribe(s.event(job, "diagnosis"), cb=on_diag)
+    await nc.subscribe(s.dead(job), cb=on_dead)
+    async with running(DiagnoserService(settings)):
+        bus = Bus(nc, s, source="test")
+        now = time.time()
+        await nc.publish(s.gpu(job, "node-b"), encode_telemetry(GpuSample(
+            job=job, time=now, host="node-b", xids=[XidEvent(gpu=0, code=79, time=now)])))
+        await bus.publish_durable(s.exit(job, "node-b"), WorkerExit(
+            id="x1", job=job, host="node-b", rank=3, exit_code=1, time=now,
+            stderr_tail="RuntimeError: CUDA error: unknown error"))
+        await bus.publish_durable(s.event(job, "anomaly"), Anomaly(
+            id="crash-3", job=job, kind="crash", ranks=[3], hosts=["node-b"], onset_at=now,
+            detected_at=now, evidence={"stderr_tail": "RuntimeError: CUDA error: unknown error",
+                                       "exit_code": 1}))
+        await wait_until(lambda: got, what="a diagnosis")
+        await bus.publish_durable(s.event(job, "anomaly"), Anomaly(
+            id="hang-1", job=job, kind="hang", ranks=[0, 1, 2], hosts=["node-a", "node-b"],
+            onset_at=now, detected_at=now + 1, evidence={"culprits": [],
+                                                         "majority_phase": "comm"}))
+        await nc.jetstream().publish(s.event(job, "anomaly"), b'{"kind": 7}',
+                                     headers={"ce-type": "io.trainguard.anomaly.v1"})
+        await wait_until(lambda: len(got) == 2 and dead, what="the join and a dead letter")
+    first, joined = got
+    assert first.cause == "gpu_lost" and first.hosts == ["node-b"] and first.ranks == [3]
+    assert any("XID 79" in e.fact for e in first.evidence)
+    assert joined.id == first.id and joined.anomaly_ids == ["crash-3", "hang-1"]
+    assert "invalid anomaly" in dead[0].reason
+    r = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    hist = await r.hgetall(Keys(prefix).host_history("node-b"))
+    await r.aclose()
+    assert hist["gpu_lost"] == "1" and hist["last_cause"] == "gpu_lost"

@@ -1,0 +1,159 @@
+"""Diagnosis rules, table-driven: anomaly + evidence in, cause / ranks / hosts / action out."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from trainguard.schemas import Anomaly, GpuSample, GpuStats, WorkerExit, XidEvent
+from trainguard.services.diagnoser.rules import Diagnoser, HostRecord, traceback_signature
+
+NOW = 1_000_000.0
+
+
+def anomaly(kind: str, ranks: list[int], hosts: list[str], ident: str = "a1",
+            **evidence: Any) -> Anomaly:
+    return Anomaly(id=ident, job="j", kind=kind, ranks=ranks, hosts=hosts,  # type: ignore[arg-type]
+                   step=100, onset_at=NOW - 5, detected_at=NOW - 1, evidence=evidence)
+
+
+def crash(rank: int, host: str, text: str, ident: str = "c1", **extra: Any) -> Anomaly:
+    return anomaly("crash", [rank], [host], ident, source="worker_exit", exit_code=1,
+                   signal=None, error="", stderr_tail=text, **extra)
+
+
+def exit_of(rank: int, host: str, text: str, t: float, by: str | None = None) -> WorkerExit:
+    return WorkerExit(id=f"e{rank}", job="j", host=host, rank=rank, exit_code=1,
+                      stderr_tail=text, initiated_by=by, time=t)
+
+
+def gpu(host: str, *, xid: int | None = None, ecc: int = 0, throttle: tuple[str, ...] = (),
+        temp: float = 50.0, t: float = NOW - 2) -> GpuSample:
+    return GpuSample(job="j", time=t, host=host, gpus=[GpuStats(
+        index=0, ecc_uncorrected_volatile=ecc, throttle_reasons=list(throttle),
+        temperature_c=temp)], xids=[XidEvent(gpu=0, code=xid, time=t)] if xid else [])
+
+
+OOM = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+ECC_TEXT = "RuntimeError: CUDA error: uncorrectable ECC error encountered"
+TRACE = 'Traceback (most recent call last):\n  File "train.py", line 3\nKeyError: 17'
+
+CASES: list[tuple[str, Anomaly, list[GpuSample], str, list[int], list[str], str]] = [
+    ("oom text", crash(3, "node-b", OOM), [], "oom", [3], ["node-b"], "restart"),
+    ("xid 79 beats the crash text", crash(3, "node-b", OOM), [gpu("node-b", xid=79)],
+     "gpu_lost", [3], ["node-b"], "save_now"),
+    ("ecc text", crash(2, "node-b", ECC_TEXT), [], "hbm_ecc", [2], ["node-b"], "isolate"),
+    ("plain traceback", crash(1, "node-a", TRACE), [], "process_crash", [1], ["node-a"],
+     "restart"),
+    ("gpu health xid 79", anomaly("gpu_health", [2, 3], ["node-b"], xids=[{"code": 79}]), [],
+     "gpu_lost", [2, 3], ["node-b"], "save_now"),
+    ("gpu health ecc rising", anomaly("gpu_health", [2], ["node-b"],
+                                      ecc_uncorrected_volatile={"from": 0, "to": 2}), [],
+     "hbm_ecc", [2], ["node-b"], "isolate"),
+    ("one rank stuck in data", anomaly("hang", [2], ["node-b"], culprits=[2],
+                                       culprit_basis="phase:comm", majority_phase="comm",
+                                       phases={"2": {"phase": "data", "host": "node-b"}}), [],
+     "rank_hang", [2], ["node-b"], "dump"),
+    ("frozen rank", anomaly("hang", [1], ["node-a"], culprits=[1],
+                            culprit_basis="process_state"), [],
+     "rank_hang", [1], ["node-a"], "dump"),
+    ("everyone waits in comm", anomaly("hang", [0, 1, 2, 3], ["node-a", "node-b"], culprits=[],
+                                       majority_phase="comm"), [],
+     "network", [0, 1, 2, 3], ["node-a", "node-b"], "restart"),
+    ("NaN on all ranks", anomaly("nonfinite", [0, 1, 2, 3], ["node-a", "node-b"],
+                                 minority=False), [],
+     "numeric", [0, 1, 2, 3], ["node-a", "node-b"], "rollback"),
+    ("NaN on one rank", anomaly("nonfinite", [3], ["node-b"], minority=True), [],
+     "sdc_suspect", [3], ["node-b"], "isolate"),
+    ("fingerprints disagree", anomaly("sdc_mismatch", [1], ["node-a"], suspects=[1]), [],
+     "sdc_suspect", [1], ["node-a"], "isolate"),
+    ("thermal straggler", anomaly("straggler", [1], ["node-a"], ratio=2.0),
+     [gpu("node-a", throttle=("hw_thermal_slowdown",), temp=91)], "straggler_thermal", [1],
+     ["node-a"], "alert"),
+    ("power straggler", anomaly("straggler", [1], ["node-a"], ratio=2.0),
+     [gpu("node-a", throttle=("hw_power_brake_slowdown",))], "straggler_power", [1],
+     ["node-a"], "alert"),
+    ("plain straggler", anomaly("straggler", [1], ["node-a"], ratio=2.0), [gpu("node-a")],
+     "straggler", [1], ["node-a"], "alert"),
+    ("loader stall", anomaly("data_stall", [0], ["node-a"]), [], "data_pipeline", [0],
+     ["node-a"], "alert"),
+    ("slow checkpoints", anomaly("checkpoint_slow", [0], ["node-a"]), [], "storage_io", [0],
+     ["node-a"], "alert"),
+    ("silence alone", anomaly("unresponsive", [2], ["node-b"]), [], "unknown", [2],
+     ["node-b"], "escalate"),
+]
+
+
+@pytest.mark.parametrize(("name", "a", "samples", "cause", "ranks", "hosts", "first"), CASES,
+                         ids=[c[0] for c in CASES])
+def test_causes(name: str, a: Anomaly, samples: list[GpuSample], cause: str, ranks: list[int],
+                hosts: list[str], first: str) -> None:
+    d = Diagnoser()
+    for s in samples:
+        d.observe_gpu(s)
+    (diag,) = d.on_anomaly(a, NOW).publish
+    assert (diag.cause, diag.ranks, diag.hosts) == (cause, ranks, hosts)
+    assert diag.recommended[0] == first
+    assert diag.anomaly_ids == [a.id] and 0 < diag.confidence <= 1
+    assert diag.summary and diag.evidence
+
+
+def test_crash_then_hangs_is_one_diagnosis_naming_the_crashed_host() -> None:
+    d = Diagnoser()
+    d.observe_exit(exit_of(3, "node-b", ECC_TEXT, NOW - 3))
+    first = d.on_anomaly(crash(3, "node-b", ECC_TEXT, "crash-3"), NOW)
+    (root,) = first.publish
+    hang = anomaly("hang", [0, 1, 2], ["node-a", "node-b"], "hang-1", culprits=[],
+                   majority_phase="comm")
+    (joined,) = d.on_anomaly(hang, NOW + 2).publish
+    assert joined.id == root.id and joined.rev == 2
+    assert joined.anomaly_ids == ["crash-3", "hang-1"]
+    assert joined.cause == "hbm_ecc" and joined.hosts == ["node-b"]
+
+
+def test_peer_errors_are_collateral_of_the_first_exit() -> None:
+    d = Diagnoser()
+    d.observe_exit(exit_of(3, "node-b", OOM, NOW - 3))
+    d.observe_exit(exit_of(0, "node-a", "RuntimeError: Connection closed by peer", NOW - 2))
+    (root,) = d.on_anomaly(crash(3, "node-b", OOM, "c3"), NOW).publish
+    (same,) = d.on_anomaly(crash(0, "node-a", "RuntimeError: Connection closed by peer",
+                                 "c0"), NOW + 1).publish
+    assert same.id == root.id and same.cause == "oom" and same.hosts == ["node-b"]
+
+
+def test_a_late_root_supersedes_an_earlier_guess() -> None:
+    d = Diagnoser()
+    hang = anomaly("hang", [0, 1], ["node-a"], "h", culprits=[], majority_phase="comm")
+    (guess,) = d.on_anomaly(hang, NOW).publish
+    assert guess.cause == "network"
+    d.observe_gpu(gpu("node-b", xid=79))
+    old, root = d.on_anomaly(anomaly("gpu_health", [2, 3], ["node-b"], "g",
+                                     xids=[{"code": 79}]), NOW + 1).publish
+    assert old.id == guess.id and old.status == "superseded" and old.superseded_by == root.id
+    assert root.cause == "gpu_lost" and set(root.anomaly_ids) == {"g", "h"}
+
+
+def test_repeated_trouble_raises_confidence_and_the_action() -> None:
+    d = Diagnoser()
+    a = anomaly("hang", [0, 1], ["node-a"], "h1", culprits=[], majority_phase="comm")
+    (fresh,) = Diagnoser().on_anomaly(a, NOW).publish
+    (again,) = d.on_anomaly(a, NOW, {"node-a": HostRecord({"network": 2})}).publish
+    assert again.confidence > fresh.confidence
+    assert again.recommended[0] == "isolate"
+    assert any(e.source == "redis:host_history" for e in again.evidence)
+
+
+def test_resolved_updates_and_redeliveries_make_no_new_diagnosis() -> None:
+    d = Diagnoser()
+    a = crash(1, "node-a", TRACE)
+    assert len(d.on_anomaly(a, NOW).publish) == 1
+    assert d.on_anomaly(a, NOW + 1).publish == []
+    a.status = "resolved"
+    assert d.on_anomaly(a, NOW + 2).publish == []
+
+
+def test_traceback_signature_ignores_numbers() -> None:
+    assert traceback_signature("x\nKeyError: 17") == traceback_signature("y\nKeyError: 23")
+    assert traceback_signature("KeyError: 1") != traceback_signature("ValueError: 1")
+    assert traceback_signature("no exception here") == ""
