@@ -91,7 +91,7 @@ async def _serve(names: list[str], base: Settings) -> int:
     for name in names:
         try:
             cls = registry.load(name)
-        except Exception as exc:  # noqa: BLE001 - a broken service must not stop the rest
+        except Exception as exc:  # a broken service must not stop the rest
             _say(f"{name}: cannot load ({exc!r}); skipped")
             continue
         tasks.append(asyncio.create_task(_supervise(cls(_settings_for(cls, base)), stop),
