@@ -322,10 +322,14 @@ class Incident(Durable, kw_only=True):
     mitigated_at: float | None = None
     resolved_at: float | None = None
     failure_step: int | None = None
+    failure_attempt: int | None = None
     resume_step: int | None = None
     steps_lost: int | None = None
+    restarted_attempt: int | None = None
+    """The job's attempt when the remediator restarted it: resolution needs a later one."""
     actions: list[dict[str, Any]] = []
     summary: str = ""
+    escalation: str = ""
 
 
 class CheckpointCommitted(Durable, kw_only=True):

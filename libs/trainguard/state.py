@@ -79,6 +79,24 @@ class Keys:
         """Hash of a host's diagnoses: ``<cause>`` -> count, ``last_cause``, ``last_time``."""
         return self._k("hosthist", host)
 
+    def incidents(self, job: str) -> str:
+        """Hash incident id -> JSON Incident (steps in ``actions``); remediator only."""
+        return self._k("incidents", job)
+
+    def open_incidents(self) -> str:
+        """Set of ``<job>|<incident id>`` still open or mitigating."""
+        return self._k("incidents", "open")
+
+    def restarts(self, job: str) -> str:
+        """Sorted set of restart times (score) for the restart budget."""
+        return self._k("restarts", job)
+
+    def cause_times(self, job: str, cause: str) -> str:
+        return self._k("causes", job, cause)
+
+    def leader(self, role: str) -> str:
+        return self._k("leader", role)
+
     def blocklist(self) -> str:
         """Hash host -> JSON {reason, time, job, incident}; written by the remediator only."""
         return self._k("blocklist")

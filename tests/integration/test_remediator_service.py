@@ -1,0 +1,218 @@
+"""The remediator on real NATS and Redis, with a stand-in for the node agents that runs
+the agent's own command rules (CommandExecutor) and acknowledges like an agent."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from tests.conftest import wait_until
+from tests.integration.recorder import running
+from tests.unit.test_agent_rules import FakeNode
+from trainguard.bus import Bus
+from trainguard.codec import decode_durable
+from trainguard.config import load_settings
+from trainguard.embedded import free_port
+from trainguard.schemas import Action, Command, CommandAck, Diagnosis, Incident
+from trainguard.services.agent.executor import CommandExecutor
+from trainguard.services.remediator.service import RemediatorService
+from trainguard.services.remediator.settings import RemediatorSettings
+from trainguard.state import Keys, Progress, encode_progress
+from trainguard.subjects import Subjects
+from trainguard.topology import provision, streams
+
+
+class Agents:
+    """Two hosts' agents: the real executor rules over a fake worker table."""
+
+    def __init__(self, nc: Any, prefix: str, job: str, *, drop_first_ack: bool = False) -> None:
+        self.nc, self.s, self.job = nc, Subjects(prefix), job
+        self.bus = Bus(nc, self.s, source="test-agent")
+        self.nodes = {h: FakeNode(host=h, hosts_store=h == "node-a") for h in ("node-a", "node-b")}
+        self.executors = {h: CommandExecutor(n) for h, n in self.nodes.items()}
+        self.commands: list[Command] = []
+        self.drop_first_ack = drop_first_ack
+
+    async def start(self) -> None:
+        for host in self.nodes:
+            async def cb(msg: Any, host: str = host) -> None:
+                cmd = decode_durable(msg.data, Command)
+                if cmd.id not in {c.id for c in self.commands}:
+                    self.commands.append(cmd)
+                out = self.executors[host].handle(cmd)
+                if out is None or (self.drop_first_ack and cmd.id == self.commands[0].id):
+                    return  # this ack is lost
+                await self.bus.publish_durable(self.s.ack(self.job, cmd.issuer), CommandAck(
+                    command_id=cmd.id, job=self.job, responder=f"host-{host}",
+                    outcome=out.outcome, detail=out.detail, kind=cmd.kind))
+
+            await self.nc.subscribe(self.s.cmd_all(self.job), cb=cb)
+            await self.nc.subscribe(self.s.cmd_host(self.job, host), cb=cb)
+        await self.nc.flush()
+
+    def executed(self, kind: str) -> set[str]:
+        """Ids of the ``kind`` commands the nodes actually ran (a broadcast counts once)."""
+        return {c.split(":", 1)[1] for n in self.nodes.values() for c in n.calls
+                if c.startswith(kind + ":")}
+
+
+async def seed(redis_url: str, prefix: str, job: str, *, attempt: int, step: int) -> None:
+    keys = Keys(prefix)
+    r = aioredis.Redis.from_url(redis_url)
+    for host, store in (("node-a", True), ("node-b", False)):
+        await r.set(keys.node(job, host), json.dumps({"host": host, "hosts_store": store,
+                                                      "nnodes_min": 1, "job": job}))
+    await r.set(keys.progress(job), encode_progress(Progress(
+        job=job, time=time.time(), attempt=attempt, last_step=step)))
+    await r.aclose()
+
+
+def diagnosis(job: str, ident: str, cause: str = "process_crash", host: str = "node-b",
+              step: int = 120) -> Diagnosis:
+    now = time.time()
+    return Diagnosis(id=ident, job=job, anomaly_ids=[f"anomaly-{ident}"], cause=cause,  # type: ignore[arg-type]
+                     confidence=0.8, ranks=[3], hosts=[host], step=step, time=now,
+                     onset_at=now - 3, summary=f"rank 3 on {host}: {cause}")
+
+
+async def incidents_of(nc: Any, prefix: str, job: str) -> list[Incident]:
+    got: list[Incident] = []
+
+    async def cb(msg: Any) -> None:
+        got.append(decode_durable(msg.data, Incident))
+
+    await nc.subscribe(Subjects(prefix).event(job, "incident"), cb=cb)
+    return got
+
+
+def settings_for(nats_url: str, redis_url: str, prefix: str, **kw: Any) -> RemediatorSettings:
+    return load_settings(RemediatorSettings, env={}, overrides={
+        "nats_url": nats_url, "redis_url": redis_url, "prefix": prefix, "lease_ttl": 1.0, **kw})
+
+
+async def test_crash_to_restart_to_resolved(nats_url: str, redis_url: str, prefix: str,
+                                            job: str, nc: Any) -> None:
+    await provision(nc.jetstream(), streams(prefix))
+    agents = Agents(nc, prefix, job)
+    await agents.start()
+    await seed(redis_url, prefix, job, attempt=0, step=120)
+    seen = await incidents_of(nc, prefix, job)
+    actions: list[Action] = []
+
+    async def on_action(msg: Any) -> None:
+        actions.append(decode_durable(msg.data, Action))
+
+    await nc.subscribe(Subjects(prefix).event(job, "action"), cb=on_action)
+    svc = RemediatorService(settings_for(nats_url, redis_url, prefix))
+    async with running(svc):
+        await wait_until(lambda: svc.leader is not None and svc.leader.leading, what="leading")
+        bus = Bus(nc, Subjects(prefix), source="test")
+        await bus.publish_durable(Subjects(prefix).event(job, "diagnosis"),
+                                  diagnosis(job, "d1"))
+        await wait_until(lambda: any(i.status == "mitigating" and i.mitigated_at
+                                     for i in seen), what="mitigated")
+        # Training comes back in a new attempt and passes the failure step.
+        await seed(redis_url, prefix, job, attempt=1, step=121)
+        await wait_until(lambda: any(i.status == "resolved" for i in seen), what="resolved")
+    final = seen[-1]
+    assert next(i.status for i in seen) == "open" and final.status == "resolved"
+    assert all(getattr(final, f) for f in ("onset_at", "detected_at", "diagnosed_at",
+                                           "first_action_at", "mitigated_at", "resolved_at"))
+    assert final.failure_step == 120 and final.steps_lost == 120  # no checkpoint: from 0
+    assert [a["action"] for a in final.actions] == ["restart"]
+    assert final.actions[0]["status"] == "done"
+    assert agents.executed("restart") == {agents.commands[0].id}
+    assert len(agents.commands) == 1
+    assert agents.commands[0].epoch >= 1 and agents.commands[0].issuer == "remediator"
+    assert [a.action for a in actions] == ["restart"] and actions[0].status == "acked"
+    assert sorted(i.rev for i in seen) == list(range(1, len(seen) + 1))
+
+
+async def test_a_fault_beyond_the_restart_budget_escalates(
+        nats_url: str, redis_url: str, prefix: str, job: str, nc: Any, tmp_path: Path) -> None:
+    await provision(nc.jetstream(), streams(prefix))
+    policy = tmp_path / "policy.toml"
+    policy.write_text("[defaults]\nrestart_budget_per_hour = 1\ncooldown_s = 0\n")
+    agents = Agents(nc, prefix, job)
+    await agents.start()
+    await seed(redis_url, prefix, job, attempt=0, step=50)
+    seen = await incidents_of(nc, prefix, job)
+    svc = RemediatorService(settings_for(nats_url, redis_url, prefix, policy=str(policy)))
+    async with running(svc):
+        await wait_until(lambda: svc.leader is not None and svc.leader.leading, what="leading")
+        bus = Bus(nc, Subjects(prefix), source="test")
+        await bus.publish_durable(Subjects(prefix).event(job, "diagnosis"), diagnosis(job, "d1"))
+        await wait_until(lambda: agents.executed("restart"), what="first restart")
+        await seed(redis_url, prefix, job, attempt=1, step=60)
+        await bus.publish_durable(Subjects(prefix).event(job, "diagnosis"), diagnosis(
+            job, "d2", step=60))
+        await wait_until(lambda: any(i.status == "escalated" for i in seen), what="escalated")
+    escalated = next(i for i in seen if i.status == "escalated")
+    assert "budget" in escalated.escalation
+    assert len(agents.executed("restart")) == 1
+
+
+async def test_leader_dies_mid_incident_and_the_standby_finishes_without_repeats(
+        nats_url: str, redis_url: str, prefix: str, job: str, nc: Any, tmp_path: Path) -> None:
+    await provision(nc.jetstream(), streams(prefix))
+    agents = Agents(nc, prefix, job, drop_first_ack=True)  # the first ack is lost
+    await agents.start()
+    await seed(redis_url, prefix, job, attempt=0, step=200)
+    seen = await incidents_of(nc, prefix, job)
+    policy = tmp_path / "policy.toml"
+    policy.write_text("[defaults]\nack_timeout_s = 60\n")
+    env = {**os.environ, "TRAINGUARD_NATS_URL": nats_url, "TRAINGUARD_REDIS_URL": redis_url,
+           "TRAINGUARD_PREFIX": prefix, "TRAINGUARD_LEASE_TTL": "1.5",
+           "TRAINGUARD_POLICY": str(policy)}
+    ports = [free_port(), free_port()]
+    procs = [subprocess.Popen([sys.executable, "-m", "trainguard", "service", "remediator",
+                               "--health-port", str(p)], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL) for p in ports]
+    try:
+        async def role(port: int) -> str:
+            try:
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            except OSError:
+                return "down"
+            writer.write(b"GET /readyz HTTP/1.1\r\n\r\n")
+            body = (await reader.read()).decode()
+            writer.close()
+            return "leader" if "(leader)" in body else "standby"
+
+        async def roles() -> list[str]:
+            return [await role(p) for p in ports]
+
+        await wait_until(lambda: _sorted_roles(roles(), ["leader", "standby"]), timeout=60,
+                         what="one leader, one standby")
+        leader = (await roles()).index("leader")
+        bus = Bus(nc, Subjects(prefix), source="test")
+        await bus.publish_durable(Subjects(prefix).event(job, "diagnosis"), diagnosis(job, "d1"))
+        await wait_until(lambda: len(agents.commands) == 1, timeout=30, what="first command")
+        procs[leader].send_signal(signal.SIGKILL)  # dies without releasing its lock
+        procs[leader].wait(10)
+        await wait_until(lambda: len(agents.commands) == 2, timeout=60,
+                         what="the standby re-sends as a retry")
+        await seed(redis_url, prefix, job, attempt=1, step=201)
+        await wait_until(lambda: any(i.status == "resolved" for i in seen), timeout=60,
+                         what="resolved by the new leader")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                p.wait(20)
+    first, retry = agents.commands
+    assert retry.retry_of == first.id and retry.epoch > first.epoch
+    assert agents.executed("restart") == {first.id}  # run once; the retry acked as done
+
+
+async def _sorted_roles(roles: Any, want: list[str]) -> bool:
+    return sorted(await roles) == want
