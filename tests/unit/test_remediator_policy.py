@@ -136,7 +136,7 @@ def test_bad_policy_files_are_refused_with_the_line(tmp_path: Path) -> None:
     with pytest.raises(PolicyError, match=r"line 3: unknown key 'coolness'"):
         load_policy(bad)
     bad.write_text("[defaults\n")
-    with pytest.raises(PolicyError, match="policy.toml"):
+    with pytest.raises(PolicyError, match=r"policy\.toml"):
         load_policy(bad)
     with pytest.raises(PolicyError, match="cannot read policy file"):
         load_policy(tmp_path / "missing.toml")

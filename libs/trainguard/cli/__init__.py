@@ -8,9 +8,9 @@ import sys
 from collections.abc import Sequence
 
 from ..errors import TrainguardError
-from . import inject, service_cmd, up
+from . import inject, oncall, service_cmd, up
 
-COMMANDS = (up, service_cmd, inject)
+COMMANDS = (up, service_cmd, inject, oncall)
 
 
 def _plugin_commands() -> list[object]:

@@ -1,0 +1,161 @@
+"""``trainguard checkpoints`` and ``trainguard save``: the coordinator's catalogue and save-now.
+
+Both ask the checkpoint coordinator over NATS request/reply
+(``<prefix>.<job>.rpc.checkpoints`` and ``<prefix>.<job>.rpc.save``), so they need only the
+NATS URL, and they show what the coordinator itself decides from (its Redis layout stays
+its own business).
+
+    trainguard checkpoints --job llama-8b          # newest first; --json for tools
+    trainguard save --job llama-8b --deadline 60   # exit 0: committed, 1: not, 2: error
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+from typing import Any
+
+import nats.errors
+
+from ..bus import connect_nats
+from ..errors import TrainguardError
+from ..subjects import check_token
+from .common import add_connection_flags, settings_from
+
+
+class CoordinatorUnavailable(TrainguardError):
+    """No checkpoint coordinator answered the request."""
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("checkpoints", help="list a job's checkpoints and its resume point",
+                       description="List a job's checkpoints (newest first), the resume "
+                                   "pointer, the pinned rollback target and the interval.")
+    add_connection_flags(p)
+    p.add_argument("--job", required=True, help="job name")
+    p.add_argument("--json", action="store_true", help="print the coordinator's reply as JSON")
+    p.add_argument("--limit", type=int, default=50, help="newest N checkpoints (default 50)")
+    p.add_argument("--timeout", type=float, default=5.0,
+                   help="seconds to wait for the coordinator (default 5)")
+    p.set_defaults(run=run_checkpoints)
+
+    q = sub.add_parser("save", help="checkpoint a job now and wait for the commit",
+                       description="Ask every rank of a job to save now; wait for the commit "
+                                   "up to --deadline. Exit 0 when a resume point was "
+                                   "committed, 1 when not (the reason names the ranks that "
+                                   "did not report), 2 on errors.")
+    add_connection_flags(q)
+    q.add_argument("--job", required=True, help="job name")
+    q.add_argument("--deadline", type=float, default=120.0,
+                   help="seconds to wait for the commit (default 120)")
+    q.add_argument("--reason", default="requested from the command line")
+    q.add_argument("--json", action="store_true", help="print the coordinator's reply as JSON")
+    q.set_defaults(run=run_save)
+
+
+async def _request(args: argparse.Namespace, name: str, body: dict[str, Any],
+                   timeout: float) -> dict[str, Any]:
+    settings = settings_from(args)
+    job = check_token("job", args.job)
+    subject = settings.subjects.rpc(job, name)
+    nc = await connect_nats(settings.nats_url, name="trainguard-cli",
+                            timeout=settings.connect_timeout)
+    try:
+        reply = await nc.request(subject, json.dumps(body).encode(), timeout=timeout)
+    except nats.errors.NoRespondersError:
+        raise CoordinatorUnavailable(
+            f"no checkpoint coordinator answers on {subject}; is `trainguard service "
+            "checkpointer` (or `trainguard up`) running with the same prefix?") from None
+    except (TimeoutError, nats.errors.TimeoutError):
+        raise CoordinatorUnavailable(
+            f"the checkpoint coordinator did not answer on {subject} within {timeout:g}s"
+        ) from None
+    finally:
+        await nc.close()
+    try:
+        data: dict[str, Any] = json.loads(reply.data or b"{}")
+    except ValueError:
+        raise CoordinatorUnavailable(f"unreadable reply on {subject}: {reply.data!r}") from None
+    return data
+
+
+def run_checkpoints(args: argparse.Namespace) -> int:
+    data = asyncio.run(_request(args, "checkpoints", {"limit": args.limit}, args.timeout))
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    print(format_catalogue(data))
+    return 0
+
+
+def run_save(args: argparse.Namespace) -> int:
+    body = {"deadline": args.deadline, "reason": args.reason}
+    data = asyncio.run(_request(args, "save", body, args.deadline + 10.0))
+    if args.json:
+        print(json.dumps(data, indent=2))
+    elif data.get("ok"):
+        print(f"committed step {data.get('step')} at {data.get('path')} "
+              f"in {data.get('elapsed', 0.0):.1f}s")
+    else:
+        missing = data.get("missing_ranks") or []
+        failed = data.get("failed_ranks") or []
+        print(f"not saved ({data.get('status')}): {data.get('reason')}")
+        if missing:
+            print(f"ranks that did not report: {missing}")
+        if failed:
+            print(f"ranks that failed: {failed}")
+    return 0 if data.get("ok") else 1
+
+
+def _when(ts: Any) -> str:
+    if not ts:
+        return "-"
+    return dt.datetime.fromtimestamp(float(ts)).strftime("%H:%M:%S")
+
+
+def _size(n: Any) -> str:
+    value = float(n or 0)
+    for unit in ("B", "KB", "MB", "GB"):
+        if value < 1024 or unit == "GB":
+            return f"{value:.0f}{unit}" if unit == "B" else f"{value:.1f}{unit}"
+        value /= 1024
+    return f"{value:.1f}TB"
+
+
+def format_catalogue(data: dict[str, Any]) -> str:
+    """The catalogue as a table a person reads on a terminal."""
+    lines = [f"job {data.get('job')}"]
+    pointer = data.get("pointer")
+    lines.append(f"resume point: step {pointer['step']} ({pointer['path']})" if pointer
+                 else "resume point: none")
+    if data.get("pin") is not None:
+        lines.append(f"pinned by rollback: step {data['pin']}")
+    interval = data.get("interval")
+    if interval:
+        lines.append(f"interval: every {interval.get('every_steps')} steps "
+                     f"(~{float(interval.get('seconds') or 0):.0f}s; save cost "
+                     f"{float(interval.get('cost') or 0):.2f}s, MTBF "
+                     f"{float(interval.get('mtbf') or 0) / 3600:.1f}h)")
+    for anomaly, onset in (data.get("onsets") or {}).items():
+        lines.append(f"open onset: {onset.get('kind')} at step {onset.get('step')} "
+                     f"(anomaly {anomaly})")
+    rows = [("STEP", "STATUS", "RANKS", "SIZE", "BLOCKED", "TOTAL", "CLOSED", "NOTE")]
+    for c in data.get("checkpoints") or []:
+        reported = len(c.get("reported") or [])
+        note = c.get("suspect") or c.get("reason") or ""
+        if c.get("missing_ranks") and c.get("status") in ("failed", "pending"):
+            note = f"missing {c['missing_ranks']}" + (f"; {note}" if note else "")
+        rows.append((str(c.get("step")), str(c.get("status")),
+                     f"{reported}/{c.get('world_size')}", _size(c.get("bytes")),
+                     f"{float(c.get('seconds_blocked') or 0):.2f}s",
+                     f"{float(c.get('seconds_total') or 0):.2f}s", _when(c.get("closed_at")),
+                     note[:80]))
+    if len(rows) == 1:
+        lines.append("no checkpoints")
+        return "\n".join(lines)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for r in rows:
+        lines.append("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=False)) + "  " + r[-1])
+    return "\n".join(lines)

@@ -1,0 +1,184 @@
+"""What on-call looks at: ``trainguard status``, ``events`` and ``incidents``.
+
+All three read the control plane's state (Redis) and event history (JetStream) only; none
+of them needs a service to be running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import sys
+import time
+from typing import Any
+
+import msgspec
+from rich.console import Console
+from rich.table import Table
+
+from ..bus import connect_nats
+from ..codec import decode_any_durable, decode_durable
+from ..config import Settings
+from ..envelope import normalize_headers
+from ..schemas import Incident
+from ..state import Keys, decode_progress
+from ..store import connect_redis
+from .common import add_connection_flags, settings_from
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    for name, helptext, fn in (
+        ("status", "jobs, ranks, open incidents and the blocklist", _status),
+        ("incidents", "incidents with their timings", _incidents),
+        ("events", "the event history (anomalies, diagnoses, actions, incidents, ...)", _events),
+    ):
+        p = sub.add_parser(name, help=helptext, description=helptext)
+        p.add_argument("--job", help="only this job")
+        p.add_argument("--json", action="store_true", help="one JSON object per line")
+        if name == "events":
+            p.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
+            p.add_argument("--kind", help="anomaly, diagnosis, action, incident or checkpoint")
+        add_connection_flags(p)
+        p.set_defaults(run=lambda args, fn=fn: asyncio.run(fn(args)))
+
+
+async def _jobs(redis: Any, keys: Keys, only: str | None) -> list[str]:
+    if only:
+        return [only]
+    found = {str(j) for j in await redis.smembers(keys.jobs())}
+    async for key in redis.scan_iter(match=keys.progress("*")):
+        found.add(str(key).rsplit(":", 1)[-1])
+    async for key in redis.scan_iter(match=keys.incidents("*")):
+        name = str(key).rsplit(":", 1)[-1]
+        if name != "open":
+            found.add(name)
+    return sorted(found)
+
+
+async def _load_incidents(redis: Any, keys: Keys, job: str) -> list[Incident]:
+    raw = await redis.hgetall(keys.incidents(job))
+    out = [decode_durable(v.encode() if isinstance(v, str) else v, Incident) for v in raw.values()]
+    return sorted(out, key=lambda i: i.detected_at or 0)
+
+
+def _console() -> Console:
+    """Rich wraps to 80 columns when piped; tables of incidents need more."""
+    return Console(width=None if sys.stdout.isatty() else 200)
+
+
+def _ago(t: float | None) -> str:
+    return "-" if not t else f"{time.time() - t:.0f}s ago"
+
+
+def _span(a: float | None, b: float | None) -> str:
+    return f"{b - a:.1f}s" if a and b else "-"
+
+
+async def _status(args: argparse.Namespace) -> int:
+    settings: Settings = settings_from(args)
+    keys = Keys(settings.prefix)
+    redis = await connect_redis(settings.redis_url, timeout=settings.connect_timeout)
+    console = _console()
+    try:
+        blocklist = {str(k): str(v) for k, v in (await redis.hgetall(keys.blocklist())).items()}
+        report: dict[str, Any] = {"jobs": {}, "blocklist": blocklist}
+        for job in await _jobs(redis, keys, args.job):
+            raw = await redis.get(keys.progress(job))
+            progress = decode_progress(raw) if raw else None
+            incidents = [i for i in await _load_incidents(redis, keys, job)
+                         if i.status in ("open", "mitigating")]
+            report["jobs"][job] = {"progress": msgspec.to_builtins(progress) if progress else None,
+                                   "open_incidents": [msgspec.to_builtins(i) for i in incidents]}
+        if args.json:
+            print(json.dumps(report))
+            return 0
+        for job, info in report["jobs"].items():
+            p = info["progress"]
+            if p is None:
+                console.print(f"[bold]{job}[/]: no progress reported (is the detector running?)")
+            else:
+                states: dict[str, int] = {}
+                for r in p["ranks"].values():
+                    states[r["state"]] = states.get(r["state"], 0) + 1
+                console.print(f"[bold]{job}[/]: step {p['last_step']}  world {p['world_size']}  "
+                              f"attempt {p['attempt']}  median step "
+                              f"{(p['median_step_time'] or 0) * 1000:.0f} ms  ranks "
+                              + ", ".join(f"{n} {s}" for s, n in sorted(states.items())))
+            for inc in info["open_incidents"]:
+                console.print(f"  incident {inc['id'][:8]} {inc['cause']} {inc['status']} "
+                              f"hosts {','.join(inc['hosts'])} since "
+                              f"{_ago(inc['detected_at'])}: {inc['summary']}")
+        if not report["jobs"]:
+            console.print("no jobs known")
+        for host, why in blocklist.items():
+            console.print(f"blocklisted: [bold]{host}[/] {why}")
+        return 0
+    finally:
+        await redis.aclose()
+
+
+async def _incidents(args: argparse.Namespace) -> int:
+    settings = settings_from(args)
+    keys = Keys(settings.prefix)
+    redis = await connect_redis(settings.redis_url, timeout=settings.connect_timeout)
+    try:
+        rows = [i for job in await _jobs(redis, keys, args.job)
+                for i in await _load_incidents(redis, keys, job)]
+    finally:
+        await redis.aclose()
+    if args.json:
+        for i in rows:
+            print(json.dumps(msgspec.to_builtins(i)))
+        return 0
+    table = Table("incident", "job", "cause", "status", "hosts", "detect", "mitigate",
+                  "recover", "steps lost", "actions")
+    for i in rows:
+        table.add_row(i.id[:8], i.job, i.cause, i.status, ",".join(i.hosts),
+                      _span(i.onset_at, i.detected_at), _span(i.detected_at, i.mitigated_at),
+                      _span(i.detected_at, i.resolved_at),
+                      "-" if i.steps_lost is None else str(i.steps_lost),
+                      " ".join(f"{a.get('action')}:{a.get('status')}" for a in i.actions))
+    _console().print(table)
+    return 0
+
+
+async def _events(args: argparse.Namespace) -> int:
+    settings = settings_from(args)
+    s = settings.subjects
+    subject = s.pattern("event", job=args.job or "*", tail=args.kind or ">")
+    nc = await connect_nats(settings.nats_url, name="trainguard-events",
+                            timeout=settings.connect_timeout)
+    console = _console()
+    try:
+        js = nc.jetstream()
+        sub = await js.subscribe(subject, ordered_consumer=True)
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=1.0 if not args.follow else 3600)
+            except TimeoutError:
+                if args.follow:
+                    continue
+                return 0
+            headers = normalize_headers(msg.headers)
+            try:
+                event = decode_any_durable(msg.data, headers.get("ce-type"))
+            except Exception as exc:
+                console.print(f"[red]undecodable event on {msg.subject}: {exc}[/]")
+                continue
+            if args.json:
+                print(json.dumps({"subject": msg.subject, "type": headers.get("ce-type"),
+                                  "event": json.loads(msg.data)}), flush=True)
+            else:
+                body = msgspec.to_builtins(event)
+                what = body.get("kind") or body.get("cause") or body.get("action") or \
+                    body.get("status")
+                console.print(f"{headers.get('ce-time', '')} {msg.subject} [bold]{what}[/] "
+                              f"{body.get('summary') or body.get('ranks') or ''}")
+            with contextlib.suppress(Exception):
+                pending = (await sub.consumer_info()).num_pending
+                if pending == 0 and not args.follow:
+                    return 0
+    finally:
+        await nc.close()
