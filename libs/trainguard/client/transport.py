@@ -193,6 +193,8 @@ class Transport:
             connector.cancel()
             for task in periodic:
                 task.cancel()
+            # Let cancelled tasks unwind (a connect attempt in flight), bounded.
+            await asyncio.wait([connector, *periodic], timeout=1.0)
             if self._nc is not None:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(self._nc.close(), 2.0)
