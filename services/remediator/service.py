@@ -204,6 +204,11 @@ class RemediatorService(Service):
                 if pending is None:
                     if inc.mitigated_at is None and inc.actions:
                         inc.mitigated_at = time.time()
+                        recovering = any(a.get("action") in ("restart", "rollback", "isolate")
+                                         and a.get("status") in ("done", "skipped")
+                                         for a in inc.actions)
+                        if inc.escalation and not recovering:
+                            inc.status = "escalated"  # nothing left that could recover it
                         await self._save(inc)
                     return
                 step = Step.from_dict(inc.actions[pending])
@@ -219,9 +224,13 @@ class RemediatorService(Service):
 
                 await self._do(inc, step, persist)
                 inc.actions[pending] = step.as_dict()
-                if step.action == "escalate" or step.status == "failed":
-                    inc.status = "escalated"
+                if step.action == "escalate":
+                    # A human is told; the steps that can still help (a restart in place)
+                    # go on.
                     inc.escalation = step.detail
+                elif step.status == "failed":
+                    inc.status = "escalated"
+                    inc.escalation = f"{step.action} failed: {step.detail}"
                 await self._save(inc)
         except NotLeader:
             log.warning("lost leadership during incident %s", ident)
