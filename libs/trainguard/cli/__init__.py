@@ -8,9 +8,9 @@ import sys
 from collections.abc import Sequence
 
 from ..errors import TrainguardError
-from . import inject, oncall, service_cmd, up
+from . import demo, inject, oncall, service_cmd, up
 
-COMMANDS = (up, service_cmd, inject, oncall)
+COMMANDS = (up, service_cmd, inject, oncall, demo)
 
 
 def _plugin_commands() -> list[object]:

@@ -1,0 +1,2 @@
+"""``trainguard demo``: a real multi-process training job, hit by the failures of DESIGN.md
+section 6, recovering by itself while you watch."""

@@ -1,0 +1,162 @@
+"""Plays a fault schedule against a :class:`Cluster` and judges each outcome.
+
+For every fault: wait until training is healthy, inject the drill (the same commands as
+``trainguard inject``), then follow the anomaly, the diagnosis, the incident and its
+actions until training has recovered, and record how long each took.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from ..codec import encode_durable
+from ..envelope import make_headers, uuid7
+from ..schemas import Command, Incident
+from ..subjects import Subjects
+from .cluster import Cluster, Observer
+from .scenario import Fault
+
+
+@dataclass
+class Outcome:
+    fault: Fault
+    injected_at: float = 0.0
+    injected_step: int = -1
+    detected_at: float | None = None
+    anomaly_ranks: list[int] = field(default_factory=list)
+    cause: str | None = None
+    actions: list[str] = field(default_factory=list)
+    recovered_at: float | None = None
+    steps_lost: int | None = None
+    incident_status: str | None = None
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def seconds(self, t: float | None) -> str:
+        return "-" if t is None else f"{t - self.injected_at:.1f}s"
+
+
+class Runner:
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.obs: Observer = cluster.observer
+        self.started = time.time()
+        self.outcomes: list[Outcome] = []
+
+    async def command(self, fault: Fault, kind: str, params: dict[str, object]) -> None:
+        s = Subjects(self.cluster.prefix)
+        job = self.cluster.job
+        if fault.agent_side:
+            host = fault.host or ("node-a" if (fault.rank or 0) < 2 else "node-b")
+            subject = s.cmd_host(job, host)
+            if fault.rank is not None:
+                params = {**params, "rank": fault.rank}
+        else:
+            subject = s.cmd_rank(job, fault.rank or 0)
+        cmd = Command(id=uuid7(), job=job, kind=kind, issuer="cli", params=dict(params),
+                      issued_at=time.time())
+        await self.cluster.publish(subject, encode_durable(cmd),
+                                   make_headers(cmd, source="trainguard/demo", subject=subject))
+
+    async def healthy(self, timeout: float = 120.0) -> None:
+        """Training progresses and no incident is still being handled."""
+        deadline = time.monotonic() + timeout
+        start_step = self.obs.max_step
+        while time.monotonic() < deadline:
+            busy = [i for i in self.obs.incidents.values() if i.status in ("open", "mitigating")]
+            if not busy and self.obs.max_step >= start_step + 3:
+                return
+            await asyncio.sleep(0.2)
+        raise TimeoutError("training did not become healthy again")
+
+    async def play(self, fault: Fault) -> Outcome:
+        await self.healthy()
+        out = Outcome(fault, injected_at=time.time(), injected_step=self.obs.max_step)
+        self.obs.timeline.append((out.injected_at, f"INJECT    {fault.name} ({fault.kind} "
+                                                   f"rank {fault.rank} host {fault.host})"))
+        seen_anomalies = len(self.obs.anomalies)
+        await self.command(fault, fault.kind, fault.params)
+        deadline = time.monotonic() + fault.timeout
+        incident: Incident | None = None
+        undone = False
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+            fresh = [a for a in self.obs.anomalies[seen_anomalies:]
+                     if a.kind == fault.anomaly and a.detected_at >= out.injected_at - 1]
+            if fresh and out.detected_at is None:
+                out.detected_at = fresh[0].detected_at
+                out.anomaly_ranks = fresh[0].ranks
+            if fresh and fault.undo and not undone:
+                await self.command(fault, *fault.undo)
+                undone = True
+            incident = self._incident_for(out.injected_at)
+            if incident is not None and self._recovered(fault, out, incident):
+                break
+        if incident is not None:
+            out.cause = incident.cause
+            out.incident_status = incident.status
+            out.actions = [f"{a.get('action')}:{a.get('status')}" for a in incident.actions]
+            out.steps_lost = incident.steps_lost
+        self._judge(out, incident)
+        self.outcomes.append(out)
+        return out
+
+    def _incident_for(self, since: float) -> Incident | None:
+        fresh = [i for i in self.obs.incidents.values() if (i.detected_at or 0) >= since - 1]
+        return min(fresh, key=lambda i: i.detected_at or 0) if fresh else None
+
+    def _recovered(self, fault: Fault, out: Outcome, inc: Incident) -> bool:
+        if fault.recovery == "alert":
+            if any(a.startswith("alert") for a in
+                   (f"{x.get('action')}" for x in inc.actions)) and inc.status != "open":
+                out.recovered_at = inc.mitigated_at or time.time()
+                return True
+            return False
+        if inc.status not in ("resolved", "escalated"):
+            return False
+        if fault.recovery == "world_shrinks":
+            shrunk = [t for t, w in self.obs.world_sizes if t >= out.injected_at and w == 2]
+            if not shrunk or self.obs.max_step <= out.injected_step:
+                return False
+        if fault.recovery == "fingerprints_agree":
+            later = [fp for step, fp in sorted(self.obs.fingerprints.items())
+                     if step > out.injected_step and len(fp) >= len(self.obs.live_ranks())]
+            if not later or len(set(later[-1].values())) != 1:
+                return False
+        out.recovered_at = inc.resolved_at or time.time()
+        return inc.status == "resolved" or fault.recovery != "step_past"
+
+    def _judge(self, out: Outcome, inc: Incident | None) -> None:
+        f = out.fault
+        if out.detected_at is None:
+            out.problems.append(f"no {f.anomaly} anomaly")
+        elif f.rank is not None and f.anomaly in ("straggler", "hang", "crash") \
+                and f.rank not in out.anomaly_ranks:
+            out.problems.append(f"anomaly named ranks {out.anomaly_ranks}, not {f.rank}")
+        if inc is None:
+            out.problems.append("no incident")
+            return
+        if inc.cause not in f.causes:
+            out.problems.append(f"cause {inc.cause}, expected {' or '.join(f.causes)}")
+        done = {str(a.get("action")) for a in inc.actions if a.get("status") in ("done",
+                                                                                   "skipped")}
+        missing = [a for a in f.actions if a not in done]
+        if missing:
+            out.problems.append(f"actions missing: {', '.join(missing)}")
+        if out.recovered_at is None:
+            out.problems.append(f"not recovered ({f.recovery}, incident {inc.status})")
+
+    def goodput(self) -> float:
+        """Productive training time over wall time: distinct steps completed times the
+        median step time, over the time since the job started."""
+        wall = time.time() - self.started
+        times = [r.step_time for r in self.obs.ranks.values() if r.step_time]
+        if not times or wall <= 0:
+            return 0.0
+        return min(1.0, (self.obs.max_step + 1) * statistics.median(times) / wall)
