@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 PYTEST := $(BIN)/python -m pytest --durations=25
 
-.PHONY: setup test test-fast test-e2e lint up bench clean
+.PHONY: setup test test-fast test-e2e lint up demo bench clean
 
 setup: $(STAMP)
 
@@ -36,6 +36,9 @@ bench: setup
 
 up: setup
 	$(BIN)/trainguard up
+
+demo: setup
+	$(BIN)/trainguard demo
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .trainguard
