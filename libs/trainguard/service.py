@@ -193,6 +193,8 @@ class Runtime:
 
         await self.bus.nc.subscribe(subject, queue=queue, cb=_cb, pending_msgs_limit=500_000,
                                     pending_bytes_limit=256 * 1024 * 1024)
+        # The server knows the subscription once this returns: "ready" means listening.
+        await self.bus.nc.flush()
 
     async def publish_event(self, subject: str, msg: Durable, ctx: Context | None = None) -> None:
         """Publish a durable message inside a PRODUCER span (the trace goes on downstream)."""

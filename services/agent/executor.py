@@ -49,7 +49,8 @@ class CommandExecutor:
         self.node = node
         self._seen: collections.OrderedDict[str, Outcome] = collections.OrderedDict()
         self._seen_limit = seen_limit
-        self.max_epoch = 0
+        self.max_epoch: dict[str, int] = {}
+        """Highest epoch seen per issuer (each issuer's leader has its own token)."""
 
     def handle(self, cmd: Command) -> Outcome | None:
         if cmd.kind not in AGENT_KINDS:
@@ -59,10 +60,11 @@ class CommandExecutor:
         if cmd.retry_of and cmd.retry_of in self._seen \
                 and self._seen[cmd.retry_of].outcome == "done":
             return self._remember(cmd, Outcome("done", f"already done as {cmd.retry_of}"))
-        if cmd.epoch < self.max_epoch:
-            return self._remember(cmd, Outcome("refused",
-                                               f"stale epoch {cmd.epoch} < {self.max_epoch}"))
-        self.max_epoch = max(self.max_epoch, cmd.epoch)
+        highest = self.max_epoch.get(cmd.issuer, 0)
+        if cmd.epoch < highest:
+            return self._remember(cmd, Outcome(
+                "refused", f"stale epoch {cmd.epoch} < {highest} of {cmd.issuer}"))
+        self.max_epoch[cmd.issuer] = max(highest, cmd.epoch)
         try:
             detail = self._run(cmd)
         except Refused as exc:

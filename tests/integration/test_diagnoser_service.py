@@ -35,11 +35,13 @@ async def test_exit_and_crash_become_one_diagnosis(nats_url: str, redis_url: str
 
     await nc.subscribe(s.event(job, "diagnosis"), cb=on_diag)
     await nc.subscribe(s.dead(job), cb=on_dead)
-    async with running(DiagnoserService(settings)):
+    svc = DiagnoserService(settings)
+    async with running(svc):
         bus = Bus(nc, s, source="test")
         now = time.time()
         await nc.publish(s.gpu(job, "node-b"), encode_telemetry(GpuSample(
             job=job, time=now, host="node-b", xids=[XidEvent(gpu=0, code=79, time=now)])))
+        await wait_until(lambda: svc.rules.gpu.get("node-b"), what="the GPU sample seen")
         await bus.publish_durable(s.exit(job, "node-b"), WorkerExit(
             id="x1", job=job, host="node-b", rank=3, exit_code=1, time=now,
             stderr_tail="RuntimeError: CUDA error: unknown error"))

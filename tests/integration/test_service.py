@@ -123,7 +123,10 @@ async def test_health_endpoints(nats_url: str, redis_url: str, prefix: str) -> N
             return int(data.split()[1]), data.split("\r\n\r\n", 1)[1]
 
         assert (await get("/livez"))[0] == 200
-        await wait_until(lambda: rt.ready(), what="ready")
+        async def ready() -> bool:
+            return (await rt.ready())[0]
+
+        await wait_until(ready, what="ready")
         code, body = await get("/readyz")
         assert code == 200 and "ready" in body
         code, body = await get("/metrics")
@@ -150,7 +153,10 @@ async def test_service_survives_a_nats_server_restart(private_nats: NatsServer, 
         for i in range(5):
             await bus.publish_durable(subject, anomaly(job, f"after-{i}"))
         await wait_until(lambda: len(svc.attempts) == 10, timeout=30, what="second batch")
-        await wait_until(lambda: rt.ready(), timeout=30, what="ready again")
+        async def ready() -> bool:
+            return (await rt.ready())[0]
+
+        await wait_until(ready, timeout=30, what="ready again")
         await pub.close()
     assert await recorded(redis_url, svc.key) == {f"{w}-{i}" for w in ("before", "after")
                                                   for i in range(5)}

@@ -8,9 +8,9 @@ import sys
 from collections.abc import Sequence
 
 from ..errors import TrainguardError
-from . import demo, inject, oncall, service_cmd, up
+from . import checkpoints, demo, inject, oncall, service_cmd, up
 
-COMMANDS = (up, service_cmd, inject, oncall, demo)
+COMMANDS = (up, service_cmd, inject, oncall, checkpoints, demo)
 
 
 def _plugin_commands() -> list[object]:

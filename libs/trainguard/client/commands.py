@@ -65,7 +65,8 @@ class CommandDesk:
         self.inbox: collections.deque[Queued] = collections.deque(maxlen=10_000)
         self.agreement: Agreement | None = None
         self._seen: collections.OrderedDict[str, AckOutcome] = collections.OrderedDict()
-        self._max_epoch = 0
+        self._max_epoch: dict[str, int] = {}
+        """Highest epoch seen per issuer: each issuer's leader has its own fencing token."""
         self._at_step: list[Queued] = []
         self._collective: dict[int, Queued] = {}
         self._highest_seq = 0
@@ -108,10 +109,11 @@ class CommandDesk:
                 and self._seen[cmd.retry_of] == "done":
             self._ack(q, "done", f"already done as {cmd.retry_of}")
             return
-        if cmd.epoch < self._max_epoch:
-            self._ack(q, "refused", f"stale epoch {cmd.epoch} < {self._max_epoch}")
+        highest = self._max_epoch.get(cmd.issuer, 0)
+        if cmd.epoch < highest:
+            self._ack(q, "refused", f"stale epoch {cmd.epoch} < {highest} of {cmd.issuer}")
             return
-        self._max_epoch = max(self._max_epoch, cmd.epoch)
+        self._max_epoch[cmd.issuer] = max(highest, cmd.epoch)
         if cmd.kind not in RANK_KINDS and cmd.kind not in self.handlers:
             self._ack(q, "unknown_kind", f"ranks do not run {cmd.kind!r}")
             return

@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -218,6 +219,7 @@ class Guard:
         self._aggregate: list[StepReport] = []
         self._started = False
         self._closed = False
+        self._close_hooks: list[Callable[[], None]] = []
         self._lock = threading.Lock()
         self._subj_step = self.subjects.step(self.job, self.rank)
         self._subj_fp = self.subjects.fp(self.job, self.rank)
@@ -260,6 +262,11 @@ class Guard:
         if self._closed:
             return
         self._closed = True
+        for hook in self._close_hooks:
+            try:
+                hook()
+            except Exception:  # a hook must not keep the guard from closing
+                log.debug("close hook failed", exc_info=True)
         try:
             self._poll_pending(force=False)
             self._flush_aggregate()
@@ -301,6 +308,15 @@ class Guard:
         identical on every rank once they run the same ``set_interval``."""
         every, from_step = self._interval
         return every > 0 and step >= from_step and (step - from_step + 1) % every == 0
+
+    @property
+    def last_completed_step(self) -> int | None:
+        """The last step this rank finished (None before the first)."""
+        return self._desk._last_completed
+
+    def on_close(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` first thing in :meth:`close` (a Checkpointer finishes its save)."""
+        self._close_hooks.append(fn)
 
     @property
     def checkpoint_interval(self) -> tuple[int, int]:

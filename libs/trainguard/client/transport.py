@@ -166,10 +166,16 @@ class Transport:
         self._loop = loop
         try:
             loop.run_until_complete(self._main())
-        except Exception:
+        except Exception:  # the thread must never take the training process down
             log.exception("trainguard transport stopped")
         finally:
             with contextlib.suppress(Exception):
+                # Let cancelled work (a connect in flight) unwind before the loop closes.
+                leftover = asyncio.all_tasks(loop)
+                for task in leftover:
+                    task.cancel()
+                if leftover:
+                    loop.run_until_complete(asyncio.wait(leftover, timeout=2.0))
                 loop.close()
 
     async def _main(self) -> None:

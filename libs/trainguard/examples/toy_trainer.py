@@ -6,8 +6,11 @@ so two busy cores do not turn a clean run into stragglers. ``--model lm`` trains
 character-level transformer language model on a generated corpus; ``--model tiny`` an MLP.
 Gradients are averaged with an explicit all-reduce in a ``comm`` phase, or by DDP with
 ``--ddp`` (timed by ``trainguard.torch.instrument_ddp``). With ``--ckpt-root`` it saves
-through ``trainguard.torch.Checkpointer`` and resumes from ``guard.resume_point()``.
+through ``trainguard.torch.Checkpointer`` and resumes from ``ckpt.resume_point()``.
 Batches depend only on (seed, rank, step), so a resumed run sees the same data.
+For baselines without trainguard (``TRAINGUARD_DISABLED=1``): ``--raise-at``, ``--hang-at``,
+``--nan-at`` and ``--slow`` inject faults, ``--progress-file`` records progress and
+``--plain-ckpt`` checkpoints with plain ``torch.save``.
 
     python -m torch.distributed.run --nproc-per-node 2 -m trainguard.examples.toy_trainer \
         --job demo --steps 200
@@ -50,7 +53,80 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--raise-message", default="RuntimeError raised by --raise-at")
     p.add_argument("--pg-timeout", type=float, default=120.0,
                    help="process-group timeout in seconds (default 120)")
+    # Fault injection without trainguard's drills, for baselines (run them with
+    # TRAINGUARD_DISABLED=1). Each fires on the first attempt only, like --raise-at.
+    p.add_argument("--hang-at", metavar="RANK:STEP", default=None,
+                   help="block RANK forever in the data phase of STEP (first attempt only)")
+    p.add_argument("--nan-at", metavar="[RANK:]STEP", default=None,
+                   help="fill the first parameter with NaN at STEP on RANK (every rank if "
+                        "no RANK is given), first attempt only: the gradient all-reduce "
+                        "spreads it, as the nan drill does")
+    p.add_argument("--slow", metavar="RANK:FACTOR", default=None,
+                   help="RANK's compute phase takes FACTOR times as long (first attempt "
+                        "only), as the slow drill does")
+    p.add_argument("--slow-from", type=int, default=0, metavar="STEP",
+                   help="--slow starts at this step (default 0)")
+    p.add_argument("--progress-file", default=None, metavar="PATH",
+                   help="rank 0 appends 'unix_time step attempt' per completed step; a rank "
+                        "that fires an injected fault appends 'unix_time step attempt "
+                        "fault=KIND rank=R'")
+    p.add_argument("--plain-ckpt", default=None, metavar="DIR",
+                   help="without trainguard: rank 0 saves model and optimizer with torch.save "
+                        "every --ckpt-every steps to DIR/latest.pt, and every rank resumes "
+                        "from it at start")
     return p.parse_args(argv)
+
+
+def _rank_step(spec: str | None) -> tuple[int, int]:
+    """``RANK:STEP`` -> (rank, step); None -> (-1, -1)."""
+    if not spec:
+        return -1, -1
+    rank, _, step = spec.partition(":")
+    return int(rank), int(step)
+
+
+class Progress:
+    """``--progress-file``: one line per completed step (rank 0) or fired fault (any rank),
+    appended with O_APPEND so several processes can share the file."""
+
+    def __init__(self, path: str | None, rank: int, attempt: int) -> None:
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644) \
+            if path else None
+        self.rank, self.attempt = rank, attempt
+
+    def _write(self, line: str) -> None:
+        if self.fd is not None:
+            os.write(self.fd, line.encode())
+
+    def step(self, step: int) -> None:
+        if self.rank == 0:
+            self._write(f"{time.time():.6f} {step} {self.attempt}\n")
+
+    def fault(self, step: int, kind: str) -> None:
+        self._write(f"{time.time():.6f} {step} {self.attempt} fault={kind} rank={self.rank}\n")
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _plain_save(root: str, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    os.makedirs(root, exist_ok=True)
+    tmp = os.path.join(root, f".latest.{os.getpid()}.tmp")
+    torch.save({"step": step, "model": model.state_dict(),
+                "optimizer": optimizer.state_dict()}, tmp)
+    os.replace(tmp, os.path.join(root, "latest.pt"))
+
+
+def _plain_load(root: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> int | None:
+    path = os.path.join(root, "latest.pt")
+    if not os.path.exists(path):
+        return None
+    state = torch.load(path, weights_only=True)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    return int(state["step"])
 
 
 VOCAB = 64
@@ -115,18 +191,43 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = tgt.Checkpointer(guard, args.ckpt_root) if args.ckpt_root else None
     start = 0
     if ckpt is not None:
-        point = guard.resume_point()
+        point = ckpt.resume_point()  # one answer, shared by every rank
         if point is not None:
             start = ckpt.load(point, model, optimizer) + 1
             print(f"rank {rank}: resumed from step {point.step}", file=sys.stderr, flush=True)
+    elif args.plain_ckpt:
+        saved = _plain_load(args.plain_ckpt, model, optimizer)
+        if saved is not None:
+            start = saved + 1
+            print(f"rank {rank}: resumed from step {saved} ({args.plain_ckpt})",
+                  file=sys.stderr, flush=True)
     fail_rank, fail_step = (int(x) for x in args.raise_at.split(":")) if args.raise_at \
         else (-1, -1)
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    first_attempt = attempt == 0
+    progress = Progress(args.progress_file, rank, attempt)
+    hang_rank, hang_step = _rank_step(args.hang_at)
+    if args.nan_at and ":" not in args.nan_at:
+        nan_rank, nan_step = rank, int(args.nan_at)
+    else:
+        nan_rank, nan_step = _rank_step(args.nan_at)
+    slow_rank, _, slow_factor = (args.slow or "-1:1").partition(":")
+    slow = float(slow_factor) if int(slow_rank) == rank and first_attempt else 1.0
     for step in range(start, args.steps):
         if rank == fail_rank and step == fail_step and first_attempt:
+            progress.fault(step, "crash")
             raise RuntimeError(args.raise_message)
+        if rank == nan_rank and step == nan_step and first_attempt:
+            progress.fault(step, "nan")
+            tgt.poison_with_nan(model)
+        if slow > 1.0 and step == args.slow_from:
+            progress.fault(step, "slow")
         with guard.step(step) as s:
             with s.phase("data"):
+                if rank == hang_rank and step == hang_step and first_attempt:
+                    progress.fault(step, "hang")
+                    while True:  # blocked for good: only a signal ends it
+                        time.sleep(1.0)
                 data = torch.Generator().manual_seed(args.seed * 1_000_003 + rank * 7919 + step)
                 if text is not None:
                     at = torch.randint(0, len(text) - SEQ - 1, (8,), generator=data)
@@ -136,12 +237,15 @@ def main(argv: list[str] | None = None) -> int:
                     tokens = torch.randint(0, 64, (8, 16), generator=data)
                     target = torch.randint(0, 64, (8,), generator=data)
             with s.phase("compute"):
+                t_compute = time.monotonic()
                 time.sleep(args.step_time)
                 out = model(tokens)
                 loss = nn.functional.cross_entropy(out.reshape(-1, out.size(-1)),
                                                    target.reshape(-1))
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()  # type: ignore[no-untyped-call]
+                if slow > 1.0 and step >= args.slow_from:
+                    time.sleep((time.monotonic() - t_compute) * (slow - 1.0))
             if not args.ddp:
                 with s.phase("comm"):
                     for p in model.parameters():
@@ -150,8 +254,12 @@ def main(argv: list[str] | None = None) -> int:
                             p.grad /= world
             s.report(loss=loss.detach(), grad_norm=tgt.grad_norm(model), samples=8)
             optimizer.step()
+        progress.step(step)
         if ckpt is not None and guard.should_checkpoint(step):
             ckpt.save(step, model, optimizer)
+        elif args.plain_ckpt and rank == 0 and (step + 1) % args.ckpt_every == 0:
+            _plain_save(args.plain_ckpt, step, model, optimizer)
+    progress.close()
     if ckpt is not None:
         ckpt.close()
     guard.close()

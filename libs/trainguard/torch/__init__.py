@@ -6,6 +6,7 @@ run without torch installed.
 
 from __future__ import annotations
 
+from .checkpoint import Checkpointer
 from .ddp import instrument_ddp
 from .stats import (
     BatchCheck,
@@ -20,6 +21,7 @@ from .stats import (
 
 __all__ = [
     "BatchCheck",
+    "Checkpointer",
     "check_batch",
     "fingerprint",
     "flip_bit",

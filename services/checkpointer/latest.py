@@ -1,0 +1,63 @@
+"""``<root>/<job>/LATEST``: the resume point as a file, for restarts while the bus is down.
+
+Written atomically (a temporary file in the same directory, fsync, ``os.replace``, fsync
+of the directory), so a reader sees the old pointer or the new one, never half of one.
+The directory comes from the checkpoint's own path (``<root>/<job>/step-<S>``): the
+coordinator needs no configuration to know where a job's checkpoints live.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from pathlib import Path
+
+import msgspec
+
+from trainguard.schemas import ResumePoint
+
+NAME = "LATEST"
+
+
+def latest_path(checkpoint_path: str) -> Path:
+    return Path(checkpoint_path).parent / NAME
+
+
+def point_path(point_json: str) -> str:
+    return msgspec.json.decode(point_json.encode(), type=ResumePoint).path
+
+
+def write_latest(point_json: str) -> Path:
+    """Replace LATEST next to the pointed-to checkpoint with ``point_json``."""
+    dest = latest_path(point_path(point_json))
+    tmp = dest.with_name(f".{NAME}.{uuid.uuid4().hex}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(point_json.encode())
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, dest)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    _fsync_dir(dest.parent)
+    return dest
+
+
+def remove_latest(old_point_json: str) -> None:
+    """No resume point any more (every checkpoint became suspect): LATEST must not keep
+    pointing at one, or a restart would resume from it."""
+    with contextlib.suppress(FileNotFoundError):
+        latest_path(point_path(old_point_json)).unlink()
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
