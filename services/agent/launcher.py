@@ -229,6 +229,9 @@ def launch(settings: AgentSettings, torchrun_argv: list[str]) -> int:
     except ChildFailedError:
         code = 1
     except SignalException:
+        by = node.isolating or node.stopping
+        if by is not None:
+            node.workers_stopped(by)
         if node.isolating is not None:
             code = EXIT_ISOLATED
         elif node.stopping is not None:

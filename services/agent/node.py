@@ -119,6 +119,16 @@ class LocalNode:
                           stderr_tail=procs.stderr_tail(w.stderr, 4096), error=error,
                           initiated_by=by, attempt=self.restart_count, time=now)
 
+    def workers_stopped(self, command_id: str) -> None:
+        """Report the exits of a stop or isolation: torch's agent tore the workers down
+        without a monitor pass, so nobody else will, and the detector must know they were
+        meant (or it would call the vanished processes a crash)."""
+        now = time.time()
+        with self._lock:
+            workers = list(self.workers.values())
+        for w in workers:
+            self._publish_exit(self._exit(w, -signal.SIGTERM, command_id, "", now))
+
     # -- for the executor (commands) ---------------------------------------------------
     def rank_pids(self) -> dict[int, int]:
         with self._lock:

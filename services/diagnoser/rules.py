@@ -32,6 +32,8 @@ from .knowledge import (
 ROOT_CAUSES: frozenset[Cause] = frozenset({"gpu_lost", "hbm_ecc", "oom", "process_crash",
                                            "sdc_suspect", "numeric"})
 SYMPTOM_KINDS = frozenset({"hang", "unresponsive", "crash", "throughput_drop"})
+SYMPTOM_CAUSES: frozenset[Cause] = frozenset({"network", "rank_hang", "unknown"})
+"""Causes that are often a guess made from a symptom before the root shows up."""
 
 
 @dataclass
@@ -51,6 +53,10 @@ class Open:
     diagnosis: Diagnosis
     at: float
     root: bool
+    last: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.last = self.last or self.at
 
 
 @dataclass
@@ -66,8 +72,12 @@ class HostRecord:
 
 
 class Diagnoser:
-    def __init__(self, *, window: float = 60.0, gpu_window: float = 120.0) -> None:
+    def __init__(self, *, window: float = 60.0, gpu_window: float = 120.0,
+                 same_cause_window: float = 10.0) -> None:
         self.window = window
+        self.same_cause_window = same_cause_window
+        """A new anomaly of the same cause joins an open diagnosis only this soon after its
+        last anomaly: later, it is a new failure (the last one was dealt with)."""
         self.gpu_window = gpu_window
         self.exits: dict[str, collections.deque[WorkerExit]] = collections.defaultdict(
             lambda: collections.deque(maxlen=512))
@@ -95,8 +105,9 @@ class Diagnoser:
             if a.id in o.diagnosis.anomaly_ids:
                 return Decision()  # a redelivered anomaly
         for o in opened:
-            if self._joins(v, a, o):
+            if self._joins(v, a, o, now):
                 d = o.diagnosis
+                o.last = now
                 d.anomaly_ids.append(a.id)
                 d.ranks = sorted(set(d.ranks) | (set(v.ranks) if not v.collateral else set()))
                 d.evidence.append(EvidenceItem(fact=f"{a.kind} on ranks {a.ranks} follows from "
@@ -105,29 +116,38 @@ class Diagnoser:
                 return Decision([d])
         diagnosis = self._diagnosis(a, v, now, history)
         decision = Decision([diagnosis])
-        if v.cause in ROOT_CAUSES and not v.collateral:
-            for o in opened:
-                if not o.root and o.diagnosis.status == "open":
-                    # An earlier guess (a hang, a peer error) was a symptom of this root.
-                    o.diagnosis.status = "superseded"
-                    o.diagnosis.superseded_by = diagnosis.id
-                    o.diagnosis.rev += 1
-                    diagnosis.anomaly_ids.extend(x for x in o.diagnosis.anomaly_ids
-                                                 if x not in diagnosis.anomaly_ids)
-                    decision.publish.insert(0, o.diagnosis)
+        for o in opened:
+            od = o.diagnosis
+            overlap = bool(set(v.ranks) & set(od.ranks) or set(v.hosts) & set(od.hosts))
+            recent = now - o.last <= 3 * self.same_cause_window
+            # A root explains a recent symptom-like guess; any cause beats "unknown" on the
+            # same ranks.
+            explains = v.cause in ROOT_CAUSES and not v.collateral and recent \
+                and od.cause in SYMPTOM_CAUSES
+            guess = od.cause == "unknown" and v.cause != "unknown" and overlap and recent
+            if (explains or guess) and not o.root and od.status == "open":
+                # An earlier guess (a hang, a peer error) was a symptom of this root.
+                od.status = "superseded"
+                od.superseded_by = diagnosis.id
+                od.rev += 1
+                diagnosis.anomaly_ids.extend(x for x in od.anomaly_ids
+                                             if x not in diagnosis.anomaly_ids)
+                decision.publish.insert(0, od)
         opened.append(Open(diagnosis, now, root=v.cause in ROOT_CAUSES and not v.collateral))
         return decision
 
     def _expire(self, job: str, now: float) -> None:
         self.open[job] = [o for o in self.open[job] if now - o.at <= self.window]
 
-    def _joins(self, v: Verdict, a: Anomaly, o: Open) -> bool:
+    def _joins(self, v: Verdict, a: Anomaly, o: Open, now: float) -> bool:
         d = o.diagnosis
         if d.status != "open":
             return False
-        if v.collateral or (o.root and a.kind in SYMPTOM_KINDS and v.cause not in ROOT_CAUSES):
+        if v.collateral or (o.root and a.kind in SYMPTOM_KINDS and v.cause not in ROOT_CAUSES
+                            and now - o.at <= self.window):
             return True  # a symptom of an open root failure
-        return v.cause == d.cause and (not d.hosts or bool(set(v.hosts) & set(d.hosts)))
+        return v.cause == d.cause and now - o.last <= self.same_cause_window \
+            and (not d.hosts or bool(set(v.hosts) & set(d.hosts)))
 
     def _diagnosis(self, a: Anomaly, v: Verdict, now: float,
                    history: dict[str, HostRecord]) -> Diagnosis:

@@ -105,7 +105,8 @@ def plan(inc: Incident, d: Diagnosis, policy: Policy, view: JobView,
     notes: list[str] = []
     actions = list(cp.actions)
     if inc.cause == "unknown" and policy.escalate_unknown:
-        return [Step("escalate", {"reason": "cause unknown"})], ["unknown cause: a human decides"]
+        return [Step("escalate", {"reason": "cause unknown", "grace": policy.unknown_grace_s})], \
+            ["unknown cause: a human decides"]
     if cp.escalate_after and view.cause_count_last_hour >= cp.escalate_after:
         return [Step("escalate", {"reason": f"{inc.cause} {view.cause_count_last_hour} times "
                                             "in the last hour"})], ["repeating cause"]

@@ -36,6 +36,8 @@ class Policy:
     save_deadline_s: float = 60.0
     resolve_timeout_s: float = 600.0
     escalate_unknown: bool = True
+    unknown_grace_s: float = 10.0
+    """An unknown cause waits this long for a better diagnosis before a human is paged."""
     source: str = field(default="", compare=False)
 
     def for_cause(self, cause: str) -> CausePolicy:
@@ -69,7 +71,7 @@ def parse_policy(text: str, source: str = "<policy>") -> Policy:
         raise fail(name, f"unknown section [{name}] (expected [defaults] and [causes.*])")
     d: dict[str, Any] = raw.get("defaults", {})
     known = {"cooldown_s", "restart_budget_per_hour", "ack_timeout_s", "save_deadline_s",
-             "resolve_timeout_s", "escalate_unknown"}
+             "resolve_timeout_s", "escalate_unknown", "unknown_grace_s"}
     for key, value in d.items():
         if key not in known:
             raise fail(key, f"unknown setting {key!r} in [defaults]; known: "
@@ -116,7 +118,8 @@ def load_policy(path: str | Path | None = None) -> Policy:
     raw = tomllib.loads(text).get("defaults", {})
     merged = {k: getattr(override, k) if k in raw else getattr(base, k)
               for k in ("cooldown_s", "restart_budget_per_hour", "ack_timeout_s",
-                        "save_deadline_s", "resolve_timeout_s", "escalate_unknown")}
+                        "save_deadline_s", "resolve_timeout_s", "escalate_unknown",
+                        "unknown_grace_s")}
     return Policy(causes={**base.causes, **override.causes}, source=str(p), **merged)
 
 

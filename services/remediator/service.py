@@ -212,6 +212,17 @@ class RemediatorService(Service):
                         await self._save(inc)
                     return
                 step = Step.from_dict(inc.actions[pending])
+                if step.action == "escalate" and step.params.get("grace") \
+                        and not step.params.get("waited"):
+                    # Give a better diagnosis (superseding this guess) a moment to arrive.
+                    await asyncio.sleep(float(step.params["grace"]))
+                    fresh = await self._load(job, ident)
+                    if fresh is None or fresh.actions != inc.actions:
+                        continue  # re-planned meanwhile: run the new plan
+                    step.params["waited"] = True
+                    fresh.actions[pending] = step.as_dict()
+                    await self._save(fresh, publish=False)
+                    continue
                 if inc.first_action_at is None:
                     inc.first_action_at = time.time()
                     inc.status = "mitigating"
@@ -381,7 +392,8 @@ class RemediatorService(Service):
 
     # -- views and resolution --------------------------------------------------------------
     async def _detected_at(self, d: Diagnosis) -> float | None:
-        return d.time or None
+        # A revision of an older diagnosis opening a new incident: the failure is new.
+        return d.time if d.rev == 1 and d.time else time.time()
 
     async def _view(self, job: str, cause: str, hosts: list[str]) -> JobView:
         assert self.rt is not None

@@ -157,3 +157,23 @@ def test_traceback_signature_ignores_numbers() -> None:
     assert traceback_signature("x\nKeyError: 17") == traceback_signature("y\nKeyError: 23")
     assert traceback_signature("KeyError: 1") != traceback_signature("ValueError: 1")
     assert traceback_signature("no exception here") == ""
+
+
+def test_the_same_cause_later_is_a_new_failure() -> None:
+    d = Diagnoser(same_cause_window=10)
+    hang = dict(culprits=[1], culprit_basis="phase:comm", majority_phase="comm")
+    (first,) = d.on_anomaly(anomaly("hang", [1], ["node-a"], "h1", **hang), NOW).publish
+    (again,) = d.on_anomaly(anomaly("hang", [1], ["node-a"], "h2", **hang), NOW + 5).publish
+    assert again.id == first.id  # the same failure, seen again
+    (later,) = d.on_anomaly(anomaly("hang", [1], ["node-a"], "h3", **hang), NOW + 30).publish
+    assert later.id != first.id and later.rev == 1
+
+
+def test_a_named_cause_supersedes_an_unknown_guess_on_the_same_ranks() -> None:
+    d = Diagnoser()
+    (guess,) = d.on_anomaly(anomaly("unresponsive", [1], ["node-a"], "u1"), NOW).publish
+    assert guess.cause == "unknown"
+    old, new = d.on_anomaly(anomaly("hang", [1], ["node-a"], "h1", culprits=[1],
+                                    culprit_basis="process_state"), NOW + 1).publish
+    assert old.id == guess.id and old.status == "superseded"
+    assert new.cause == "rank_hang" and set(new.anomaly_ids) == {"u1", "h1"}

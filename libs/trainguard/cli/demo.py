@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 from rich.console import Console
@@ -52,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _demo(args: argparse.Namespace, faults: list, workdir: Path) -> int:  # type: ignore[type-arg]
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 160)
     cluster = Cluster(workdir, "demo", steps=args.steps, step_time=args.step_time,
                       ckpt_every=args.ckpt_every)
     console.print(f"starting the control plane and two agents (logs in {workdir}) ...")
@@ -66,7 +68,8 @@ async def _demo(args: argparse.Namespace, faults: list, workdir: Path) -> int:  
                 shown = 0
                 while not refresh.is_set():
                     for t, text in cluster.observer.timeline[shown:]:
-                        console.print(f"{t:.1f} {text}")
+                        console.print(time.strftime("%H:%M:%S ", time.localtime(t)) + text,
+                                      highlight=False)
                     shown = len(cluster.observer.timeline)
                     await asyncio.sleep(0.5)
                 return

@@ -250,6 +250,9 @@ class Cluster:
     async def stop(self) -> None:
         """Agents first (SIGTERM: they save and stop their workers), then the plane."""
         for name in (*HOSTS, "control-plane"):
+            if name == "control-plane" and self._nc is not None:
+                with contextlib.suppress(Exception):
+                    await self._nc.close()  # before its server goes away
             proc = self.procs.get(name)
             if proc is None or proc.poll() is not None:
                 continue

@@ -104,6 +104,11 @@ class Runner:
             out.actions = [f"{a.get('action')}:{a.get('status')}" for a in incident.actions]
             out.steps_lost = incident.steps_lost
         self._judge(out, incident)
+        if out.problems:
+            out.problems.append("incidents: " + ", ".join(
+                f"{i.id[-6:]} {i.cause} {i.status} at "
+                f"{(i.detected_at or 0) - out.injected_at:+.1f}s"
+                for i in self.obs.incidents.values()))
         self.outcomes.append(out)
         return out
 
