@@ -1,0 +1,107 @@
+"""Which detector owns which job: per-job leases in Redis, spread by rendezvous hashing.
+
+One detector owns every job by default. Several split the jobs between them: each job's
+lease (``Keys.lease("detector", job)``) names its owner and expires unless renewed, so
+the jobs of a detector that dies move to the others within one lease TTL, and those of
+one that stops move at once (it releases them). Detectors register themselves in a
+sorted set scored by expiry; a free job goes first to the live detector that rendezvous
+hashing prefers (spreading jobs evenly without coordination), and to anyone once it has
+been free for a whole TTL (so a preferred detector that is slow to act cannot strand it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Iterable
+
+import redis.asyncio as aioredis
+
+from trainguard.state import Keys
+
+ROLE = "detector"
+
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+
+def preferred(job: str, instances: Iterable[str]) -> str | None:
+    """The instance rendezvous hashing gives ``job`` to (stable as instances come and go)."""
+
+    def weight(instance: str) -> bytes:
+        return hashlib.blake2b(f"{job}\0{instance}".encode(), digest_size=8).digest()
+
+    ranked = sorted(instances, key=weight, reverse=True)
+    return ranked[0] if ranked else None
+
+
+class Leases:
+    """Lease operations for one detector instance (all pipelined: one round trip each)."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys, instance: str, ttl: float,
+                 registry_key: str) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.instance = instance
+        self.ttl_ms = max(1, int(ttl * 1000))
+        self.ttl = ttl
+        self.registry_key = registry_key
+
+    def key(self, job: str) -> str:
+        return self.keys.lease(ROLE, job)
+
+    async def acquire(self, job: str) -> bool:
+        return bool(await self.redis.set(self.key(job), self.instance, nx=True, px=self.ttl_ms))
+
+    async def renew(self, jobs: Iterable[str]) -> set[str]:
+        """Extend our leases; returns the jobs whose lease we no longer hold."""
+        jobs = list(jobs)
+        if not jobs:
+            return set()
+        pipe = self.redis.pipeline(transaction=False)
+        for job in jobs:
+            pipe.eval(_RENEW, 1, self.key(job), self.instance, self.ttl_ms)
+        results = await pipe.execute()
+        return {job for job, ok in zip(jobs, results, strict=True) if not ok}
+
+    async def release(self, jobs: Iterable[str]) -> None:
+        jobs = list(jobs)
+        if not jobs:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for job in jobs:
+            pipe.eval(_RELEASE, 1, self.key(job), self.instance)
+        await pipe.execute()
+
+    async def owners(self, jobs: Iterable[str]) -> dict[str, str | None]:
+        jobs = list(jobs)
+        if not jobs:
+            return {}
+        values = await self.redis.mget([self.key(j) for j in jobs])
+        return {job: v.decode() if isinstance(v, bytes) else v
+                for job, v in zip(jobs, values, strict=True)}
+
+    async def heartbeat(self) -> list[str]:
+        """Say we are alive; returns every live instance (us included), sorted."""
+        now = time.time()
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zadd(self.registry_key, {self.instance: now + self.ttl})
+        pipe.zremrangebyscore(self.registry_key, "-inf", now)
+        pipe.zrangebyscore(self.registry_key, now, "+inf")
+        pipe.expire(self.registry_key, max(60, int(self.ttl * 10)))
+        results = await pipe.execute()
+        return sorted(results[2])
+
+    async def deregister(self) -> None:
+        await self.redis.zrem(self.registry_key, self.instance)

@@ -1,0 +1,238 @@
+"""Crash, unresponsive and hang: is every rank alive, and is the job making progress?
+
+* ``crash``: a :class:`WorkerExit` that no command initiated, with a non-zero code or a
+  signal, or with neither (the agent confirming the process is gone); or the agent
+  reporting the rank as a zombie for a whole ``hb_timeout``. Names the rank and host.
+* ``unresponsive``: heartbeat silence beyond ``hb_timeout``, by sender time. Alert only:
+  silence alone is not proof of death (a partitioned network looks the same). One per
+  host, widened as more of its ranks fall silent. Never judged during the grace after
+  the detector's own (re)connect or takeover of the job, when it simply has not heard yet.
+* ``hang``: no step completed for max(``hang_floor``, ``hang_k`` x p99 step interval)
+  while heartbeats go on, with a learned limit when most ranks are in a phase that is
+  long by nature (checkpoint, eval) and a start-up grace before the first step. The
+  culprits are the ranks whose phase differs from the majority (the one in ``data`` while
+  the rest wait in ``comm``), else, when all wait in ``comm``, those behind in issued
+  collectives. A rank the agent reports stopped (T) is a hang at once; one stuck in D is
+  after ``dstate_grace``. One hang per job at a time; it resolves when progress resumes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainguard.schemas import NodeHeartbeat, WorkerExit
+
+from .job import Census, JobState, RankInfo
+
+STOPPED = ("T", "t", "D")
+"""Process states that cannot make progress: T (SIGSTOP) at once; t (traced) and D
+(uninterruptible) only when they last, since a profiler or a disk write makes them brief."""
+GONE = ("Z", "X")
+
+
+def crash_key(rank: int, attempt: int) -> str:
+    return f"crash:{rank}:{attempt}"
+
+
+class Liveness:
+    """The liveness rules of one job (stateless across jobs: all state is on the job)."""
+
+    # -- crash --------------------------------------------------------------------------
+    def on_exit(self, job: JobState, ex: WorkerExit, now: float) -> None:
+        r = job.admit(ex.rank, ex.attempt, ex.time or now, ex.host)
+        if r is None:
+            return  # an exit of an incarnation already replaced
+        job.mark_exited(r)
+        if ex.initiated_by:
+            return  # a command or the launcher's teardown: expected, not a fault
+        if ex.exit_code == 0 and not ex.signal:
+            return
+        if ex.time and now - ex.time > job.th.exit_max_age:
+            return  # replayed history: state only
+        self._crash(job, r, now, ex.time or now, {
+            "source": "worker_exit", "exit_id": ex.id, "exit_code": ex.exit_code,
+            "signal": ex.signal, "error": ex.error, "stderr_tail": ex.stderr_tail[-2000:],
+            "pid": ex.pid, "local_rank": ex.local_rank, "attempt": ex.attempt,
+            "confirmed_gone": ex.exit_code is None and not ex.signal})
+
+    def _crash(self, job: JobState, r: RankInfo, now: float, onset: float,
+               evidence: dict[str, Any]) -> None:
+        evidence.update({"last_step": r.last_step, "phase": r.phase, "attempt": r.attempt})
+        job.book.raise_(crash_key(r.rank, r.attempt), "crash", now=now, onset_at=onset,
+                        ranks=[r.rank], hosts=[r.host],
+                        step=r.last_step if r.last_step is not None else job.max_step,
+                        severity="critical", evidence=evidence)
+
+    # -- agent's process states -----------------------------------------------------------
+    def on_node(self, job: JobState, node: NodeHeartbeat, now: float) -> None:
+        for rank, letter in node.ranks.items():
+            r = job.ranks.get(rank)
+            if r is None:
+                r = job.admit(rank, job.attempt, node.time, node.host)
+                if r is None:
+                    continue
+            if letter != r.proc_state:
+                if r.proc_state in STOPPED and node.time > r.last_hb:
+                    # Running again, as the agent saw: its silence so far is explained.
+                    r.last_hb = node.time
+                r.proc_state = letter
+                r.proc_since = node.time
+                if letter in STOPPED or letter in GONE:
+                    job.odd_procs.add(rank)
+                else:
+                    job.odd_procs.discard(rank)
+        self.judge_process_states(job, now)
+
+    def judge_process_states(self, job: JobState, now: float) -> None:
+        if not job.odd_procs:
+            return
+        th = job.th
+        odd = [r for r in (job.ranks[i] for i in sorted(job.odd_procs))
+               if r.attempt == job.attempt and not r.exited]
+        stopped = [r for r in odd if r.proc_state == "T"
+                   or (r.proc_state in STOPPED and now - r.proc_since >= th.dstate_grace)]
+        if stopped:
+            ranks = [r.rank for r in stopped]
+            job.book.raise_("hang", "hang", now=now, onset_at=min(r.proc_since for r in stopped),
+                            ranks=ranks, hosts=job.hosts_of(ranks), step=job.max_step,
+                            severity="critical", evidence={
+                                "culprits": ranks, "culprit_basis": "process_state",
+                                "process_states": {str(r.rank): r.proc_state for r in stopped},
+                                "stalled_since": job.last_progress, "dstate_grace":
+                                th.dstate_grace, "last_step": job.max_step})
+        for r in odd:
+            if r.proc_state in GONE and now - r.proc_since >= th.hb_timeout:
+                job.mark_exited(r)
+                self._crash(job, r, now, r.proc_since, {
+                    "source": "node_heartbeat", "process_state": r.proc_state,
+                    "confirmed_gone": True})
+
+    # -- silence ------------------------------------------------------------------------
+    def judge_silence(self, job: JobState, census: Census | None, now: float) -> None:
+        th = job.th
+        silent = census.silent if census is not None else [
+            r for r in job.in_attempt()
+            if r.proc_state not in STOPPED + GONE and job.is_silent(r, now)]
+        by_host: dict[str, list[RankInfo]] = {}
+        for r in silent:
+            by_host.setdefault(r.host or "-", []).append(r)
+        for host, ranks in by_host.items():
+            shown = ranks[:th.evidence_max_ranks]
+            job.book.raise_(
+                f"unresponsive:{host}", "unresponsive", now=now,
+                onset_at=min(r.last_hb for r in ranks), ranks=[r.rank for r in ranks],
+                hosts=[host] if host != "-" else [], step=job.max_step, severity="warning",
+                evidence={"hb_timeout": th.hb_timeout,
+                          "last_heard": {str(r.rank): r.last_hb for r in shown},
+                          "silent_for": {str(r.rank): round(now - r.last_hb, 3) for r in shown},
+                          "last_step": {str(r.rank): r.last_step for r in shown}})
+        for key in job.book.keys("unresponsive:"):
+            if key.split(":", 1)[1] not in by_host:
+                job.book.clear(key, now)
+
+    # -- hang ---------------------------------------------------------------------------
+    def hang_limit(self, job: JobState) -> tuple[float, str]:
+        th = job.th
+        if not job.has_stepped:
+            return th.startup_grace, "startup_grace"
+        p99 = job.p99_interval()
+        if p99 is None:
+            return th.hang_floor, "hang_floor"
+        limit = th.hang_k * p99
+        return (limit, "p99") if limit > th.hang_floor else (th.hang_floor, "hang_floor")
+
+    def long_phase_limit(self, job: JobState, phase: str, base: float) -> float:
+        samples = job.long_samples.get(phase)
+        p99 = samples.quantile(0.99) if samples is not None else None
+        if p99 is None:
+            return max(base, job.th.long_phase_floor)
+        return max(base, job.th.hang_k * p99)
+
+    def tick(self, job: JobState, now: float) -> None:
+        """Time-based judgement: silence, process states, hang; and hang resolution."""
+        job.census = None
+        self.resolve(job, now)
+        if now < job.judge_after or not job.ranks:
+            return
+        self.judge_process_states(job, now)
+        stalled_since = job.last_progress if job.has_stepped else job.attempt_start
+        stalled = now - stalled_since
+        base, basis = self.hang_limit(job)
+        census = None
+        if stalled > min(base, job.th.checkpoint_slow_floor):
+            census = job.take_census(now)
+        self.judge_silence(job, census, now)
+        if census is None or stalled <= base or not census.live:
+            return
+        limit = base
+        if census.majority in job.long_phases:
+            limit = self.long_phase_limit(job, census.majority, base)
+            basis = f"phase:{census.majority}"
+        if stalled > limit:
+            self._hang(job, census, now, stalled_since, limit, basis)
+
+    def _hang(self, job: JobState, census: Census, now: float, since: float, limit: float,
+              basis: str) -> None:
+        culprits, how = self.culprits(job, census)
+        named = culprits or [r.rank for r in census.live]
+        cap = job.th.evidence_max_ranks
+        everyone = census.live + census.silent + census.stopped
+        first = set(culprits)
+        detail = sorted(everyone, key=lambda r: (r.rank not in first, r.rank))[:cap]
+        state = {r.rank: "silent" for r in census.silent}
+        state.update((r.rank, "stopped") for r in census.stopped)
+        evidence: dict[str, Any] = {
+            "stalled_since": since, "stalled_for": round(now - since, 3), "limit": limit,
+            "limit_basis": basis, "p99_step_interval": job.p99_interval(),
+            "hang_floor": job.th.hang_floor, "hang_k": job.th.hang_k,
+            "last_step": job.max_step, "majority_phase": census.majority,
+            "phase_counts": census.counts, "silent": [r.rank for r in census.silent][:cap],
+            "culprits": culprits[:cap], "culprit_basis": how,
+            "phases": {str(r.rank): self._describe(r, state.get(r.rank, "alive"), now)
+                       for r in detail},
+            "truncated": len(everyone) > cap,
+        }
+        job.book.raise_("hang", "hang", now=now, onset_at=since, ranks=named,
+                        hosts=job.hosts_of(named), step=job.max_step, severity="critical",
+                        evidence=evidence, widen=False)
+
+    @staticmethod
+    def _describe(r: RankInfo, state: str, now: float) -> dict[str, Any]:
+        return {"phase": r.phase or "idle",
+                "elapsed": round(now - r.phase_start, 3) if r.phase_start is not None else None,
+                "host": r.host, "step": r.hb_step, "coll_seq": r.coll_seq, "state": state,
+                "process_state": r.proc_state}
+
+    @staticmethod
+    def culprits(job: JobState, census: Census) -> tuple[list[int], str]:
+        """Who is holding the job up, and on what basis (see the module docstring)."""
+        named = sorted(r.rank for r in census.stopped)
+        if named:
+            return named + sorted(r.rank for r in census.silent), "process_state"
+        differ = sorted(r.rank for r in census.live if (r.phase or "idle") != census.majority)
+        silent = sorted(r.rank for r in census.silent)
+        if differ or silent:
+            return sorted(differ + silent), "phase" if differ else "silent"
+        if census.majority in job.comm_phases and census.live:
+            low = min(r.coll_seq for r in census.live)
+            behind = sorted(r.rank for r in census.live if r.coll_seq == low)
+            if len(behind) < len(census.live):
+                return behind, "coll_seq"
+        return [], "none"
+
+    def resolve(self, job: JobState, now: float) -> None:
+        """Close hangs the job has moved past, and crashes of ranks that came back."""
+        hang = job.book.get("hang")
+        if hang is not None:
+            since = hang.evidence.get("stalled_since")
+            moved = isinstance(since, int | float) and job.last_progress > since
+            stuck = any(job.ranks[i].proc_state in STOPPED and job.ranks[i].attempt == job.attempt
+                        for i in job.odd_procs)
+            if moved and not stuck:
+                job.book.clear("hang", now, {"resumed_at": job.last_progress,
+                                             "resumed_step": job.max_step})
+        for key in job.book.keys("crash:"):
+            _, rank, attempt = key.split(":")
+            r = job.ranks.get(int(rank))
+            if r is not None and r.attempt > int(attempt):
+                job.book.clear(key, now, {"restarted_attempt": r.attempt})
