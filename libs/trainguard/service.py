@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 import nats.errors
 import redis.asyncio as aioredis
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js.errors import Error as JetStreamError
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -168,33 +169,38 @@ class Runtime:
         self.spawn(_loop(), name)
 
     async def subscribe_telemetry(self, subject: str, handler: TelemetryHandler,
-                                  *, queue: str = "") -> None:
+                                  *, queue: str = "") -> Subscription:
         """A core subscription whose messages are decoded, and dead-lettered if they don't.
 
         ``handler`` is synchronous on purpose: telemetry rules are pure and fast, and a
         slow callback would back up into dropped messages.
         """
-        metrics = self.metrics
+        # Counter children looked up once: per message the lookup would cost ~1.5 µs.
+        ok = self.metrics.telemetry.labels(self.service.name, "ok")
+        malformed = self.metrics.telemetry.labels(self.service.name, "malformed")
+        failed = self.metrics.telemetry.labels(self.service.name, "handler_error")
 
         async def _cb(msg: Msg) -> None:
             try:
                 decoded = decode_telemetry(msg.data)
             except DecodeError as exc:
-                metrics.telemetry.labels(self.service.name, "malformed").inc()
+                malformed.inc()
                 with contextlib.suppress(asyncio.QueueFull):
                     self._dead_queue.put_nowait((msg.subject, msg.data, exc.reason))
                 return
-            metrics.telemetry.labels(self.service.name, "ok").inc()
+            ok.inc()
             try:
                 handler(decoded, msg.subject)
-            except Exception:
-                metrics.telemetry.labels(self.service.name, "handler_error").inc()
+            except Exception:  # one bad message must not stop the stream
+                failed.inc()
                 log.exception("telemetry handler failed on %s", msg.subject)
 
-        await self.bus.nc.subscribe(subject, queue=queue, cb=_cb, pending_msgs_limit=500_000,
-                                    pending_bytes_limit=256 * 1024 * 1024)
+        sub = await self.bus.nc.subscribe(subject, queue=queue, cb=_cb,
+                                          pending_msgs_limit=500_000,
+                                          pending_bytes_limit=256 * 1024 * 1024)
         # The server knows the subscription once this returns: "ready" means listening.
         await self.bus.nc.flush()
+        return sub
 
     async def publish_event(self, subject: str, msg: Durable, ctx: Context | None = None) -> None:
         """Publish a durable message inside a PRODUCER span (the trace goes on downstream)."""

@@ -67,6 +67,10 @@ class Keys:
     def node(self, job: str, host: str) -> str:
         return self._k("node", job, host)
 
+    def instances(self, role: str) -> str:
+        """Live instances of a partitioned service (e.g. detectors sharing jobs)."""
+        return self._k(role, "instances")
+
     def cmd_seq(self, job: str) -> str:
         """Counter of collective-command sequence numbers (INCR), shared by all issuers."""
         return self._k("cmdseq", job)

@@ -9,6 +9,7 @@ that all-reduce spreads, a flipped bit in one replica, an exception out of the l
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..schemas import Command
@@ -22,6 +23,9 @@ class Drills:
     def __init__(self, guard: Guard) -> None:
         self.guard = guard
         self.nan_pending = False
+        self.on_entry: list[Callable[[], str]] = []
+        """Corruptions applied when the next step begins: a fault that happens *during* a
+        step, so the checkpoint of the step before it is still clean, as in real life."""
 
     def handle(self, cmd: Command) -> str:
         if not self.guard.allow_drills:
@@ -56,8 +60,8 @@ class Drills:
         if model is not None:
             from ..torch.stats import poison_with_nan
 
-            name = poison_with_nan(model)
-            return f"NaN written into {name}"
+            self.on_entry.append(lambda: f"NaN written into {poison_with_nan(model)}")
+            return "NaN goes into the first parameter as the next step begins"
         return "next reported loss is NaN"
 
     def _sdc(self, params: dict[str, Any]) -> str:
@@ -66,7 +70,9 @@ class Drills:
             raise RuntimeError("the sdc drill needs guard.attach(model)")
         from ..torch.stats import flip_bit
 
-        return flip_bit(model, bit=int(params.get("bit", 20)))
+        bit = int(params.get("bit", 20))
+        self.on_entry.append(lambda: flip_bit(model, bit=bit))
+        return f"bit {bit} of the first parameter flips as the next step begins"
 
     def _crash(self, params: dict[str, Any]) -> str:
         raise DrillCrash(str(params.get("message", "trainguard crash drill")))

@@ -48,6 +48,15 @@ from .values import Deferred, is_tensor, read_number
 log = logging.getLogger("trainguard.client")
 
 _TRUE = ("1", "true", "yes", "on")
+_NOT_JOB_SETTINGS = ("TRAINGUARD_NATS_URL", "TRAINGUARD_REDIS_URL", "TRAINGUARD_PREFIX",
+                     "TRAINGUARD_JOB", "TRAINGUARD_HOST")
+
+
+def job_settings(env: dict[str, str] | os._Environ[str]) -> dict[str, str]:
+    """``TRAINGUARD_*`` settings the job carries in its hello (per-job detector thresholds
+    such as ``TRAINGUARD_HANG_FLOOR``); connection details stay out."""
+    return {k: v for k, v in env.items()
+            if k.startswith("TRAINGUARD_") and k not in _NOT_JOB_SETTINGS}
 
 
 class Phase:
@@ -242,6 +251,7 @@ class Guard:
                           local_rank=self.identity.local_rank, host=self.host,
                           pid=os.getpid(), attempt=self.identity.attempt,
                           env={**environment_record(self.seed),
+                               **job_settings(os.environ),
                                "drills": "1" if self.allow_drills else "0"},
                           time=time.time())
         t.publish_durable(self.subjects.reg_rank(self.job, self.rank), hello)
@@ -268,6 +278,10 @@ class Guard:
             except Exception:  # a hook must not keep the guard from closing
                 log.debug("close hook failed", exc_info=True)
         try:
+            if self._started:
+                # Silence after this is a finished rank, not an unresponsive one.
+                self._phase = "closed"
+                self._beat()
             self._poll_pending(force=False)
             self._flush_aggregate()
             self._transport.close(self.close_timeout if timeout is None else timeout)
@@ -378,6 +392,9 @@ class Guard:
         desk = self._desk
         if desk.inbox or desk._at_step:
             self._safe_point(None)
+        drills = self._drills.on_entry
+        while drills:
+            log.warning("drill: %s", drills.pop(0)())
 
     def _exit(self, step: Step, duration: float, *, failed: bool) -> None:
         self._phase = None

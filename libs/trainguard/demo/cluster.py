@@ -150,6 +150,11 @@ class Cluster:
         self._nc: Any = None
 
     @property
+    def spans_path(self) -> Path:
+        """Every process appends its spans here (JSON lines): one file, whole traces."""
+        return self.workdir / "spans.jsonl"
+
+    @property
     def nats_url(self) -> str:
         return f"nats://127.0.0.1:{self.nats_port}"
 
@@ -166,7 +171,8 @@ class Cluster:
                     "TRAINGUARD_CKPT_ROOT": str(self.workdir / "ckpt"),
                     # The demo packs 4 ranks, 2 agents and the control plane onto a couple of
                     # cores: its throughput wobbles more than a real job's.
-                    "TRAINGUARD_THROUGHPUT_DROP": "0.6"})
+                    "TRAINGUARD_THROUGHPUT_DROP": "0.6",
+                    "TRAINGUARD_OTEL_EXPORTER": f"file:{self.spans_path}"})
         return env
 
     def _spawn(self, name: str, argv: list[str]) -> None:

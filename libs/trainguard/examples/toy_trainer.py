@@ -67,8 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slow-from", type=int, default=0, metavar="STEP",
                    help="--slow starts at this step (default 0)")
     p.add_argument("--progress-file", default=None, metavar="PATH",
-                   help="rank 0 appends 'unix_time step attempt' per completed step; a rank "
-                        "that fires an injected fault appends 'unix_time step attempt "
+                   help="rank 0 appends 'unix_time step attempt pid' per completed step; a "
+                        "rank that fires an injected fault appends 'unix_time step attempt pid "
                         "fault=KIND rank=R'")
     p.add_argument("--plain-ckpt", default=None, metavar="DIR",
                    help="without trainguard: rank 0 saves model and optimizer with torch.save "
@@ -100,10 +100,11 @@ class Progress:
 
     def step(self, step: int) -> None:
         if self.rank == 0:
-            self._write(f"{time.time():.6f} {step} {self.attempt}\n")
+            self._write(f"{time.time():.6f} {step} {self.attempt} {os.getpid()}\n")
 
     def fault(self, step: int, kind: str) -> None:
-        self._write(f"{time.time():.6f} {step} {self.attempt} fault={kind} rank={self.rank}\n")
+        self._write(f"{time.time():.6f} {step} {self.attempt} {os.getpid()} fault={kind} "
+                    f"rank={self.rank}\n")
 
     def close(self) -> None:
         if self.fd is not None:

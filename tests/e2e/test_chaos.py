@@ -1,0 +1,74 @@
+"""The chaos suite: the demo's fault schedule against one real 4-rank job on two agents.
+
+One cluster per module (control plane, node-a and node-b, a small transformer LM with
+checkpoints). A clean stretch first must raise no anomaly; then each fault of DESIGN.md
+section 6 plays in turn on the same job, and each test asserts detection (kind and
+culprit), cause, actions and recovery. Node-b's isolation (XID 79) comes last because it
+shrinks the job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from tests.conftest import wait_until
+from trainguard.demo.cluster import Cluster
+from trainguard.demo.runner import Runner
+from trainguard.demo.scenario import DEFAULT_SCHEDULE, FAULTS
+from trainguard.tracing import read_spans
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def runner(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Runner]:
+    workdir: Path = tmp_path_factory.mktemp("chaos")
+    cluster = Cluster(workdir, "chaos", steps=1_000_000, step_time=0.05, ckpt_every=10)
+    try:
+        await cluster.start()
+        yield Runner(cluster)
+    finally:
+        await cluster.stop()
+
+
+async def test_a_clean_run_raises_no_anomaly(runner: Runner) -> None:
+    start = runner.obs.max_step
+    await wait_until(lambda: runner.obs.max_step >= start + 150, timeout=90,
+                     what="150 clean steps")
+    assert [a.kind for a in runner.obs.anomalies] == []
+    assert any(c.status == "committed" for c in runner.obs.checkpoints)
+
+
+@pytest.mark.parametrize("name", DEFAULT_SCHEDULE)
+async def test_fault(runner: Runner, name: str) -> None:
+    out = await runner.play(FAULTS[name])
+    assert out.ok, (out.problems, runner.cluster.observer.timeline[-25:])
+
+
+async def test_the_job_survived_everything(runner: Runner) -> None:
+    open_ = [i for i in runner.obs.incidents.values() if i.status in ("open", "mitigating")]
+    assert open_ == []
+    assert runner.goodput() > 0.2
+    assert runner.cluster.procs["node-a"].poll() is None  # still training
+
+
+async def test_each_incident_is_one_trace_across_services(runner: Runner) -> None:
+    spans = read_spans(str(runner.cluster.spans_path))
+    by_trace: dict[str, list[dict[str, Any]]] = {}
+    for span in spans:
+        by_trace.setdefault(span["context"]["trace_id"], []).append(span)
+    restarted = [t for t in by_trace.values()
+                 if any(s["name"] == "act restart" for s in t)]
+    assert restarted, "no trace holds a restart"
+    trace = max(restarted, key=len)
+    names = {s["name"] for s in trace}
+    services = {s["resource"]["attributes"]["service.name"] for s in trace}
+    assert any(n.startswith("publish") and n.endswith(".event.anomaly") for n in names)  # detector
+    assert any(n.startswith("process") and n.endswith(".event.anomaly") for n in names)  # diagnoser
+    assert any(n.startswith("decide ") for n in names)  # remediator
+    assert any(s.startswith("trainguard-agent") for s in services), services  # agent
