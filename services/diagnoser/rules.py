@@ -73,8 +73,11 @@ class HostRecord:
 
 class Diagnoser:
     def __init__(self, *, window: float = 60.0, gpu_window: float = 120.0,
-                 same_cause_window: float = 10.0) -> None:
+                 same_cause_window: float = 10.0, symptom_window: float = 20.0) -> None:
         self.window = window
+        self.symptom_window = symptom_window
+        """A hang or silence joins a root failure this soon after it (a crash's peers hang
+        within a hang limit); later it is a failure of its own."""
         self.same_cause_window = same_cause_window
         """A new anomaly of the same cause joins an open diagnosis only this soon after its
         last anomaly: later, it is a new failure (the last one was dealt with)."""
@@ -144,7 +147,7 @@ class Diagnoser:
         if d.status != "open":
             return False
         if v.collateral or (o.root and a.kind in SYMPTOM_KINDS and v.cause not in ROOT_CAUSES
-                            and now - o.at <= self.window):
+                            and now - o.last <= self.symptom_window):
             return True  # a symptom of an open root failure
         return v.cause == d.cause and now - o.last <= self.same_cause_window \
             and (not d.hosts or bool(set(v.hosts) & set(d.hosts)))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
@@ -38,17 +40,20 @@ def torchrun(nproc: int, args: Sequence[str], env: dict[str, str], log: Path,
            "--master-port", str(free_port()), "--local-addr", "127.0.0.1",
            "-m", module, *args]
     with open(log, "wb") as fh:
-        return subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT)
+        return subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT,
+                                start_new_session=True)
 
 
 @pytest.fixture
 def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
-    """Processes a test started; killed (by PID) if still running at the end."""
+    """Processes a test started, each leading its own session; at the end the whole
+    session is killed (the launcher and the ranks it spawned), by its process-group id."""
     started: list[subprocess.Popen[bytes]] = []
     yield started
     for p in started:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
         if p.poll() is None:
-            p.kill()
             p.wait(10)
 
 
@@ -61,4 +66,5 @@ def launch(job: str, host: str, env: dict[str, str], log: Path, *, nproc: int = 
            *torchrun_opts, "-m", "--", "trainguard.examples.toy_trainer", "--job", job,
            *trainer]
     with open(log, "wb") as fh:
-        return subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT)
+        return subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT,
+                                start_new_session=True)

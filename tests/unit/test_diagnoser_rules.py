@@ -177,3 +177,16 @@ def test_a_named_cause_supersedes_an_unknown_guess_on_the_same_ranks() -> None:
                                     culprit_basis="process_state"), NOW + 1).publish
     assert old.id == guess.id and old.status == "superseded"
     assert new.cause == "rank_hang" and set(new.anomaly_ids) == {"u1", "h1"}
+
+
+def test_a_hang_long_after_a_crash_is_its_own_failure() -> None:
+    d = Diagnoser(symptom_window=20)
+    d.observe_exit(exit_of(3, "node-b", TRACE, NOW - 1))
+    (crashed,) = d.on_anomaly(crash(3, "node-b", TRACE, "c3"), NOW).publish
+    hang = dict(culprits=[3], culprit_basis="phase:comm", majority_phase="comm",
+                phases={"3": {"phase": "data", "host": "node-b"}})
+    (soon,) = d.on_anomaly(anomaly("hang", [0, 1, 2], ["node-a"], "h1", culprits=[],
+                                   majority_phase="comm"), NOW + 8).publish
+    assert soon.id == crashed.id
+    (later,) = d.on_anomaly(anomaly("hang", [3], ["node-b"], "h2", **hang), NOW + 40).publish
+    assert later.id != crashed.id and later.cause == "rank_hang"

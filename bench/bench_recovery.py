@@ -1,0 +1,785 @@
+"""Recovery: one job, four faults, under plain torchrun and under trainguard.
+
+The job is the demo's: ``trainguard.examples.toy_trainer`` (a small character-level
+transformer LM, gloo on CPU), 4 ranks on two agents ``node-a`` / ``node-b`` with 2 ranks
+each, a checkpoint every 10 steps. The faults are the demo's drills on rank 1 (rank 0 for
+NaN): a crash (an exception), a hang (blocked in the data phase), a straggler (compute 2x
+slower) and NaN written into the parameters. Each runs under
+
+- (a) torchrun ``--max-restarts 3`` with torch's default process-group timeout (30 min);
+- (b) the same with a 30 s process-group timeout;
+- (c) trainguard: ``trainguard up`` and two ``trainguard launch`` agents
+  (:class:`trainguard.demo.cluster.Cluster`), the faults played by
+  :class:`trainguard.demo.runner.Runner` one after another on the same job.
+
+Stock torchrun (static rendezvous, the agent's TCPStore shared with the workers) cannot
+restart a gloo job: the new attempt fails with "Gloo connectFullMesh failed"
+(pytorch/pytorch#135712, #167288). That is measured and shown as it is; the baselines are
+also run with the workaround (c10d rendezvous and ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``,
+what ``trainguard launch`` uses) so that the comparison is fair. The baselines run the same
+trainer with ``TRAINGUARD_DISABLED=1``, its own fault flags (``--raise-at``, ``--hang-at``,
+``--slow``, ``--nan-at``) and plain ``torch.save`` checkpoints (``--plain-ckpt``).
+
+Every number comes from rank 0's progress file (``--progress-file``: one line per step with
+time and pid), the agents' logs (baselines) or the anomalies on the bus (trainguard):
+
+- time to detect: fault -> torchrun's agent reports the failed worker / trainguard's
+  anomaly. A baseline that never reacts (straggler, NaN) is "not detected";
+- time to recover: fault -> the restarted job completes a step past the last one before
+  the fault (a straggler, too, is over only when its process has been replaced);
+- steps lost: steps done before the fault that the restart had to redo (NaN without
+  detection: every step since the onset, which trained on NaN);
+- goodput: new useful steps in a fixed window after the fault, times the clean step time,
+  over the window (1.0: the fault cost nothing).
+
+A run is observed for that window and no longer: what had not happened by then is reported
+as "> bound", never extrapolated. Everything binds to 127.0.0.1 on free ports; every
+process started here (agents, workers, servers) is tracked by pid and killed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainguard.embedded import free_port, port_taken
+
+STEP_TIME = 0.05
+CKPT_EVERY = 10
+FAULT_STEP = 25
+FAULT_RANK = 1
+NAN_RANK = 0
+SLOW_FACTOR = 2.0
+MAX_RESTARTS = 3
+SHORT_PG_TIMEOUT = 30.0
+DEFAULT_PG_TIMEOUT = 1800.0  # torch.distributed.constants.default_pg_timeout (checked below)
+CRASH_MESSAGE = "RuntimeError: injected crash (bench_recovery)"
+HOSTS = ("node-a", "node-b")
+FAULT_NAMES = ("crash", "hang", "straggler", "nan")
+
+# Observation window per fault, seconds after the fault (the same for every setup).
+WINDOWS = {"crash": 30.0, "hang": 60.0, "straggler": 25.0, "nan": 25.0}
+QUICK_WINDOWS = {"crash": 25.0, "hang": 50.0, "straggler": 15.0, "nan": 20.0}
+
+AGENT_FAILURE = re.compile(r"torch/distributed/elastic/\S+\] (failed \(exitcode|"
+                           r"Sending process \d+ closing signal)")
+RESTART_FAILURE = "Gloo connectFullMesh failed"
+
+
+# -- processes ---------------------------------------------------------------------------------
+
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(ppid, start time in clock ticks) of a live process, None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            raw = fh.read().decode(errors="replace")
+    except OSError:
+        return None
+    fields = raw[raw.rfind(")") + 2:].split()
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[1]), int(fields[19])
+
+
+class Tracker:
+    """Every process descended from the roots we started, by (pid, start time), so that the
+    end kills exactly those, by pid. torch's elastic agent starts each worker in a new
+    session, so process groups do not cover them; a poller follows restarts, and each
+    process remembers its root even after its parent is gone."""
+
+    def __init__(self) -> None:
+        self.known: dict[int, tuple[int, int]] = {}
+        """pid -> (start time in clock ticks, the root it descends from)."""
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="tracker", daemon=True)
+        self._thread.start()
+
+    @property
+    def roots(self) -> set[int]:
+        with self._lock:
+            return {pid for pid, (_, root) in self.known.items() if pid == root}
+
+    def add_root(self, pid: int) -> None:
+        st = _stat(pid)
+        if st is not None:
+            with self._lock:
+                self.known.setdefault(pid, (st[1], pid))
+        self.scan()
+
+    def scan(self) -> None:
+        children: dict[int, list[tuple[int, int]]] = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                st = _stat(int(entry))
+                if st is not None:
+                    children.setdefault(st[0], []).append((int(entry), st[1]))
+        with self._lock:
+            todo = [p for p in self.known if self._alive(p)]
+            while todo:
+                pid = todo.pop()
+                root = self.known[pid][1]
+                for child, start in children.get(pid, []):
+                    if child not in self.known or not self._alive(child):
+                        self.known[child] = (start, root)
+                        todo.append(child)
+
+    def _alive(self, pid: int) -> bool:
+        st = _stat(pid)
+        return st is not None and pid in self.known and st[1] == self.known[pid][0]
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.25):
+            with contextlib.suppress(Exception):
+                self.scan()
+
+    def kill(self, roots: set[int] | None = None) -> int:
+        """Freeze those roots (no new children), rescan, then SIGKILL every live process
+        that descends from them (all tracked ones when None). Returns how many."""
+        with self._lock:
+            chosen = {p for p, (_, r) in self.known.items() if p == r
+                      and (roots is None or p in roots)}
+        for pid in chosen:
+            if self._alive(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGSTOP)
+        self.scan()
+        killed = 0
+        with self._lock:
+            targets = [p for p, (_, r) in self.known.items() if r in chosen and self._alive(p)]
+        for pid in sorted(targets, key=lambda p: p in chosen):  # children first
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+        return killed
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self.kill()
+
+
+class Agent:
+    """One torchrun agent, its output timestamped line by line as it arrives."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], cwd: Path,
+                 tracker: Tracker) -> None:
+        self.name = name
+        self.lines: list[tuple[float, str]] = []
+        self.log = open(cwd / f"{name}.log", "w")  # noqa: SIM115 - closed by the reader
+        self.proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        tracker.add_root(self.proc.pid)
+        self._reader = threading.Thread(target=self._read, name=f"read-{name}", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            t = time.time()
+            line = raw.decode(errors="replace").rstrip("\n")
+            self.lines.append((t, line))
+            self.log.write(f"{t:.3f} {line}\n")
+        self.log.close()
+
+    def finish(self) -> None:
+        self._reader.join(timeout=5)
+
+
+# -- progress ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Rec:
+    t: float
+    step: int
+    attempt: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class Mark:
+    t: float
+    step: int
+    kind: str
+    rank: int
+
+
+def read_progress(path: Path) -> tuple[list[Rec], list[Mark]]:
+    recs: list[Rec] = []
+    marks: list[Mark] = []
+    if not path.exists():
+        return recs, marks
+    for line in path.read_text().splitlines():
+        parts = line.split()
+        if len(parts) < 4:
+            continue
+        try:
+            t, step, attempt, pid = float(parts[0]), int(parts[1]), int(parts[2]), int(parts[3])
+        except ValueError:
+            continue
+        extra = dict(p.split("=", 1) for p in parts[4:] if "=" in p)
+        if "fault" in extra:
+            marks.append(Mark(t, step, extra["fault"], int(extra.get("rank", -1))))
+        else:
+            recs.append(Rec(t, step, attempt, pid))
+    return recs, marks
+
+
+@dataclass
+class Measure:
+    """What one fault did to one setup, from rank 0's progress records."""
+
+    window: float
+    clean_step_s: float | None = None
+    step_time_after_s: float | None = None
+    """Median step time in the window, restarts excluded (a straggler's cost shows here)."""
+    step_at_fault: int | None = None
+    last_step_before_restart: int | None = None
+    resume_step: int | None = None
+    restarts: int = 0
+    recover_s: float | None = None
+    steps_lost: int | None = None
+    poisoned_steps: int | None = None
+    goodput: float | None = None
+    progress_in_window: int | None = None
+
+
+def measure(recs: list[Rec], t0: float, window: float, fault: str,
+            fault_step: int | None = None) -> Measure:
+    """``t0``: when the fault struck; ``fault_step``: the step it struck at, when known (the
+    baselines' flags fire at the start of a step; rank 0 may still log the one before)."""
+    m = Measure(window)
+    before = [r for r in recs if r.t <= t0]
+    if not before:
+        return m
+    pid0 = before[-1].pid
+    k0 = before[-1].step if fault_step is None else fault_step - 1
+    m.step_at_fault = k0
+    same = [r for r in before if r.pid == pid0][-40:]
+    gaps = [b.t - a.t for a, b in itertools.pairwise(same) if b.step == a.step + 1]
+    m.clean_step_s = statistics.median(gaps) if gaps else None
+    end = t0 + window
+    inside = [r for r in recs if t0 < r.t <= end]
+    old = [r for r in recs if r.pid == pid0 and r.t <= end]
+    new = [r for r in inside if r.pid != pid0]
+    m.restarts = len({r.pid for r in new})
+    k_old = max(r.step for r in old)
+    m.last_step_before_restart = k_old
+    if fault == "nan":
+        first_bad = k0 + 1
+        bad = [r for r in old if r.step >= first_bad]
+        m.poisoned_steps = len(bad)
+        target = first_bad - 1
+        useful = [r for r in recs if r.t <= end and not (r.pid == pid0 and r.step >= first_bad)]
+    else:
+        target = k_old if fault in ("crash", "hang") else k0
+        useful = [r for r in recs if r.t <= end]
+    if new:
+        m.resume_step = new[0].step
+        m.steps_lost = max(0, k_old - new[0].step + 1)
+        past = [r for r in new if r.step > target]
+        if past:  # a straggler, too, is over only when its process is replaced
+            m.recover_s = past[0].t - t0
+    elif fault == "nan":
+        m.steps_lost = m.poisoned_steps
+    gaps_after = [b.t - a.t for a, b in itertools.pairwise(inside)
+                  if b.pid == a.pid and b.step == a.step + 1]
+    m.step_time_after_s = statistics.median(gaps_after) if gaps_after else None
+    top = max((r.step for r in useful), default=k0)
+    m.progress_in_window = max(0, top - k0)
+    if m.clean_step_s:
+        m.goodput = min(1.0, m.progress_in_window * m.clean_step_s / window)
+    return m
+
+
+# -- baselines: torchrun -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Setup:
+    key: str
+    label: str
+    pg_timeout: float
+    stock: bool
+
+
+SETUPS = {s.key: s for s in (
+    Setup("a-stock", "(a) torchrun, stock rendezvous", DEFAULT_PG_TIMEOUT, True),
+    Setup("a", "(a) torchrun + workaround", DEFAULT_PG_TIMEOUT, False),
+    Setup("b-stock", "(b) torchrun 30 s timeout, stock rendezvous", SHORT_PG_TIMEOUT, True),
+    Setup("b", "(b) torchrun 30 s timeout + workaround", SHORT_PG_TIMEOUT, False),
+)}
+
+
+def fault_flags(fault: str) -> list[str]:
+    return {
+        "crash": ["--raise-at", f"{FAULT_RANK}:{FAULT_STEP}", "--raise-message", CRASH_MESSAGE],
+        "hang": ["--hang-at", f"{FAULT_RANK}:{FAULT_STEP}"],
+        "straggler": ["--slow", f"{FAULT_RANK}:{SLOW_FACTOR}", "--slow-from", str(FAULT_STEP)],
+        "nan": ["--nan-at", f"{NAN_RANK}:{FAULT_STEP}"],
+    }[fault]
+
+
+def base_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+    env.update({"TRAINGUARD_DISABLED": "1", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+                "PYTHONUNBUFFERED": "1"})
+    return env
+
+
+def run_baseline(fault: str, setup: Setup, window: float, root: Path,
+                 tracker: Tracker) -> dict[str, Any]:
+    work = root / f"{fault}-{setup.key}"
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    progress = work / "progress"
+    port = free_port()
+    env = base_env()
+    if not setup.stock:
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    trainer = ["-m", "trainguard.examples.toy_trainer", "--job", "bench", "--model", "lm",
+               "--steps", "1000000", "--step-time", str(STEP_TIME),
+               "--ckpt-every", str(CKPT_EVERY), "--plain-ckpt", str(work / "ckpt"),
+               "--progress-file", str(progress), "--pg-timeout", str(setup.pg_timeout),
+               *fault_flags(fault)]
+    agents: list[Agent] = []
+    started = time.time()
+    result: dict[str, Any] = {"fault": fault, "setup": setup.key, "label": setup.label,
+                              "window_s": window, "pg_timeout_s": setup.pg_timeout,
+                              "rendezvous": "static (stock)" if setup.stock else
+                              "c10d + TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"}
+    try:
+        for i, host in enumerate(HOSTS):
+            if setup.stock:
+                rdzv = ["--node-rank", str(i), "--master-addr", "127.0.0.1",
+                        "--master-port", str(port)]
+            else:
+                rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                        "--rdzv-id", "bench"]
+            argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", *rdzv,
+                    "--nproc-per-node", "2", "--local-addr", "127.0.0.1",
+                    "--max-restarts", str(MAX_RESTARTS), *trainer]
+            agents.append(Agent(host, argv, env, work, tracker))
+            if i == 0:  # node-a hosts the store
+                _wait(lambda: port_taken(port), 60, "node-a's store to listen",
+                      lambda: agents[0].proc.poll() is None)
+        mark = _wait_mark(progress, 120, lambda: any(a.proc.poll() is None for a in agents))
+        t0 = mark.t
+        result["startup_s"] = round(t0 - started, 1)
+        deadline = t0 + window
+        while time.time() < deadline and any(a.proc.poll() is None for a in agents):
+            time.sleep(0.2)
+        result["agents_exited"] = {a.name: a.proc.poll() for a in agents}
+    except Exception as exc:  # reported; the benchmark goes on
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        return result
+    finally:
+        tracker.kill({a.proc.pid for a in agents})
+        for a in agents:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                a.proc.wait(timeout=10)
+            a.finish()
+        result["seconds"] = round(time.time() - started, 1)
+    lines = sorted((t, a.name, line) for a in agents for t, line in a.lines)
+    failures = [(t, n, ln) for t, n, ln in lines if t0 <= t <= deadline
+                and AGENT_FAILURE.search(ln)]
+    restart_failures = [(t, n, ln) for t, n, ln in lines if t0 <= t <= deadline
+                        and RESTART_FAILURE in ln]
+    recs, _ = read_progress(progress)
+    m = measure(recs, t0, window, fault, fault_step=mark.step)
+    result.update(dataclasses.asdict(m))
+    result["detect_s"] = round(failures[0][0] - t0, 2) if failures else None
+    result["detected_by"] = failures[0][2][-160:] if failures else None
+    result["restart_failed"] = bool(restart_failures)
+    if restart_failures:
+        result["restart_failure"] = restart_failures[0][2][-200:]
+    return result
+
+
+def _wait(cond: Any, timeout: float, what: str, alive: Any) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if not alive():
+            raise RuntimeError(f"exited while waiting for {what}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.1)
+
+
+def _wait_mark(path: Path, timeout: float, alive: Any) -> Mark:
+    found: list[Mark] = []
+
+    def seen() -> bool:
+        found[:] = read_progress(path)[1]
+        return bool(found)
+
+    _wait(seen, timeout, "the fault to fire", alive)
+    return found[0]
+
+
+# -- (c) trainguard ----------------------------------------------------------------------------
+
+def _trainguard_faults() -> dict[str, Any]:
+    from trainguard.demo.scenario import FAULTS, Fault
+
+    return {
+        # A plain exception, the same text as the baselines' --raise-at.
+        "crash": Fault("crash", "crash", rank=FAULT_RANK, params={"message": CRASH_MESSAGE},
+                       anomaly="crash", causes=("process_crash",), actions=("restart",)),
+        "hang": FAULTS["hang"],
+        # No undo on detection: the rank stays slow for the window, as in the baselines.
+        "straggler": dataclasses.replace(FAULTS["straggler"], undo=None),
+        "nan": FAULTS["nan"],
+    }
+
+
+async def run_trainguard(faults: list[str], windows: dict[str, float], root: Path,
+                         tracker: Tracker) -> dict[str, dict[str, Any]]:
+    from trainguard.demo.cluster import Cluster
+    from trainguard.demo.runner import Outcome, Runner
+
+    class ProgressCluster(Cluster):
+        """The demo's cluster, with rank 0 writing the same progress file as the baselines."""
+
+        progress_file: Path
+
+        def launch_argv(self, host: str) -> list[str]:
+            return [*super().launch_argv(host), "--progress-file", str(self.progress_file)]
+
+    work = root / "trainguard"
+    if work.exists():
+        shutil.rmtree(work)
+    cluster = ProgressCluster(work, "bench", steps=1_000_000, step_time=STEP_TIME,
+                              ckpt_every=CKPT_EVERY)
+    cluster.progress_file = work / "progress"
+    results: dict[str, dict[str, Any]] = {}
+    started = time.time()
+    watching = True
+
+    async def watch_procs() -> None:
+        while watching:
+            for proc in list(cluster.procs.values()):
+                if proc.pid not in tracker.roots:
+                    tracker.add_root(proc.pid)
+            await asyncio.sleep(0.2)
+
+    watcher = asyncio.create_task(watch_procs())
+    try:
+        try:
+            await cluster.start(timeout=150)
+        except Exception as exc:  # the column says why
+            reason = f"cluster did not start: {type(exc).__name__}: {str(exc)[:300]}"
+            return {f: {"fault": f, "setup": "c", "pending": reason} for f in faults}
+        startup = time.time() - started
+        runner = Runner(cluster)
+        obs = cluster.observer
+        # The first fault strikes where the baselines' does: a few steps past a checkpoint.
+        await _until(lambda: obs.max_step >= FAULT_STEP - 4, 120)
+        tg_faults = _trainguard_faults()
+        for name in faults:
+            fault = tg_faults[name]
+            window = windows[name]
+            res: dict[str, Any] = {"fault": name, "setup": "c", "label": "(c) trainguard",
+                                   "window_s": window, "drill": fault.kind,
+                                   "startup_s": round(startup, 1)}
+            results[name] = res
+            seen_timeline = len(obs.timeline)
+            task = asyncio.create_task(runner.play(fault))
+            t0 = await _injected(obs, seen_timeline, fault.name, task, timeout=150)
+            if t0 is None:
+                err = task.exception() if task.done() and not task.cancelled() else None
+                res["pending"] = f"not played: {type(err).__name__}: {err}" if err else \
+                    "not played: training did not become healthy"
+                task.cancel()
+                continue
+            await asyncio.wait({task}, timeout=max(0.0, t0 + window - time.time()))
+            outcome: Outcome | None = None
+            if task.done() and not task.cancelled() and task.exception() is None:
+                outcome = task.result()
+            else:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+            await asyncio.sleep(max(0.0, t0 + window - time.time()))
+            if fault.undo is None and name == "straggler":
+                await runner.command(fault, "slow", {"factor": 1.0})
+            res.update(_judge_trainguard(cluster, fault, t0, window, outcome))
+    except Exception as exc:  # what ran is reported, the rest pending
+        for name in faults:
+            results.setdefault(name, {"fault": name, "setup": "c"})
+            if "detect_s" not in results[name]:
+                results[name]["pending"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    finally:
+        stop_t = time.time()
+        (work / "timeline.txt").write_text(
+            "".join(f"{t:.3f} {text}\n" for t, text in cluster.observer.timeline))
+        # Measuring is over: the agents and their workers go at once (by pid), which spares
+        # their preemption save; then the cluster stops what is left (the control plane).
+        tracker.kill({p.pid for n, p in cluster.procs.items() if n in HOSTS})
+        with contextlib.suppress(Exception):
+            await cluster.nc.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(cluster.stop(), timeout=120)
+        watching = False
+        await watcher
+        tracker.kill({p.pid for p in cluster.procs.values()})
+        for res in results.values():
+            res["stop_s"] = round(time.time() - stop_t, 1)
+    return results
+
+
+async def _until(cond: Any, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.1)
+    return True
+
+
+async def _injected(obs: Any, since: int, name: str, task: asyncio.Task[Any],
+                    timeout: float) -> float | None:
+    """When the runner injected ``name`` (its INJECT timeline entry), None if it did not."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for t, text in obs.timeline[since:]:
+            if text.startswith("INJECT") and f" {name} (" in text:
+                return float(t)
+        if task.done():
+            return None
+        await asyncio.sleep(0.05)
+    return None
+
+
+def _judge_trainguard(cluster: Any, fault: Any, t0: float, window: float,
+                      outcome: Any) -> dict[str, Any]:
+    obs = cluster.observer
+    end = t0 + window
+    anomalies = [a for a in obs.anomalies if a.kind == fault.anomaly
+                 and t0 - 1 <= a.detected_at <= end]
+    first = min(anomalies, key=lambda a: a.detected_at) if anomalies else None
+    recs, _ = read_progress(cluster.progress_file)
+    m = measure(recs, t0, window, fault.name)
+    out: dict[str, Any] = dataclasses.asdict(m)
+    out["detect_s"] = round(max(0.0, first.detected_at - t0), 2) if first else None
+    out["anomaly"] = {"kind": first.kind, "ranks": first.ranks} if first else None
+    # The incident: the runner's, else the first one that moved after the fault.
+    inc = None
+    if outcome is not None:
+        out["cause"], out["actions"] = outcome.cause, outcome.actions
+        out["incident_status"], out["problems"] = outcome.incident_status, outcome.problems
+        out["incident_steps_lost"] = outcome.steps_lost
+        out["resolved_s"] = round(outcome.recovered_at - t0, 2) if outcome.recovered_at \
+            else None
+    else:
+        # The incident that holds the fault's anomaly, else the first one that moved after it.
+        if first is not None:
+            inc = next((i for i in obs.incidents.values() if first.id in i.anomaly_ids), None)
+        moved = [text.split()[1] for t, text in obs.timeline
+                 if t0 <= t <= end and text.startswith("incident")]
+        for suffix in moved if inc is None else []:
+            inc = next((i for i in obs.incidents.values() if i.id.endswith(suffix)), None)
+            if inc is not None:
+                break
+        out["problems"] = ["the runner saw no resolved incident for it within the window"]
+        if inc is not None:
+            out["cause"], out["incident_status"] = inc.cause, inc.status
+            out["actions"] = [f"{a.get('action')}:{a.get('status')}" for a in inc.actions]
+            out["incident_steps_lost"] = inc.steps_lost
+    return out
+
+
+# -- report ------------------------------------------------------------------------------------
+
+def fmt_s(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f} s"
+
+
+def cells(r: dict[str, Any]) -> dict[str, str]:
+    """The table's cells for one row: measured numbers, or why there is none."""
+    if "pending" in r:
+        return {"detect": "pending", "recover": "pending", "steps_lost": "pending",
+                "goodput": "pending", "notes": r["pending"][:120]}
+    if "error" in r:
+        return {"detect": "error", "recover": "error", "steps_lost": "-", "goodput": "-",
+                "notes": r["error"][:120]}
+    fault, w = r["fault"], r["window_s"]
+    trainguard = r["setup"] == "c"
+    default_timeout = r.get("pg_timeout_s") == DEFAULT_PG_TIMEOUT
+    bound = f"> {w:.0f} s bound" + (" (default 30 min)" if default_timeout else "")
+    never_noticed = not trainguard and fault in ("straggler", "nan")
+    if r["detect_s"] is not None:
+        detect = fmt_s(r["detect_s"])
+    else:
+        detect = "not detected" if never_noticed else bound
+    notes = []
+    if r["recover_s"] is not None:
+        recover = fmt_s(r["recover_s"])
+    elif r.get("restart_failed"):
+        recover = "restart failed"
+        notes.append("restart failed: Gloo connectFullMesh failed")
+    elif never_noticed or (r["detect_s"] is None and trainguard):
+        recover = "never (not detected)" if never_noticed else bound
+    elif fault == "straggler" and trainguard:
+        recover = f"> {w:.0f} s bound (alert only)"
+    else:
+        recover = bound
+    if fault == "nan" and r["restarts"] == 0 and r.get("poisoned_steps"):
+        lost = f"{r['poisoned_steps']} (every step since the onset, still going)"
+    elif r["steps_lost"] is not None:
+        lost = str(r["steps_lost"])
+    elif fault == "straggler":
+        lost = "0"
+    else:
+        lost = "- (restart failed)" if r.get("restart_failed") else \
+            "- (no progress after the restart)" if r["detect_s"] is not None else \
+            "- (no restart)"
+    goodput = "-" if r["goodput"] is None else f"{r['goodput']:.2f}"
+    if trainguard:
+        if r.get("restarts"):
+            notes.append(f"resumed at step {r['resume_step']}")
+        if r.get("cause"):
+            acts = ", ".join(a.split(":")[0] for a in r.get("actions") or [])
+            notes.append(f"{r['cause']}" + (f" -> {acts}" if acts else ""))
+        notes.extend(p[:160] for p in r.get("problems") or [])
+    else:
+        if r.get("restarts"):
+            notes.append(f"restarted, resumed at step {r['resume_step']}")
+        elif r["detect_s"] is not None and not r.get("restart_failed") \
+                and not any(v is not None for v in r.get("agents_exited", {}).values()):
+            notes.append("the agents restarted the workers; they made no progress in the window")
+        if r.get("covers"):
+            notes.append(r["covers"])
+    return {"detect": detect, "recover": recover, "steps_lost": lost, "goodput": goodput,
+            "notes": "; ".join(notes)}
+
+
+def table(rows: list[dict[str, Any]], windows: dict[str, float]) -> str:
+    out = ["| fault | setup | time to detect | time to recover | steps lost | "
+           "goodput (window) | notes |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        c = r["cells"]
+        out.append(f"| {r['fault']} | {r['label']} | {c['detect']} | {c['recover']} | "
+                   f"{c['steps_lost']} | {c['goodput']} ({windows[r['fault']]:.0f} s) | "
+                   f"{c['notes']} |")
+    return "\n".join(out)
+
+
+def plan(quick: bool, faults: list[str]) -> list[tuple[str, str, str, str]]:
+    """(fault, setup key, row label, what the row covers) of every baseline run."""
+    both = "(a)/(b) torchrun, either rendezvous"
+    runs = [
+        ("crash", "a-stock", SETUPS["a-stock"].label, ""),
+        *([("crash", "b", "(a)/(b) torchrun + workaround",
+            "one run for (a) and (b): the peers fail at once, no timeout involved")]
+          if quick else [("crash", "a", SETUPS["a"].label, ""),
+                         ("crash", "b", SETUPS["b"].label, "")]),
+        ("hang", "a", "(a) torchrun, default timeout, either rendezvous",
+         "no restart within the bound, so the rendezvous makes no difference"),
+        *([] if quick else [("hang", "b-stock", SETUPS["b-stock"].label, "")]),
+        ("hang", "b", SETUPS["b"].label, ""),
+        ("straggler", "b", both, "one run: no exit, no timeout, no restart"),
+        ("nan", "b", both, "one run: no exit, no timeout, no restart"),
+    ]
+    return [r for r in runs if r[0] in faults]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", help="write results as JSON here")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer, shorter runs (crash shared by (a) and (b), no stock hang run)")
+    p.add_argument("--faults", default=",".join(FAULT_NAMES),
+                   help=f"comma list of {', '.join(FAULT_NAMES)} (default: all)")
+    p.add_argument("--no-baselines", action="store_true", help="only (c) trainguard")
+    p.add_argument("--no-trainguard", action="store_true", help="only the torchrun baselines")
+    p.add_argument("--workdir", help="keep logs and progress files here (default: a temp dir)")
+    args = p.parse_args()
+    asked = [f.strip() for f in args.faults.split(",") if f.strip()]
+    unknown = [f for f in asked if f not in FAULT_NAMES]
+    if unknown:
+        p.error(f"unknown fault(s) {', '.join(unknown)}; known: {', '.join(FAULT_NAMES)}")
+    faults = [f for f in FAULT_NAMES if f in asked]
+    from torch.distributed.constants import default_pg_timeout
+
+    if default_pg_timeout.total_seconds() != DEFAULT_PG_TIMEOUT:
+        print(f"note: torch's default process-group timeout is {default_pg_timeout}, "
+              f"not 30 min", file=sys.stderr)
+    windows = QUICK_WINDOWS if args.quick else WINDOWS
+    started = time.time()
+    tracker = Tracker()
+    with _workdir(args.workdir) as root:
+        try:
+            rows: list[dict[str, Any]] = []
+            if not args.no_baselines:
+                for fault, key, label, covers in plan(args.quick, faults):
+                    print(f"running {fault} under {label} ...", file=sys.stderr, flush=True)
+                    r = run_baseline(fault, SETUPS[key], windows[fault], root, tracker)
+                    r["label"], r["covers"] = label, covers
+                    rows.append(r)
+            tg: dict[str, dict[str, Any]] = {}
+            if not args.no_trainguard:
+                print(f"running trainguard ({', '.join(faults)}) ...", file=sys.stderr,
+                      flush=True)
+                tg = asyncio.run(run_trainguard(faults, windows, root, tracker))
+        finally:
+            tracker.close()
+    for r in tg.values():
+        r.setdefault("label", "(c) trainguard")
+        r.setdefault("window_s", windows[r["fault"]])
+    ordered = [r for f in faults for r in [*(x for x in rows if x["fault"] == f),
+                                           *([tg[f]] if f in tg else [])]]
+    for r in ordered:
+        r["cells"] = cells(r)
+    total = time.time() - started
+    print(table(ordered, windows))
+    print(f"\njob: 4 ranks (2 agents x 2), toy_trainer --model lm --step-time {STEP_TIME}, "
+          f"checkpoint every {CKPT_EVERY} steps; faults at step {FAULT_STEP} (baselines), "
+          f"on rank {FAULT_RANK} (NaN: rank {NAN_RANK}); goodput = new steps in the window x "
+          f"clean step time / window; {'quick' if args.quick else 'full'} run took "
+          f"{total / 60:.1f} min")
+    result = {"mode": "quick" if args.quick else "full", "windows_s": windows,
+              "job": {"ranks": 4, "agents": list(HOSTS), "model": "lm", "step_time": STEP_TIME,
+                      "ckpt_every": CKPT_EVERY, "fault_step": FAULT_STEP,
+                      "fault_rank": FAULT_RANK, "nan_rank": NAN_RANK,
+                      "slow_factor": SLOW_FACTOR, "max_restarts": MAX_RESTARTS,
+                      "short_pg_timeout_s": SHORT_PG_TIMEOUT,
+                      "default_pg_timeout_s": DEFAULT_PG_TIMEOUT},
+              "rows": ordered, "seconds": round(total, 1)}
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(result, fh, indent=2, default=str)
+    return 0
+
+
+@contextlib.contextmanager
+def _workdir(path: str | None) -> Iterator[Path]:
+    if path:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        yield Path(path)
+        return
+    with tempfile.TemporaryDirectory(prefix="bench-recovery-") as tmp:
+        yield Path(tmp)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
