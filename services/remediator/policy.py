@@ -37,6 +37,8 @@ class Policy:
     resolve_timeout_s: float = 600.0
     escalate_unknown: bool = True
     unknown_grace_s: float = 10.0
+    launcher_grace_s: float = 15.0
+    """After a crash, how long to wait for the launcher's own restart before restarting."""
     """An unknown cause waits this long for a better diagnosis before a human is paged."""
     source: str = field(default="", compare=False)
 
@@ -71,7 +73,8 @@ def parse_policy(text: str, source: str = "<policy>") -> Policy:
         raise fail(name, f"unknown section [{name}] (expected [defaults] and [causes.*])")
     d: dict[str, Any] = raw.get("defaults", {})
     known = {"cooldown_s", "restart_budget_per_hour", "ack_timeout_s", "save_deadline_s",
-             "resolve_timeout_s", "escalate_unknown", "unknown_grace_s"}
+             "resolve_timeout_s", "escalate_unknown", "unknown_grace_s",
+             "launcher_grace_s"}
     for key, value in d.items():
         if key not in known:
             raise fail(key, f"unknown setting {key!r} in [defaults]; known: "
@@ -119,7 +122,7 @@ def load_policy(path: str | Path | None = None) -> Policy:
     merged = {k: getattr(override, k) if k in raw else getattr(base, k)
               for k in ("cooldown_s", "restart_budget_per_hour", "ack_timeout_s",
                         "save_deadline_s", "resolve_timeout_s", "escalate_unknown",
-                        "unknown_grace_s")}
+                        "unknown_grace_s", "launcher_grace_s")}
     return Policy(causes={**base.causes, **override.causes}, source=str(p), **merged)
 
 

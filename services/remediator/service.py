@@ -35,6 +35,8 @@ from .settings import RemediatorSettings
 log = logging.getLogger("trainguard.remediator")
 
 HOUR = 3600.0
+CRASHING = frozenset({"process_crash", "oom", "hbm_ecc"})
+"""Causes whose evidence is a dead worker (the launcher restarts those by itself)."""
 
 
 class RemediatorService(Service):
@@ -308,6 +310,14 @@ class RemediatorService(Service):
                                     persist)
                 await self._note_restart(inc.job)
             case "restart":
+                if inc.cause in CRASHING and inc.failure_attempt is not None:
+                    # A dead worker: torchrun restarts the group by itself. Give it the
+                    # chance rather than restarting a group that is already coming back.
+                    deadline = time.monotonic() + self.policy.launcher_grace_s
+                    while time.monotonic() < deadline and (
+                            view.attempt is None or view.attempt <= inc.failure_attempt):
+                        await asyncio.sleep(1.0)
+                        view = await self._view(inc.job, inc.cause, inc.hosts)
                 if inc.failure_attempt is not None and view.attempt is not None and \
                         view.attempt > inc.failure_attempt:
                     step.status = "skipped"

@@ -100,7 +100,7 @@ def settings_for(nats_url: str, redis_url: str, prefix: str, **kw: Any) -> Remed
 
 
 async def test_crash_to_restart_to_resolved(nats_url: str, redis_url: str, prefix: str,
-                                            job: str, nc: Any) -> None:
+                                            job: str, nc: Any, tmp_path: Path) -> None:
     await provision(nc.jetstream(), streams(prefix))
     agents = Agents(nc, prefix, job)
     await agents.start()
@@ -112,7 +112,9 @@ async def test_crash_to_restart_to_resolved(nats_url: str, redis_url: str, prefi
         actions.append(decode_durable(msg.data, Action))
 
     await nc.subscribe(Subjects(prefix).event(job, "action"), cb=on_action)
-    svc = RemediatorService(settings_for(nats_url, redis_url, prefix))
+    policy = tmp_path / "policy.toml"
+    policy.write_text("[defaults]\nlauncher_grace_s = 0\n")  # the launcher never restarts
+    svc = RemediatorService(settings_for(nats_url, redis_url, prefix, policy=str(policy)))
     async with running(svc):
         await wait_until(lambda: svc.leader is not None and svc.leader.leading, what="leading")
         bus = Bus(nc, Subjects(prefix), source="test")
@@ -137,11 +139,34 @@ async def test_crash_to_restart_to_resolved(nats_url: str, redis_url: str, prefi
     assert sorted(i.rev for i in seen) == list(range(1, len(seen) + 1))
 
 
+async def test_no_second_restart_when_the_launcher_already_restarted(
+        nats_url: str, redis_url: str, prefix: str, job: str, nc: Any) -> None:
+    await provision(nc.jetstream(), streams(prefix))
+    agents = Agents(nc, prefix, job)
+    await agents.start()
+    await seed(redis_url, prefix, job, attempt=0, step=120)
+    seen = await incidents_of(nc, prefix, job)
+    svc = RemediatorService(settings_for(nats_url, redis_url, prefix))
+    async with running(svc):
+        await wait_until(lambda: svc.leader is not None and svc.leader.leading, what="leading")
+        bus = Bus(nc, Subjects(prefix), source="test")
+        await bus.publish_durable(Subjects(prefix).event(job, "diagnosis"), diagnosis(job, "d1"))
+        await wait_until(lambda: seen, what="incident open")
+        await seed(redis_url, prefix, job, attempt=1, step=121)  # torchrun restarted the group
+        await wait_until(lambda: any(i.status == "resolved" for i in seen), timeout=30,
+                         what="resolved")
+    final = seen[-1]
+    assert final.actions[0]["action"] == "restart" and final.actions[0]["status"] == "skipped"
+    assert "already restarted" in final.actions[0]["detail"]
+    assert agents.commands == []
+
+
 async def test_a_fault_beyond_the_restart_budget_escalates(
         nats_url: str, redis_url: str, prefix: str, job: str, nc: Any, tmp_path: Path) -> None:
     await provision(nc.jetstream(), streams(prefix))
     policy = tmp_path / "policy.toml"
-    policy.write_text("[defaults]\nrestart_budget_per_hour = 1\ncooldown_s = 0\n")
+    policy.write_text("[defaults]\nrestart_budget_per_hour = 1\ncooldown_s = 0\n"
+                      "launcher_grace_s = 0\n")
     agents = Agents(nc, prefix, job)
     await agents.start()
     await seed(redis_url, prefix, job, attempt=0, step=50)
@@ -169,7 +194,7 @@ async def test_leader_dies_mid_incident_and_the_standby_finishes_without_repeats
     await seed(redis_url, prefix, job, attempt=0, step=200)
     seen = await incidents_of(nc, prefix, job)
     policy = tmp_path / "policy.toml"
-    policy.write_text("[defaults]\nack_timeout_s = 60\n")
+    policy.write_text("[defaults]\nack_timeout_s = 60\nlauncher_grace_s = 0\n")
     env = {**os.environ, "TRAINGUARD_NATS_URL": nats_url, "TRAINGUARD_REDIS_URL": redis_url,
            "TRAINGUARD_PREFIX": prefix, "TRAINGUARD_LEASE_TTL": "1.5",
            "TRAINGUARD_POLICY": str(policy)}

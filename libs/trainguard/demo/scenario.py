@@ -53,6 +53,10 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           actions=("rollback", "restart")),
     Fault("sdc", "sdc", rank=1, params={"bit": 20}, anomaly="sdc_mismatch",
           causes=("sdc_suspect",), actions=("rollback",), recovery="fingerprints_agree"),
+    Fault("kill", "kill", rank=1, host="node-a", anomaly="crash", causes=("process_crash",),
+          actions=("restart",)),
+    Fault("ecc", "ecc", host="node-a", params={"count": 2}, anomaly="gpu_health",
+          causes=("hbm_ecc",), actions=("restart",)),
     Fault("xid79", "xid", host="node-b", params={"code": 79}, anomaly="gpu_health",
           causes=("gpu_lost",), actions=("isolate",), recovery="world_shrinks"),
 )}
