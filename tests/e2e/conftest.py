@@ -46,11 +46,16 @@ def torchrun(nproc: int, args: Sequence[str], env: dict[str, str], log: Path,
 
 @pytest.fixture
 def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
-    """Processes a test started, each leading its own session; at the end the whole
-    session is killed (the launcher and the ranks it spawned), by its process-group id."""
+    """Processes a test started. At the end each still running gets SIGTERM, so the
+    launcher stops the ranks it spawned (torch puts them in sessions of their own, out of
+    reach of the launcher's process group), then SIGKILL for its whole group."""
     started: list[subprocess.Popen[bytes]] = []
     yield started
     for p in started:
+        if p.poll() is None:
+            p.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(30)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGKILL)
         if p.poll() is None:
@@ -62,7 +67,8 @@ def launch(job: str, host: str, env: dict[str, str], log: Path, *, nproc: int = 
            torchrun_opts: Sequence[str] = ()) -> subprocess.Popen[bytes]:
     """``trainguard launch`` of the toy trainer, as a user would run it."""
     cmd = [sys.executable, "-m", "trainguard", "launch", "--job", job, "--host", host,
-           *launch_opts, "--nproc-per-node", str(nproc), "--local-addr", "127.0.0.1",
+           "--preempt-grace", "3", *launch_opts, "--nproc-per-node", str(nproc),
+           "--local-addr", "127.0.0.1",
            *torchrun_opts, "-m", "--", "trainguard.examples.toy_trainer", "--job", job,
            *trainer]
     with open(log, "wb") as fh:
