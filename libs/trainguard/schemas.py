@@ -153,12 +153,6 @@ Cause = Literal[
     "process_crash", "rank_hang", "unknown",
 ]
 Severity = Literal["info", "warning", "critical"]
-CommandKind = Literal[
-    # agent
-    "restart", "isolate", "stop", "dump", "kill", "freeze", "thaw", "ecc", "xid", "throttle",
-    # ranks
-    "save_now", "set_interval", "hang", "slow", "nan", "sdc", "crash",
-]
 # Who runs which command kind (DESIGN.md section 12). Each receiver ignores the others'.
 AGENT_KINDS: frozenset[str] = frozenset({
     "restart", "isolate", "stop", "dump", "kill", "freeze", "thaw", "ecc", "xid", "throttle"})

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Final
 
 from .errors import InvalidToken
 
@@ -27,9 +27,7 @@ _TOKEN = re.compile(r"[A-Za-z0-9_-]{1,128}")
 DEFAULT_PREFIX: Final = "tg"
 NODE_REG_PREFIX: Final = "host-"
 
-EventKind = Literal["anomaly", "diagnosis", "action", "incident", "checkpoint"]
 EVENT_KINDS: Final[tuple[str, ...]] = ("anomaly", "diagnosis", "action", "incident", "checkpoint")
-Issuer = Literal["remediator", "coordinator", "cli", "agent"]
 
 
 def check_token(what: str, value: object) -> str:

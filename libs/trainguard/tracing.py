@@ -18,7 +18,6 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -39,20 +38,6 @@ def inject(headers: dict[str, str], ctx: Context | None = None) -> dict[str, str
 def extract(headers: Mapping[str, str] | None) -> Context:
     """The trace context a message's headers carry (an empty context if none)."""
     return _propagator.extract(dict(headers or {}))
-
-
-def current_traceparent() -> str | None:
-    carrier: dict[str, str] = {}
-    _propagator.inject(carrier)
-    return carrier.get("traceparent")
-
-
-def attach(ctx: Context) -> object:
-    return otel_context.attach(ctx)
-
-
-def detach(token: object) -> None:
-    otel_context.detach(token)  # type: ignore[arg-type]
 
 
 def tracer(name: str = "trainguard") -> trace.Tracer:

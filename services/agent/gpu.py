@@ -52,8 +52,6 @@ class NvmlSource:
         self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i)
                          for i in range(pynvml.nvmlDeviceGetCount())]
         self._events: Any = None
-        self._xids: list[XidEvent] = []
-        self._lock = threading.Lock()
         try:
             self._events = pynvml.nvmlEventSetCreate()
             for h in self._handles:

@@ -65,7 +65,6 @@ class AgentLink:
         self._stop: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
         self.ready = threading.Event()
-        self.gpu_unavailable_reason = ""
         self._gpu_seq = 0
         self._hb_seq = 0
 

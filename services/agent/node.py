@@ -162,13 +162,24 @@ class LocalNode:
         os.kill(os.getpid(), signal.SIGTERM)
         return f"stopping the workers on {self.host}"
 
-    def dump(self, ranks: list[int]) -> str:
+    def dump(self, ranks: list[int], timeout: float = 3.0) -> str:
         pids = self.rank_pids()
-        for r in ranks:
-            procs.send(pids[r], signal.SIGUSR1)
-        time.sleep(1.0)  # faulthandler writes from a C handler; give it a moment to land
         with self._lock:
             files = {r: self.workers[r].stderr for r in ranks if r in self.workers}
+        before = {r: procs.file_size(f) for r, f in files.items()}
+        for r in ranks:
+            procs.send(pids[r], signal.SIGUSR1)
+        # faulthandler writes from a C signal handler: wait until every rank's stack has
+        # landed in its stderr file (or the timeout). A stopped rank cannot write: skip it.
+        deadline = time.monotonic() + timeout
+        waiting = {r: f for r, f in files.items()
+                   if r in pids and not procs.is_stuck(procs.state_of(pids[r]))}
+        while waiting and time.monotonic() < deadline:
+            for r, f in list(waiting.items()):
+                if procs.STACK_MARK in procs.read_from(f, before[r]):
+                    del waiting[r]
+            if waiting:
+                time.sleep(0.05)
         parts = [f"--- rank {r} (pid {pids[r]}) stderr tail ---\n"
                  f"{procs.stderr_tail(files.get(r), 6000)}" for r in ranks]
         return "\n".join(parts)

@@ -69,6 +69,29 @@ def terminate(pids: Iterable[int], grace: float) -> None:
                 os.kill(pid, signal.SIGKILL)
 
 
+STACK_MARK = "most recent call first"
+"""faulthandler's header line of each thread's stack."""
+
+
+def file_size(path: str | None) -> int:
+    try:
+        return os.path.getsize(path) if path else 0
+    except OSError:
+        return 0
+
+
+def read_from(path: str | None, offset: int) -> str:
+    """What was appended to ``path`` after ``offset`` bytes."""
+    if not path:
+        return ""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(offset)
+            return fh.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
 def stderr_tail(path: str | None, max_bytes: int = 8192) -> str:
     """The last ``max_bytes`` of a worker's tee'd stderr file."""
     if not path:

@@ -38,7 +38,6 @@ class PointerChange:
         return self.old != self.new
 
 
-NO_CHANGE = PointerChange("", "")
 
 
 @dataclass(frozen=True)

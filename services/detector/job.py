@@ -33,7 +33,7 @@ class RankInfo:
     """What the detector knows about one rank of the job."""
 
     __slots__ = ("attempt", "coll_done", "coll_seq", "compute_recent", "exited", "hb_step",
-                 "heard", "host", "last_hb", "last_step", "last_step_time", "local_rank", "phase",
+                 "heard", "host", "last_hb", "last_step", "local_rank", "phase",
                  "phase_start", "proc_since", "proc_state", "rank", "straggle", "straggle_since",
                  "straggling")
 
@@ -60,7 +60,6 @@ class RankInfo:
         self.coll_seq = 0
         self.coll_done = 0
         self.last_step: int | None = None
-        self.last_step_time = t
         self.exited = False
         self.straggle.clear()
         self.straggle_since: float | None = None
@@ -301,7 +300,6 @@ class JobState:
         step = sr.step
         if r.last_step is None or step > r.last_step:
             r.last_step = step
-            r.last_step_time = t
         if self.max_step is None or step > self.max_step:
             if self.max_step is not None:
                 self.steps_seen += 1

@@ -31,14 +31,6 @@ def median_mad(values: Sequence[float]) -> tuple[float, float]:
     return med, median([abs(v - med) for v in values])
 
 
-def robust_z(value: float, med: float, mad: float, floor: float) -> float:
-    """How many robust sigmas ``value`` lies above ``med`` (sigma never below ``floor``)."""
-    sigma = max(ROBUST_SIGMA * mad, floor)
-    if sigma <= 0.0:
-        return 0.0 if value == med else float("inf") if value > med else float("-inf")
-    return (value - med) / sigma
-
-
 class Ring:
     """A fixed-capacity window of floats with order statistics cached between adds.
 

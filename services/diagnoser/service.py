@@ -22,7 +22,9 @@ class DiagnoserService(Service):
         super().__init__(settings)
         self.cfg = settings
         self.rules = Diagnoser(window=settings.correlation_window,
-                               gpu_window=settings.gpu_window)
+                               gpu_window=settings.gpu_window,
+                               same_cause_window=settings.same_cause_window,
+                               symptom_window=settings.symptom_window)
         self.keys = Keys(settings.prefix)
         self.rt: Runtime | None = None
 

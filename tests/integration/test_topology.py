@@ -92,8 +92,8 @@ async def test_max_deliveries_advisory_is_captured_in_the_dead_stream(nc: Any, p
     assert json.loads(msg.data)["consumer"] == "stubborn"
 
 
-@pytest.mark.parametrize("prefix_value", ["tg", "prod.tg", "a-b"])
-def test_stream_names_follow_the_prefix(prefix_value: str) -> None:
+@pytest.mark.parametrize(("prefix_value", "base"), [("tg", "TG"), ("prod.tg", "PROD_TG"),
+                                                    ("a-b", "A_B")])
+def test_stream_names_follow_the_prefix(prefix_value: str, base: str) -> None:
     names = [spec.name for spec in streams(prefix_value)]
-    assert len(set(names)) == 4
-    assert all(n.isupper() or "_" in n for n in names)
+    assert names == [f"{base}_{r}" for r in ("EVENTS", "CMDS", "REPORTS", "DEAD")]

@@ -14,18 +14,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import time
 from typing import Any
 
 from ..bus import Bus, connect_nats
 from ..codec import decode_durable
-from ..envelope import uuid7
 from ..errors import ConfigError, DecodeError
-from ..schemas import AGENT_DRILLS, RANK_DRILLS, Command, CommandAck, NodeHello, RankHello
+from ..schemas import AGENT_DRILLS, RANK_DRILLS, CommandAck, NodeHello, RankHello
+from ..targets import addressed, for_agent
 from ..topology import stream_name
 from .common import add_connection_flags, settings_from
 
-HOST_SIDE = AGENT_DRILLS | {"dump"}
+DRILLS = RANK_DRILLS | AGENT_DRILLS | {"dump"}
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -35,7 +34,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--rank", type=int)
     target.add_argument("--host")
-    p.add_argument("fault", choices=sorted(RANK_DRILLS | HOST_SIDE))
+    p.add_argument("fault", choices=sorted(DRILLS))
     p.add_argument("args", nargs="*", help="slow FACTOR | xid CODE | hang SECONDS | "
                                            "crash MESSAGE | ecc COUNT | throttle REASON")
     p.add_argument("--timeout", type=float, default=15.0, help="seconds to wait for the ack")
@@ -94,23 +93,14 @@ async def _inject(args: argparse.Namespace) -> int:
         if raw is not None:
             with contextlib.suppress(DecodeError):
                 drills_allowed = decode_durable(raw, NodeHello).drills_allowed
-        if args.fault in HOST_SIDE and raw is None:
+        if for_agent(args.fault) and raw is None:
             raise ConfigError(f"no agent registered for host {host!r} of job {args.job!r}; "
                               "agent-side drills need `trainguard launch`")
         if drills_allowed is False and args.fault != "dump":
             raise ConfigError(f"job {args.job!r} was not launched with drills allowed; "
                               "relaunch with `trainguard launch --allow-drills`")
-        params = params_for(args.fault, list(args.args))
-        if args.fault in HOST_SIDE:
-            subject = s.cmd_host(args.job, host)
-            if args.rank is not None:
-                params["rank"] = args.rank
-        elif args.rank is not None:
-            subject = s.cmd_rank(args.job, args.rank)
-        else:
-            raise ConfigError(f"{args.fault} is a rank-side drill: use --rank R")
-        cmd = Command(id=uuid7(), job=args.job, kind=args.fault, issuer="cli", params=params,
-                      issued_at=time.time())
+        subject, cmd = addressed(s, args.job, args.fault, params_for(args.fault, list(args.args)),
+                                 issuer="cli", rank=args.rank, host=host)
         acks: asyncio.Queue[CommandAck] = asyncio.Queue()
 
         async def on_ack(msg: Any) -> None:

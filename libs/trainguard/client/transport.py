@@ -87,7 +87,6 @@ class Transport:
         self._thread: threading.Thread | None = None
         self._stop: asyncio.Event | None = None
         self._started = threading.Event()
-        self._flushed = threading.Event()
 
     # -- called from the training thread ------------------------------------------------
     def publish(self, subject: str, msg: TelemetryMessage) -> None:

@@ -9,7 +9,6 @@ itself never imports torch: it only recognises tensors the trainer hands it.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Protocol
 
 
@@ -37,6 +36,3 @@ def read_number(value: Any) -> float | Deferred | None:
         return defer_tensor(value)
     return float(value)
 
-
-def is_finite(value: float | None) -> bool:
-    return value is None or math.isfinite(value)

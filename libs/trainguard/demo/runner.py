@@ -13,9 +13,10 @@ import time
 from dataclasses import dataclass, field
 
 from ..codec import encode_durable
-from ..envelope import make_headers, uuid7
-from ..schemas import Command, Incident
+from ..envelope import make_headers
+from ..schemas import Incident
 from ..subjects import Subjects
+from ..targets import addressed
 from .cluster import Cluster, Observer
 from .scenario import Fault
 
@@ -50,17 +51,9 @@ class Runner:
         self.outcomes: list[Outcome] = []
 
     async def command(self, fault: Fault, kind: str, params: dict[str, object]) -> None:
-        s = Subjects(self.cluster.prefix)
-        job = self.cluster.job
-        if fault.agent_side:
-            host = fault.host or ("node-a" if (fault.rank or 0) < 2 else "node-b")
-            subject = s.cmd_host(job, host)
-            if fault.rank is not None:
-                params = {**params, "rank": fault.rank}
-        else:
-            subject = s.cmd_rank(job, fault.rank or 0)
-        cmd = Command(id=uuid7(), job=job, kind=kind, issuer="cli", params=dict(params),
-                      issued_at=time.time())
+        host = fault.host or ("node-a" if (fault.rank or 0) < 2 else "node-b")
+        subject, cmd = addressed(Subjects(self.cluster.prefix), self.cluster.job, kind, params,
+                                 issuer="cli", rank=fault.rank, host=host)
         await self.cluster.publish(subject, encode_durable(cmd),
                                    make_headers(cmd, source="trainguard/demo", subject=subject))
 

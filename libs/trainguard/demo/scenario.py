@@ -31,9 +31,6 @@ class Fault:
     """A command that ends the fault once it is detected (a slow rank speeds up again)."""
     timeout: float = 150.0
 
-    @property
-    def agent_side(self) -> bool:
-        return self.kind in ("freeze", "thaw", "kill", "xid", "ecc", "throttle")
 
 
 ECC_MESSAGE = "RuntimeError: CUDA error: uncorrectable ECC error encountered"
