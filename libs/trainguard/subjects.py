@@ -122,11 +122,20 @@ class Subjects:
         return f"{self._job(job)}.ack.{check_token('issuer', issuer)}"
 
     def rpc(self, job: str, name: str) -> str:
-        """Core request/reply endpoints: ``resume``, ``save``, ``rollback`` (coordinator)."""
+        """The coordinator's request/reply endpoints (bodies in :mod:`trainguard.rpc`)."""
         return f"{self._job(job)}.rpc.{check_token('rpc name', name)}"
 
     def rpc_resume(self, job: str) -> str:
         return self.rpc(job, "resume")
+
+    def rpc_save(self, job: str) -> str:
+        return self.rpc(job, "save")
+
+    def rpc_rollback(self, job: str) -> str:
+        return self.rpc(job, "rollback")
+
+    def rpc_catalogue(self, job: str) -> str:
+        return self.rpc(job, "checkpoints")
 
     def dead(self, job: str) -> str:
         return f"{self._job(job)}.dead"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import queue
 import threading
@@ -25,6 +24,7 @@ from trainguard.bus import Bus, BusUnavailable, connect_nats
 from trainguard.codec import decode_durable
 from trainguard.envelope import H_TRACEPARENT, normalize_headers
 from trainguard.errors import DecodeError, InvalidToken
+from trainguard.rpc import SAVE, SaveReply, SaveRequest, call
 from trainguard.schemas import (
     Command,
     CommandAck,
@@ -98,16 +98,18 @@ class AgentLink:
 
     def request_save(self, deadline: float) -> str:
         """Ask the checkpoint coordinator for a save-now (preemption); bounded wait."""
-        subject = self.settings.subjects.rpc(self.settings.job, "save")
-        payload = json.dumps({"deadline": deadline, "reason": "preemption"}).encode()
+        req = SaveRequest(deadline=deadline, reason="preemption")
 
-        async def _req() -> bytes:
+        async def _req() -> SaveReply | None:
             assert self._bus is not None
-            reply = await self._bus.nc.request(subject, payload, timeout=deadline)
-            return bytes(reply.data)
+            return await call(self._bus.nc, self.settings.subjects, self.settings.job, SAVE,
+                              req, deadline)
 
         reply = self.call(_req, deadline + 1.0)
-        return reply.decode(errors="replace") if reply else "no answer from the coordinator"
+        if reply is None:
+            return "no answer from the coordinator"
+        return (f"saved step {reply.step}" if reply.ok
+                else f"save-now {reply.status}: {reply.reason}")
 
     def blocklisted(self, timeout: float = 3.0) -> str | None:
         """The reason this host is on the remediator's blocklist, or None."""

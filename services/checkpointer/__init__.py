@@ -5,6 +5,6 @@ Modules, one job each: ``settings`` (knobs), ``keys`` and ``scripts`` (the Redis
 the Lua that keeps it consistent across replicas), ``catalogue`` (async access to it),
 ``records`` (a checkpoint's record, parsed), ``verify`` (do the files match the reports),
 ``interval`` (Young/Daly), ``retention`` (what may go), ``latest`` (the LATEST file),
-``protocol`` (request/reply bodies), ``commands`` (collective commands to ranks),
+``commands`` (collective commands to ranks),
 ``savenow`` (save-now with a deadline) and ``service`` (the wiring).
 """

@@ -21,12 +21,12 @@ from nats.aio.msg import Msg
 
 from trainguard.codec import decode_durable
 from trainguard.errors import DecodeError
+from trainguard.rpc import SaveReply, SaveRequest
 from trainguard.schemas import CheckpointCommitted, Command, CommandAck
 from trainguard.service import Runtime
 
 from .catalogue import Catalogue
 from .commands import ISSUER, CommandFactory
-from .protocol import SaveReply, SaveRequest
 from .records import Record
 from .settings import CheckpointerSettings
 

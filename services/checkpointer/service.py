@@ -31,6 +31,16 @@ from nats.aio.msg import Msg
 from trainguard.codec import decode_durable
 from trainguard.config import Settings
 from trainguard.errors import ConfigError, DecodeError, Reject, Retry
+from trainguard.rpc import (
+    CATALOGUE,
+    RESUME,
+    ROLLBACK,
+    SAVE,
+    CatalogueReply,
+    CatalogueRequest,
+    RollbackReply,
+    SaveReply,
+)
 from trainguard.schemas import Anomaly, CheckpointCommitted, CheckpointReport, Incident, ResumePoint
 from trainguard.service import Consumer, Delivery, Runtime, Service
 from trainguard.topology import ConsumerSpec
@@ -39,16 +49,6 @@ from .catalogue import Catalogue, PointerChange, point_json
 from .commands import CommandFactory
 from .interval import IntervalPolicy
 from .latest import remove_latest, write_latest
-from .protocol import (
-    CatalogueReply,
-    CatalogueRequest,
-    RollbackReply,
-    RollbackRequest,
-    SaveReply,
-    SaveRequest,
-    decode_request,
-    encode,
-)
 from .records import Record
 from .retention import Entry, expire
 from .savenow import SaveNow
@@ -109,8 +109,8 @@ class CheckpointerService(Service):
         self._savenow = SaveNow(rt, self._catalogue, self.cfg, self._commands)
         s = self.cfg.subjects
         endpoints: dict[str, Callable[[str, Msg], Awaitable[bytes]]] = {
-            "resume": self._rpc_resume, "save": self._rpc_save,
-            "rollback": self._rpc_rollback, "checkpoints": self._rpc_checkpoints,
+            RESUME.name: self._rpc_resume, SAVE.name: self._rpc_save,
+            ROLLBACK.name: self._rpc_rollback, CATALOGUE.name: self._rpc_checkpoints,
         }
         for name, fn in endpoints.items():
             await rt.bus.nc.subscribe(s.pattern("rpc", tail=name), queue=RPC_QUEUE,
@@ -352,9 +352,9 @@ class CheckpointerService(Service):
                 data = await fn(job, msg)
             except Exception as exc:
                 log.exception("rpc %s for %s failed", name, job)
-                data = b"" if name == "resume" else json.dumps(
-                    {"ok": False, "job": job, "status": "error",
-                     "reason": f"coordinator error: {type(exc).__name__}: {exc}"}).encode()
+                reason = f"coordinator error: {type(exc).__name__}: {exc}"
+                data = b"" if name == RESUME.name else SAVE.encode_reply(
+                    SaveReply(ok=False, job=job, status="error", reason=reason))
             if msg.reply:
                 with contextlib.suppress(Exception):
                     await msg.respond(data)
@@ -371,16 +371,17 @@ class CheckpointerService(Service):
     async def _rpc_save(self, job: str, msg: Msg) -> bytes:
         assert self._savenow is not None
         try:
-            req = decode_request(msg.data, SaveRequest)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            return encode(SaveReply(ok=False, job=job, status="bad_request", reason=str(exc)))
-        return encode(await self._savenow.request(job, req))
+            req = SAVE.decode_request(msg.data)
+        except DecodeError as exc:
+            return SAVE.encode_reply(SaveReply(ok=False, job=job, status="bad_request",
+                                               reason=exc.reason))
+        return SAVE.encode_reply(await self._savenow.request(job, req))
 
     async def _rpc_rollback(self, job: str, msg: Msg) -> bytes:
         try:
-            req = decode_request(msg.data, RollbackRequest)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            return encode(RollbackReply(ok=False, job=job, reason=f"bad request: {exc}"))
+            req = ROLLBACK.decode_request(msg.data)
+        except DecodeError as exc:
+            return ROLLBACK.encode_reply(RollbackReply(ok=False, job=job, reason=exc.reason))
         why = f"rolled back below step {req.below_step}" + (f": {req.reason}" if req.reason
                                                               else "")
         out = await self.catalogue.rollback(job, req.below_step, now=time.time(), reason=why)
@@ -388,20 +389,20 @@ class CheckpointerService(Service):
         for s in out.suspect_steps:
             await self._announce(job, s)
         if not out.pointer.new:
-            return encode(RollbackReply(
+            return ROLLBACK.encode_reply(RollbackReply(
                 ok=False, job=job, suspect_steps=out.suspect_steps,
                 reason=f"no committed, non-suspect checkpoint below step {req.below_step}: "
                        "a restart starts from scratch"))
         point = decode_durable(out.pointer.new.encode(), ResumePoint)
         log.info("rollback of %s below step %d: pointer at step %d", job, req.below_step,
                  point.step)
-        return encode(RollbackReply(ok=True, job=job, point=point, step=point.step,
+        return ROLLBACK.encode_reply(RollbackReply(ok=True, job=job, point=point, step=point.step,
                                     suspect_steps=out.suspect_steps))
 
     async def _rpc_checkpoints(self, job: str, msg: Msg) -> bytes:
         try:
-            req = decode_request(msg.data, CatalogueRequest)
-        except (msgspec.DecodeError, msgspec.ValidationError):
+            req = CATALOGUE.decode_request(msg.data)
+        except DecodeError:
             req = CatalogueRequest()
         cat = self.catalogue
         pointer = await cat.pointer(job)
@@ -410,6 +411,6 @@ class CheckpointerService(Service):
             with contextlib.suppress(DecodeError):
                 point = decode_durable(pointer.encode(), ResumePoint)
         records = await cat.records(job, max(1, req.limit))
-        return encode(CatalogueReply(
+        return CATALOGUE.encode_reply(CatalogueReply(
             job=job, pointer=point, pin=await cat.pin(job), interval=await cat.interval(job),
             onsets=await cat.onsets(job), checkpoints=[r.summary() for r in records]))

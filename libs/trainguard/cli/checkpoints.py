@@ -17,10 +17,12 @@ import datetime as dt
 import json
 from typing import Any
 
+import msgspec
 import nats.errors
 
 from ..bus import connect_nats
-from ..errors import TrainguardError
+from ..errors import DecodeError, TrainguardError
+from ..rpc import CATALOGUE, SAVE, CatalogueRequest, Endpoint, Rep, Req, SaveRequest, call
 from ..subjects import check_token
 from .common import add_connection_flags, settings_from
 
@@ -55,15 +57,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     q.set_defaults(run=run_save)
 
 
-async def _request(args: argparse.Namespace, name: str, body: dict[str, Any],
+async def _request(args: argparse.Namespace, endpoint: Endpoint[Req, Rep], req: Req,
                    timeout: float) -> dict[str, Any]:
     settings = settings_from(args)
     job = check_token("job", args.job)
-    subject = settings.subjects.rpc(job, name)
+    subject = endpoint.subject(settings.subjects, job)
     nc = await connect_nats(settings.nats_url, name="trainguard-cli",
                             timeout=settings.connect_timeout)
     try:
-        reply = await nc.request(subject, json.dumps(body).encode(), timeout=timeout)
+        reply = await call(nc, settings.subjects, job, endpoint, req, timeout)
     except nats.errors.NoRespondersError:
         raise CoordinatorUnavailable(
             f"no checkpoint coordinator answers on {subject}; is `trainguard service "
@@ -72,17 +74,19 @@ async def _request(args: argparse.Namespace, name: str, body: dict[str, Any],
         raise CoordinatorUnavailable(
             f"the checkpoint coordinator did not answer on {subject} within {timeout:g}s"
         ) from None
+    except DecodeError as exc:
+        raise CoordinatorUnavailable(f"unreadable reply on {subject}: {exc.reason}") from None
     finally:
         await nc.close()
-    try:
-        data: dict[str, Any] = json.loads(reply.data or b"{}")
-    except ValueError:
-        raise CoordinatorUnavailable(f"unreadable reply on {subject}: {reply.data!r}") from None
+    if reply is None:
+        raise CoordinatorUnavailable(f"empty reply on {subject}")
+    data: dict[str, Any] = msgspec.to_builtins(reply)
     return data
 
 
 def run_checkpoints(args: argparse.Namespace) -> int:
-    data = asyncio.run(_request(args, "checkpoints", {"limit": args.limit}, args.timeout))
+    data = asyncio.run(_request(args, CATALOGUE, CatalogueRequest(limit=args.limit),
+                                args.timeout))
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
@@ -91,8 +95,8 @@ def run_checkpoints(args: argparse.Namespace) -> int:
 
 
 def run_save(args: argparse.Namespace) -> int:
-    body = {"deadline": args.deadline, "reason": args.reason}
-    data = asyncio.run(_request(args, "save", body, args.deadline + 10.0))
+    req = SaveRequest(deadline=args.deadline, reason=args.reason)
+    data = asyncio.run(_request(args, SAVE, req, args.deadline + 10.0))
     if args.json:
         print(json.dumps(data, indent=2))
     elif data.get("ok"):

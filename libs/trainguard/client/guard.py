@@ -12,7 +12,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import faulthandler
-import json
 import logging
 import math
 import os
@@ -28,6 +27,7 @@ from typing import Any
 
 from ..codec import decode_durable
 from ..errors import DecodeError
+from ..rpc import RESUME, ResumeRequest, decode_resume
 from ..schemas import (
     RANK_DRILLS,
     CheckpointReport,
@@ -346,7 +346,7 @@ class Guard:
             reply = self._transport_request(timeout)
             if reply:
                 try:
-                    return decode_durable(reply, ResumePoint)
+                    return decode_resume(reply)
                 except DecodeError as exc:
                     log.warning("bad resume-point reply: %s", exc.reason)
         root = root or self.checkpoint_root
@@ -366,8 +366,10 @@ class Guard:
         while not self._transport.connected and time.monotonic() < deadline:
             time.sleep(0.01)
         remaining = max(0.1, deadline - time.monotonic())
-        payload = json.dumps({"job": self.job, "rank": self.rank}).encode()
-        return self._transport.request(self.subjects.rpc_resume(self.job), payload, remaining)
+        payload = RESUME.encode_request(ResumeRequest(rank=self.rank,
+                                                      requester=self.identity.responder))
+        return self._transport.request(RESUME.subject(self.subjects, self.job), payload,
+                                       remaining)
 
     def publish_checkpoint_report(self, report: CheckpointReport) -> None:
         """Used by ``trainguard.torch.Checkpointer`` (durable, retried until acked)."""
