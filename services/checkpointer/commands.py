@@ -10,12 +10,11 @@ agree on it through their side-group all-reduce at the next ``sync_every`` bound
 from __future__ import annotations
 
 import math
-import time
 from typing import Any
 
-from trainguard.envelope import uuid7
 from trainguard.schemas import Command
 from trainguard.state import Progress
+from trainguard.targets import addressed
 
 from .catalogue import Catalogue
 from .settings import CheckpointerSettings
@@ -51,18 +50,20 @@ class CommandFactory:
         """
         progress = await self.progress(job)
         epoch = await self.catalogue.epoch()
-        now = time.time()
-        cmd = Command(id=uuid7(), job=job, kind=kind, issuer=ISSUER, epoch=epoch,
-                      params=dict(params), issued_at=now, retry_of=retry_of,
-                      deadline=now + deadline if deadline is not None else None)
+        params = dict(params)
         newest = max((s for s in (progress.last_step if progress else None, after_step)
                       if s is not None), default=None)
+        at_step: int | None = None
+        seq = 0
         if newest is not None:
             margin = margin_steps(progress, self.settings) if progress \
                 else self.settings.save_margin_steps
-            cmd.at_step = newest + margin
+            at_step = newest + margin
             if kind == "set_interval":
-                cmd.params.setdefault("from_step", cmd.at_step + 1)
+                params.setdefault("from_step", at_step + 1)
         else:
-            cmd.seq = await self.catalogue.next_seq(job)
+            seq = await self.catalogue.next_seq(job)
+        _, cmd = addressed(self.settings.subjects, job, kind, params, issuer=ISSUER,
+                           everyone=True, epoch=epoch, at_step=at_step, seq=seq,
+                           deadline=deadline, retry_of=retry_of)
         return cmd

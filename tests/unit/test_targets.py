@@ -26,3 +26,19 @@ def test_a_missing_target_is_a_clear_error() -> None:
         addressed(Subjects(), "j", "freeze", {}, issuer="cli", rank=1)
     with pytest.raises(ConfigError, match="name the rank"):
         addressed(Subjects(), "j", "nan", {}, issuer="cli", host="node-a")
+
+
+def test_everyone_goes_to_cmd_all_with_target_all() -> None:
+    subject, cmd = addressed(Subjects(), "j", "restart", issuer="remediator", everyone=True,
+                             epoch=4, deadline=5.0, retry_of="c1")
+    assert subject == "tg.j.cmd.all"
+    assert (cmd.target, cmd.epoch, cmd.retry_of) == ("all", 4, "c1")
+    assert cmd.deadline is not None and cmd.deadline - cmd.issued_at == 5.0
+    with pytest.raises(ConfigError):
+        addressed(Subjects(), "j", "restart", issuer="remediator", everyone=True, host="a")
+
+
+def test_target_is_the_subject_tail() -> None:
+    _, to_host = addressed(Subjects(), "j", "dump", issuer="cli", host="node-b")
+    _, to_rank = addressed(Subjects(), "j", "nan", issuer="cli", rank=2)
+    assert (to_host.target, to_rank.target) == ("host.node-b", "rank.2")
