@@ -169,7 +169,7 @@ def latency_hang(ranks: int) -> dict[str, Any]:
         h.sim.stall(0.25, lambda r: "data" if r == culprit else "comm")
     [hang] = h.opened("hang")
     assert hang.ranks == [culprit], hang.ranks
-    return {"sim_s": round(hang.detected_at - onset, 3), "limit_s": hang.evidence["limit"],
+    return {"sim_s": round(hang.detected_at - onset, 3), "limit_s": hang.evidence.limit,
             "tick_ms_max": round(1000 * max(costs), 2),
             "tick_ms_median": round(1000 * sorted(costs)[len(costs) // 2], 3)}
 

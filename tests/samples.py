@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from trainguard import schemas as s
+from trainguard.evidence import LossSpikeEvidence
 
 TELEMETRY: list[s.TelemetryMessage] = [
     s.Heartbeat(job="j1", time=1.5, seq=3, rank=2, attempt=1, host="node-a", pid=42, step=10,
@@ -32,15 +33,17 @@ DURABLE: list[s.Durable] = [
     s.CheckpointReport(id="c1", job="j1", rank=0, step=100, path="/ckpt/j1/step-100",
                        world_size=4, bytes=1024, files={"__0_0.distcp": s.FileDigest(
                            bytes=1024, crc32=12345)}),
-    s.Anomaly(id="a1", job="j1", kind="nonfinite", ranks=[1], hosts=["node-a"], step=5,
-              onset_at=1.0, detected_at=2.0, evidence={"loss": float("nan"),
-                                                        "threshold": float("inf")}),
+    s.Anomaly(id="a1", job="j1", kind="loss_spike", ranks=[1], hosts=["node-a"], step=5,
+              onset_at=1.0, detected_at=2.0, evidence=LossSpikeEvidence(
+                  loss=float("nan"), baseline_median=2.1, mad=0.05, z=float("inf"), loss_z=6.0,
+                  loss_spike_rel=0.3, window=200)),
     s.Diagnosis(id="d1", job="j1", anomaly_ids=["a1"], cause="numeric", confidence=0.9,
                 evidence=[s.EvidenceItem(fact="loss is NaN on all ranks", source="step")],
                 recommended=["rollback"], summary="NaN loss on all ranks"),
     s.Action(id="x1", job="j1", action="restart", command_ids=["c9"]),
     s.Incident(id="i1", job="j1", cause="numeric", status="mitigating", rev=2,
-               actions=[{"action": "rollback", "ack": "done"}]),
+               actions=[s.IncidentStep(action="rollback", status="done",
+                                       params={"below_step": 40}, command_ids=["c1"])]),
     s.CheckpointCommitted(id="k1", job="j1", step=100, path="/ckpt/j1/step-100",
                           status="failed", missing_ranks=[3], reason="rank 3 did not report"),
     s.Command(id="c9", job="j1", kind="save_now", issuer="remediator", epoch=3,

@@ -1,8 +1,8 @@
-"""The NATS connection every trainguard process uses, and the publish helpers.
+"""The services' NATS connection, and the publish helpers.
 
-The connection reconnects forever (``max_reconnect_attempts=-1``), so the *first*
-connect has to be bounded by hand: with endless reconnects ``nats.connect`` to a dead
-URL never returns.
+The connection reconnects forever with the options of :mod:`trainguard.connection` (shared
+with the trainer client), so the *first* connect has to be bounded by hand: with endless
+reconnects ``nats.connect`` to a dead URL never returns.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Mapping
 from typing import Any
 
 import nats
@@ -20,17 +21,18 @@ from nats.js import api as js_api
 from opentelemetry.context import Context
 
 from . import tracing
-from .codec import encode_durable, encode_telemetry
+from .codec import MAX_DURABLE_BYTES, check_wire_size, encode_durable, encode_telemetry, header_size
+from .connection import ErrorCallback, EventCallback, connect_options
+from .deadletter import bounded_letter
 from .envelope import make_headers
+from .errors import TrainguardError
 from .schemas import DeadLetter, Durable, TelemetryMessage
 from .subjects import Subjects
 
 log = logging.getLogger("trainguard.bus")
 
-ErrorCallback = Callable[[Exception], Awaitable[None]]
 
-
-class BusUnavailable(ConnectionError):
+class BusUnavailable(TrainguardError, ConnectionError):
     """The first connect to NATS did not succeed within its bound."""
 
 
@@ -40,32 +42,40 @@ async def connect_nats(
     name: str,
     timeout: float = 5.0,
     error_cb: ErrorCallback | None = None,
-    disconnected_cb: Callable[[], Awaitable[None]] | None = None,
-    reconnected_cb: Callable[[], Awaitable[None]] | None = None,
+    disconnected_cb: EventCallback | None = None,
+    reconnected_cb: EventCallback | None = None,
     pending_size: int | None = None,
+    access: Mapping[str, Any] | None = None,
 ) -> NATS:
-    async def _default_error_cb(exc: Exception) -> None:
-        log.debug("nats error: %r", exc)
+    """Connect within ``timeout`` seconds, or :class:`BusUnavailable` saying what to do.
 
-    options: dict[str, Any] = {
-        "servers": url.split(","),
-        "name": name,
-        "max_reconnect_attempts": -1,
-        "reconnect_time_wait": 0.5,
-        "connect_timeout": min(2.0, timeout),
-        "error_cb": error_cb or _default_error_cb,
-    }
-    if disconnected_cb:
-        options["disconnected_cb"] = disconnected_cb
-    if reconnected_cb:
-        options["reconnected_cb"] = reconnected_cb
-    if pending_size is not None:
-        options["pending_size"] = pending_size
+    ``access``: credentials and TLS options (:meth:`trainguard.auth.Access.nats_options`).
+    """
+
+    errors: list[Exception] = []
+
+    async def _on_error(exc: Exception) -> None:
+        if len(errors) < 8:
+            errors.append(exc)  # an auth refusal arrives here while connect retries
+        if error_cb is not None:
+            await error_cb(exc)
+        else:
+            log.debug("nats error: %r", exc)
+
+    options = connect_options(url, name=name, connect_timeout=min(2.0, timeout),
+                              error_cb=_on_error, disconnected_cb=disconnected_cb,
+                              reconnected_cb=reconnected_cb, pending_size=pending_size)
+    options.update(access or {})
     nc = NATS()
     try:
         await asyncio.wait_for(nc.connect(**options), timeout)
     except (TimeoutError, OSError, nats.errors.Error) as exc:
         await _close_quietly(nc)
+        refused = next((e for e in (exc, *errors) if "authorization" in str(e).lower()), None)
+        if refused is not None:
+            raise BusUnavailable(
+                f"NATS at {url} refused this client ({refused}); give the role's credentials "
+                "with TRAINGUARD_CREDENTIALS (see `trainguard credentials`)") from None
         raise BusUnavailable(
             f"cannot reach NATS at {url} within {timeout:.0f}s ({exc!r}); is nats-server "
             "running? `trainguard up` starts one, or pass --nats / TRAINGUARD_NATS_URL"
@@ -91,6 +101,24 @@ class Bus:
     def connected(self) -> bool:
         return bool(self.nc.is_connected)
 
+    @property
+    def max_payload(self) -> int:
+        """The most bytes (body and headers) one publish may take: the server's
+        ``max_payload`` from its INFO once connected, never above the durable limit."""
+        return min(int(self.nc.max_payload or MAX_DURABLE_BYTES), MAX_DURABLE_BYTES)
+
+    def _headers(self, subject: str, msg: Durable, ctx: Context | None) -> dict[str, str]:
+        headers = make_headers(msg, source=self.source, subject=subject)
+        tracing.inject(headers, ctx)
+        return headers
+
+    async def _publish(self, subject: str, kind: str, body: bytes, headers: dict[str, str],
+                       timeout: float) -> js_api.PubAck:
+        # Refused here, with its size: nats-py checks only the body, and a server that gets
+        # more than its max_payload drops the whole connection.
+        check_wire_size(f"{kind} on {subject}", body, headers, self.max_payload)
+        return await self.js.publish(subject, body, headers=headers, timeout=timeout)
+
     async def publish_durable(
         self,
         subject: str,
@@ -99,11 +127,13 @@ class Bus:
         ctx: Context | None = None,
         timeout: float = 5.0,
     ) -> js_api.PubAck:
-        """Publish on JetStream with CloudEvents headers and trace context; await the ack."""
-        headers = make_headers(msg, source=self.source, subject=subject)
-        tracing.inject(headers, ctx)
-        return await self.js.publish(subject, encode_durable(msg), headers=headers,
-                                     timeout=timeout)
+        """Publish on JetStream with CloudEvents headers and trace context; await the ack.
+
+        Raises :class:`~trainguard.errors.MessageTooLarge` (nothing sent) for a message
+        the server or the streams would not take.
+        """
+        return await self._publish(subject, msg.KIND, encode_durable(msg),
+                                   self._headers(subject, msg, ctx), timeout)
 
     async def publish_telemetry(self, subject: str, msg: TelemetryMessage) -> None:
         """Core NATS, fire-and-forget: no headers, no ack, no span."""
@@ -116,21 +146,29 @@ class Bus:
         payload: bytes,
         reason: str,
         service: str,
+        consumer: str = "",
         headers: dict[str, str] | None = None,
         deliveries: int = 0,
     ) -> None:
-        """Publish a message that could not be processed, with why, to ``<job>.dead``."""
-        import time
+        """Publish a message that could not be processed, with why, to ``<job>.dead``.
 
+        The letter fits the server whatever the message's size (:mod:`.deadletter`); what
+        can still fail is the publish itself (NATS down, no dead-letter stream).
+        """
         job = self.subjects.job_of(subject) or "unknown"
         try:
             dead_subject = self.subjects.dead(job)
         except ValueError:
             dead_subject = self.subjects.dead("unknown")
-        letter = DeadLetter(job=job, subject=subject, reason=reason, service=service,
-                            payload=payload, headers=dict(headers or {}),
-                            deliveries=deliveries, time=time.time())
-        await self.publish_durable(dead_subject, letter)
+        # The letter's own headers do not depend on its body: size them first.
+        out_headers = self._headers(dead_subject, DeadLetter(job=job, subject=subject,
+                                                             reason=""), None)
+        letter = bounded_letter(job=job, subject=subject, reason=reason, service=service,
+                                consumer=consumer, payload=payload, headers=headers,
+                                deliveries=deliveries, now=time.time(),
+                                limit=self.max_payload - header_size(out_headers))
+        await self._publish(dead_subject, DeadLetter.KIND, encode_durable(letter),
+                            out_headers, 5.0)
 
     async def close(self) -> None:
         if self.nc.is_closed:

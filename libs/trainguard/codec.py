@@ -4,20 +4,28 @@ Telemetry is tagged MessagePack (cheap: ~1 µs per step report). Durable message
 JSON in which non-finite floats travel as the strings ``"nan"``, ``"inf"``, ``"-inf"``:
 msgspec's JSON encoder would write ``null``, which then fails to decode as a float, and
 a NaN loss is exactly what an incident needs to carry.
+
+Sizes are checked before anything is read or sent: a body over its limit is refused whole
+with :class:`MessageTooLarge` (size and limit in the reason), and :func:`check_wire_size`
+holds a publish to what the server takes (body plus headers within its ``max_payload``:
+nats-py checks the body alone, and a server that gets more drops the connection).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any, Final, TypeVar
 
 import msgspec
 
-from .errors import DecodeError
+from .errors import DecodeError, MessageTooLarge
 from .schemas import BY_CE_TYPE, Durable, TelemetryMessage
 
 MAX_TELEMETRY_BYTES: Final = 64 * 1024
 MAX_DURABLE_BYTES: Final = 1024 * 1024
+"""The largest durable body, the streams' ``max_msg_size``."""
+_HEADER_LINE: Final = len(b"NATS/1.0\r\n")
 
 D = TypeVar("D", bound=Durable)
 
@@ -34,7 +42,7 @@ def encode_telemetry(msg: TelemetryMessage) -> bytes:
 def decode_telemetry(data: bytes, *, max_bytes: int = MAX_TELEMETRY_BYTES) -> TelemetryMessage:
     """Decode one telemetry payload; :class:`DecodeError` names the field at fault."""
     if len(data) > max_bytes:
-        raise DecodeError(f"payload of {len(data)} bytes exceeds the {max_bytes}-byte limit")
+        raise MessageTooLarge("telemetry", len(data), max_bytes)
     try:
         return _mp_decoder.decode(data)
     except msgspec.ValidationError as exc:
@@ -62,13 +70,32 @@ def encode_durable(msg: Durable) -> bytes:
     return _json_encoder.encode(_finite_safe(msgspec.to_builtins(msg)))
 
 
+def header_size(headers: Mapping[str, str]) -> int:
+    """Bytes the headers take on the wire (``NATS/1.0`` block, as nats-py writes it)."""
+    if not headers:
+        return 0
+    return _HEADER_LINE + sum(len(k.encode()) + len(v.encode()) + 4
+                              for k, v in headers.items()) + 2
+
+
+def check_wire_size(what: str, body: bytes, headers: Mapping[str, str], max_payload: int,
+                    *, max_body: int = MAX_DURABLE_BYTES) -> None:
+    """Refuse a publish the server (``max_payload``) or a stream (``max_body``) would not
+    take, with :class:`MessageTooLarge` naming ``what`` and the size."""
+    if len(body) > max_body:
+        raise MessageTooLarge(what, len(body), max_body)
+    total = len(body) + header_size(headers)
+    if total > max_payload:
+        raise MessageTooLarge(f"{what} (body and headers)", total, max_payload)
+
+
 def decode_durable(data: bytes, cls: type[D], *, max_bytes: int = MAX_DURABLE_BYTES) -> D:
     """Decode ``data`` as ``cls``, checking the body's ``schema`` mirrors ``cls``'s version.
 
     Lax mode lets ``"nan"``/``"inf"`` strings decode into float fields.
     """
     if len(data) > max_bytes:
-        raise DecodeError(f"payload of {len(data)} bytes exceeds the {max_bytes}-byte limit")
+        raise MessageTooLarge(cls.KIND, len(data), max_bytes)
     decoder = _json_decoders.get(cls)
     if decoder is None:
         decoder = _json_decoders[cls] = msgspec.json.Decoder(cls, strict=False)
@@ -93,6 +120,15 @@ def durable_type(ce_type: str | None) -> type[Durable]:
     if cls is None:
         raise DecodeError(f"unknown message type or version {ce_type!r}")
     return cls
+
+
+def decode_as(data: bytes, ce_type: str | None, cls: type[D]) -> D:
+    """Decode a message that must be a ``cls``: its ``ce-type`` header says so, or it is
+    refused before its body is read (a receiver acts only on what is typed as its own)."""
+    if ce_type != cls.ce_type():
+        raise DecodeError(f"ce-type {ce_type!r} is not {cls.ce_type()!r}"
+                          if ce_type else f"missing ce-type header (expected {cls.ce_type()!r})")
+    return decode_durable(data, cls)
 
 
 def decode_any_durable(data: bytes, ce_type: str | None) -> Durable:

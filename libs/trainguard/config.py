@@ -2,7 +2,8 @@
 
 Values come from, lowest to highest: the dataclass defaults (which work with the
 embedded control plane of ``trainguard up``), ``TRAINGUARD_<FIELD>`` environment
-variables, and explicit overrides (CLI flags). Services subclass :class:`Settings` to add
+variables (named by :func:`trainguard.envnames.setting`, the rule the client's variables
+follow too), and explicit overrides (CLI flags). Services subclass :class:`Settings` to add
 their own fields; the same loader handles them. An unknown override key or a value of the
 wrong type is a :class:`ConfigError` that names the setting.
 """
@@ -16,10 +17,12 @@ import typing
 from collections.abc import Mapping
 from typing import Any, TypeVar, get_type_hints
 
+from .auth import Access, TlsFiles, access_from
+from .envnames import setting
 from .errors import ConfigError, InvalidToken
+from .logs import DEFAULT_FORMAT, FORMATS
 from .subjects import DEFAULT_PREFIX, Subjects
 
-ENV_PREFIX = "TRAINGUARD_"
 DEFAULT_NATS_PORT = 4222
 DEFAULT_REDIS_PORT = 6379
 
@@ -45,10 +48,35 @@ class Settings:
     otel_exporter: str = ""
     """none, console, file:<path> or otlp; empty: OTLP if OTEL_EXPORTER_OTLP_ENDPOINT is set."""
     log_level: str = "INFO"
+    log_format: str = DEFAULT_FORMAT
+    """``text`` (human lines) or ``json`` (one object per line with the context keys of
+    :mod:`trainguard.logs`); the CLI reads it before any settings object exists."""
+    credentials: str = ""
+    """This process's role credentials file (``trainguard credentials``; ``trainguard up``
+    writes one per role under ``<data-dir>/creds``); empty: anonymous access."""
+    nats_creds: str = ""
+    """A NATS ``.creds`` file (JWT + nkey) for servers with decentralised auth."""
+    nats_nkey: str = ""
+    """A NATS nkey seed file."""
+    nats_tls_ca: str = ""
+    nats_tls_cert: str = ""
+    nats_tls_key: str = ""
+    redis_tls_ca: str = ""
+    """CA bundle for ``rediss://`` URLs."""
+    redis_tls_cert: str = ""
+    redis_tls_key: str = ""
 
     @property
     def subjects(self) -> Subjects:
         return Subjects(self.prefix)
+
+    @property
+    def access(self) -> Access:
+        """Credentials and TLS for NATS and Redis, read from the files the settings name."""
+        return access_from(
+            self.credentials, nats_creds=self.nats_creds, nats_nkey=self.nats_nkey,
+            nats_tls=TlsFiles(self.nats_tls_ca, self.nats_tls_cert, self.nats_tls_key),
+            redis_tls=TlsFiles(self.redis_tls_ca, self.redis_tls_cert, self.redis_tls_key))
 
     def redis_key(self, *parts: str) -> str:
         """A Redis key under this deployment's prefix: ``<prefix>:<part>:<part>``."""
@@ -105,7 +133,7 @@ def load_settings(
     fields = {f.name for f in dataclasses.fields(cls)}
     values: dict[str, Any] = {}
     for name in fields:
-        key = ENV_PREFIX + name.upper()
+        key = setting(name)
         if key in env:
             values[name] = _coerce(key, env[key], hints[name])
     for name, raw in (overrides or {}).items():
@@ -119,6 +147,10 @@ def load_settings(
         settings.subjects  # noqa: B018 - validates the prefix early
     except InvalidToken as exc:
         raise ConfigError(str(exc)) from None
+    if settings.log_format not in FORMATS:
+        raise ConfigError(f"setting log_format={settings.log_format!r}: use one of "
+                          f"{', '.join(FORMATS)}")
+    settings.access  # noqa: B018 - a missing or malformed credentials file fails here
     for url_field, schemes in (("nats_url", ("nats", "tls")), ("redis_url", ("redis", "rediss",
                                                                             "unix"))):
         url = getattr(settings, url_field)

@@ -19,6 +19,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
+from .auth import (
+    Role,
+    ensure_credentials,
+    nats_authorization,
+    redis_acl_file,
+    write_private,
+)
 from .errors import ServerStartError
 
 LOOPBACK = "127.0.0.1"
@@ -75,11 +82,15 @@ class ServerProcess:
 
     kind: str = "server"
 
-    def __init__(self, port: int, data_dir: Path) -> None:
+    def __init__(self, port: int, data_dir: Path, *, auth: str = "") -> None:
         self.port = port
         self.data_dir = data_dir
+        self.auth = auth
+        """Access rules (a nats-server ``authorization`` block, a Redis ACL file); empty:
+        anonymous access."""
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = data_dir / f"{self.kind}.log"
+        self.auth_path = data_dir / f"{self.kind}.auth"
 
     @property
     def url(self) -> str:
@@ -103,6 +114,8 @@ class ServerProcess:
                 f"with --{self.kind.split('-')[0]} URL"
             )
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        if self.auth:
+            write_private(self.auth_path, self.auth)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(list(self.argv()), stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, cwd=self.data_dir)
@@ -165,7 +178,8 @@ class NatsServer(ServerProcess):
         return f"nats://{LOOPBACK}:{self.port}"
 
     def argv(self) -> Sequence[str]:
-        return [nats_server_binary(), "-a", LOOPBACK, "-p", str(self.port), "-js",
+        config = ["-c", str(self.auth_path)] if self.auth else []
+        return [nats_server_binary(), *config, "-a", LOOPBACK, "-p", str(self.port), "-js",
                 "-sd", str(self.data_dir / "jetstream"), "-n", f"trainguard-{self.port}"]
 
     def _handshake(self, sock: socket.socket) -> bool:
@@ -183,21 +197,31 @@ class RedisServer(ServerProcess):
         # AOF with fsync every second: state survives a restart of the embedded server.
         return [redis_server_binary(), "--bind", LOOPBACK, "--port", str(self.port),
                 "--dir", str(self.data_dir), "--appendonly", "yes", "--appendfsync", "everysec",
-                "--save", "", "--daemonize", "no", "--protected-mode", "yes"]
+                "--save", "", "--daemonize", "no", "--protected-mode", "yes",
+                *(["--aclfile", str(self.auth_path)] if self.auth else [])]
 
     def _handshake(self, sock: socket.socket) -> bool:
+        # With ACLs on, an unauthenticated PING is refused: the refusal proves it is up.
         sock.sendall(b"PING\r\n")
-        return sock.recv(7).startswith(b"+PONG")
+        return sock.recv(7).startswith((b"+PONG", b"-NOAUTH"))
 
 
 class EmbeddedControlPlane:
     """nats-server + redis-server under one data directory, started and stopped together."""
 
     def __init__(self, data_dir: str | os.PathLike[str], *, nats_port: int = 0,
-                 redis_port: int = 0) -> None:
+                 redis_port: int = 0, secure: bool = False, prefix: str = "tg") -> None:
         root = Path(data_dir)
-        self.nats = NatsServer(nats_port or free_port(), root / "nats")
-        self.redis = RedisServer(redis_port or free_port(), root / "redis")
+        self.credentials: dict[Role, Path] = {}
+        """Per-role credentials files (``secure``): what each process is started with."""
+        nats_auth = redis_auth = ""
+        if secure:
+            creds = ensure_credentials(root / "creds")
+            self.credentials = {role: root / "creds" / f"{role}.json" for role in creds}
+            nats_auth = nats_authorization(creds, prefix)
+            redis_auth = redis_acl_file(creds, prefix)
+        self.nats = NatsServer(nats_port or free_port(), root / "nats", auth=nats_auth)
+        self.redis = RedisServer(redis_port or free_port(), root / "redis", auth=redis_auth)
 
     def start(self) -> EmbeddedControlPlane:
         self.nats.start()

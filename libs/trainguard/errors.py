@@ -33,12 +33,38 @@ class DecodeError(TrainguardError, ValueError):
         super().__init__(reason)
 
 
+class MessageTooLarge(DecodeError):
+    """A message over a size limit, refused whole: at publish (it would exceed the server's
+    ``max_payload`` or the durable limit) and at decode (before its body is read).
+
+    ``size`` and ``limit`` are in bytes; ``what`` names the message (its kind or subject).
+    A :class:`DecodeError`, so a receiver dead-letters it like any unreadable message.
+    """
+
+    def __init__(self, what: str, size: int, limit: int) -> None:
+        self.what = what
+        self.size = size
+        self.limit = limit
+        super().__init__(f"oversized {what}: {size} bytes exceeds the {limit}-byte limit")
+
+
 class ConfigError(TrainguardError, ValueError):
     """A setting from the environment, a CLI flag or a file that cannot be used."""
 
 
 class ServerStartError(TrainguardError, RuntimeError):
     """An embedded nats-server or redis-server that did not come up."""
+
+
+class NotStarted(TrainguardError, RuntimeError):
+    """A service's runtime (bus, Redis, timers) used before :func:`run_service` started it.
+
+    ``what`` names the service, so a handler wired too early says whose it is.
+    """
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        super().__init__(f"{what} used before start")
 
 
 class Retry(TrainguardError):

@@ -13,6 +13,8 @@ from collections.abc import Awaitable, Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from .errors import NotStarted
+
 ReadyCheck = Callable[[], Awaitable[tuple[bool, str]]]
 
 
@@ -24,7 +26,8 @@ class HealthServer:
 
     @property
     def port(self) -> int:
-        assert self._server is not None, "health server not started"
+        if self._server is None:
+            raise NotStarted("the health server")
         return int(self._server.sockets[0].getsockname()[1])
 
     async def start(self, host: str, port: int) -> None:

@@ -17,9 +17,11 @@ republished with the same ``id``, a higher ``rev`` and a new ``status``.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, get_args
 
 import msgspec
+
+from .evidence import EvidenceField, typed_evidence, unset_evidence
 
 # -- telemetry (MessagePack, tagged) ---------------------------------------------------
 
@@ -112,11 +114,32 @@ class GpuSample(Telemetry, tag="gpu.v1"):
     source: str = "nvml"
 
 
+ProcessState = Literal["R", "S", "D", "T", "t", "Z", "X", "x", "I", "P", "K", "W"]
+"""A worker's Linux state letter, as ``/proc/<pid>/stat`` gives it (every letter a kernel
+reports, old ones included, so no agent can send one a detector rejects); ``X`` also when
+the pid is gone. Written by the agent, judged by the detector, stored in ``progress``."""
+PROCESS_STATES: frozenset[str] = frozenset(get_args(ProcessState))
+STOPPED_STATES: frozenset[ProcessState] = frozenset({"T", "t", "D"})
+"""Cannot make progress: stopped by a signal (T) or a tracer (t), or in uninterruptible
+sleep (D). Such a worker also ignores SIGTERM until it runs again. T is SIGSTOP and lasts;
+t and D are often brief (a profiler, a disk write)."""
+GONE_STATES: frozenset[ProcessState] = frozenset({"Z", "X", "x"})
+"""Dead (X, x) or a zombie nobody reaped yet (Z)."""
+
+
+def is_stopped(state: str | None) -> bool:
+    return state in STOPPED_STATES
+
+
+def is_gone(state: str | None) -> bool:
+    return state in GONE_STATES
+
+
 class NodeHeartbeat(Telemetry, tag="node.v1"):
-    """The agent's view of its local ranks: process state letter (R/S/T/D/Z) by rank."""
+    """The agent's view of its local ranks: process state letter by rank."""
 
     host: str
-    ranks: dict[int, str] = {}
+    ranks: dict[int, ProcessState] = {}
     pids: dict[int, int] = {}
     attempt: int = 0
 
@@ -154,15 +177,28 @@ Cause = Literal[
 ]
 Severity = Literal["info", "warning", "critical"]
 # Who runs which command kind (DESIGN.md section 12). Each receiver ignores the others'.
-AGENT_KINDS: frozenset[str] = frozenset({
-    "restart", "isolate", "stop", "dump", "kill", "freeze", "thaw", "ecc", "xid", "throttle"})
-RANK_KINDS: frozenset[str] = frozenset({
-    "save_now", "set_interval", "hang", "slow", "nan", "sdc", "crash"})
-COLLECTIVE_KINDS: frozenset[str] = frozenset({"save_now", "set_interval"})
+# The Literals are the vocabulary; the frozensets are derived from them, never listed twice.
+# ``Command.kind`` stays ``str`` on the wire: a trainer's own kinds (``guard.on("note",
+# ...)``) must decode too.
+AgentDrill = Literal["kill", "freeze", "thaw", "ecc", "xid", "throttle"]
+"""Faults the agent plays on its ranks' processes and (scripted) GPUs."""
+AgentKind = Literal["restart", "isolate", "stop", "dump", AgentDrill]
+RankDrill = Literal["hang", "slow", "nan", "sdc", "crash"]
+"""Faults a rank plays on itself (:mod:`trainguard.client.drills`)."""
+CollectiveKind = Literal["save_now", "set_interval"]
 """Kinds every rank must run at the same step (``at_step`` or the side-group agreement)."""
-RANK_DRILLS: frozenset[str] = frozenset({"hang", "slow", "nan", "sdc", "crash"})
-AGENT_DRILLS: frozenset[str] = frozenset({"kill", "freeze", "thaw", "ecc", "xid", "throttle"})
+RankKind = Literal[CollectiveKind, RankDrill]
+CommandKind = Literal[AgentKind, RankKind]
+AGENT_KINDS: frozenset[str] = frozenset(get_args(AgentKind))
+RANK_KINDS: frozenset[str] = frozenset(get_args(RankKind))
+COLLECTIVE_KINDS: frozenset[str] = frozenset(get_args(CollectiveKind))
+RANK_DRILLS: frozenset[str] = frozenset(get_args(RankDrill))
+AGENT_DRILLS: frozenset[str] = frozenset(get_args(AgentDrill))
 AckOutcome = Literal["done", "failed", "too_late", "unknown_kind", "refused"]
+Issuer = Literal["remediator", "coordinator", "cli"]
+"""Who issues commands: the remediator's leader, the checkpoint coordinator (with the
+remediator's epoch), and an operator's drills (``trainguard inject``, the demo)."""
+ISSUERS: frozenset[str] = frozenset(get_args(Issuer))
 
 
 class Attempt(msgspec.Struct, kw_only=True):
@@ -250,10 +286,15 @@ class Anomaly(Durable, kw_only=True):
     onset_at: float
     detected_at: float
     severity: Severity = "warning"
-    evidence: dict[str, Any] = {}
+    evidence: EvidenceField = msgspec.field(default_factory=unset_evidence)
+    """The Struct of ``kind`` (:mod:`trainguard.evidence`; why not a tagged union: there)."""
     status: Literal["open", "resolved"] = "open"
     rev: int = 1
     resolved_at: float | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.evidence = typed_evidence(self.kind, self.evidence)
 
 
 class EvidenceItem(msgspec.Struct, kw_only=True):
@@ -298,6 +339,26 @@ class Action(Durable, kw_only=True):
     rev: int = 1
 
 
+StepStatus = Literal["pending", "sent", "done", "failed", "skipped"]
+
+
+class IncidentStep(msgspec.Struct, kw_only=True):
+    """One step of an incident's plan, as the remediator runs it.
+
+    A step is persisted as ``sent`` with its command id before the command goes out, so a
+    new leader re-sends it as a retry (``retry_of``) instead of running it twice.
+    """
+
+    action: str
+    """A policy action: save_now, dump, isolate, restart, rollback, alert or escalate."""
+    params: dict[str, Any] = {}
+    status: StepStatus = "pending"
+    command_ids: list[str] = []
+    detail: str = ""
+    at: float | None = None
+    """When the step started."""
+
+
 class Incident(Durable, kw_only=True):
     KIND: ClassVar[str] = "incident"
     id: str
@@ -321,7 +382,7 @@ class Incident(Durable, kw_only=True):
     steps_lost: int | None = None
     restarted_attempt: int | None = None
     """The job's attempt when the remediator restarted it: resolution needs a later one."""
-    actions: list[dict[str, Any]] = []
+    actions: list[IncidentStep] = []
     summary: str = ""
     escalation: str = ""
 
@@ -379,14 +440,25 @@ class ResumePoint(Durable, kw_only=True):
 
 
 class DeadLetter(Durable, kw_only=True):
-    """A message that could not be processed, with why, kept whole for inspection."""
+    """A message that could not be processed, with why.
+
+    ``payload`` is the message whole when it is small, else its first bytes
+    (``truncated``): a letter must fit the server's ``max_payload``, and base64 in JSON
+    makes bytes 4/3 as large. ``size`` and ``sha256`` are always those of the whole
+    payload, so a truncated letter still identifies its message. Letters from before these
+    fields read as ``size=0``, ``sha256=""``: unknown, the payload then being whole.
+    """
 
     KIND: ClassVar[str] = "dead_letter"
     job: str
     subject: str
     reason: str
     service: str = ""
+    consumer: str = ""
     payload: bytes = b""
+    truncated: bool = False
+    size: int = 0
+    sha256: str = ""
     headers: dict[str, str] = {}
     deliveries: int = 0
     time: float = 0.0

@@ -14,6 +14,11 @@ for every service:
   goes on;
 * runs each handler inside a CONSUMER span whose parent is the producer's trace context;
 * serves ``/livez``, ``/readyz`` and ``/metrics``; stops on SIGTERM/SIGINT by draining.
+
+:class:`Service` is generic over its settings type (``Service[DetectorSettings]`` types
+``self.settings``) and owns its runtime: :attr:`Service.runtime` is the running
+:class:`Runtime`, or :class:`~trainguard.errors.NotStarted` naming the service when used
+before start. A plain ``Service`` subclass is ``Service[Settings]``.
 """
 
 from __future__ import annotations
@@ -21,11 +26,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import logging
 import signal
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic
 
 import nats.errors
 import redis.asyncio as aioredis
@@ -35,19 +39,24 @@ from nats.js.errors import Error as JetStreamError
 from opentelemetry import trace
 from opentelemetry.context import Context
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from typing_extensions import TypeVar
 
 from . import tracing
 from .bus import Bus, connect_nats
 from .codec import decode_any_durable, decode_telemetry
 from .config import Settings
 from .envelope import H_TYPE, normalize_headers
-from .errors import DecodeError, Reject, Retry
+from .errors import DecodeError, NotStarted, Reject, Retry
 from .health import HealthServer
+from .logs import Log, get_logger
 from .schemas import Durable, TelemetryMessage
 from .store import TRANSIENT_REDIS_ERRORS, connect_redis
 from .topology import ConsumerSpec, ensure_consumer, provision, streams
 
-log = logging.getLogger("trainguard.service")
+log = get_logger("trainguard.service")
+
+S = TypeVar("S", bound=Settings, default=Settings)
+"""A service's settings type; the default keeps plain ``Service`` subclasses typed."""
 
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
     *TRANSIENT_REDIS_ERRORS, nats.errors.TimeoutError, nats.errors.ConnectionClosedError,
@@ -117,7 +126,7 @@ class Metrics:
 class Runtime:
     """Everything a running service may use: bus, Redis, settings, metrics, tasks."""
 
-    def __init__(self, service: Service, settings: Settings) -> None:
+    def __init__(self, service: Service[Any], settings: Settings) -> None:
         self.service = service
         self.settings = settings
         self.metrics = Metrics(service.name)
@@ -132,13 +141,19 @@ class Runtime:
 
     @property
     def bus(self) -> Bus:
-        assert self._bus is not None, "runtime not started"
+        if self._bus is None:
+            raise NotStarted(f"the bus of {self.service.name}")
         return self._bus
 
     @property
     def redis(self) -> aioredis.Redis:
-        assert self._redis is not None, "runtime not started"
+        if self._redis is None:
+            raise NotStarted(f"the Redis client of {self.service.name}")
         return self._redis
+
+    def log_for(self, subject: str) -> Log:
+        """The service log with the job of ``subject`` bound (none if it names no job)."""
+        return log.bind(job=self.settings.subjects.job_of(subject))
 
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         """Run ``coro`` until the service stops; a crash is logged, never silent."""
@@ -193,7 +208,8 @@ class Runtime:
                 handler(decoded, msg.subject)
             except Exception:  # one bad message must not stop the stream
                 failed.inc()
-                log.exception("telemetry handler failed on %s", msg.subject)
+                self.log_for(msg.subject).exception("telemetry handler failed on %s",
+                                                    msg.subject)
 
         sub = await self.bus.nc.subscribe(subject, queue=queue, cb=_cb,
                                           pending_msgs_limit=500_000,
@@ -221,10 +237,14 @@ class Runtime:
             else:
                 log.debug("nats: %r", exc)
 
+        access = s.access
         nc = await connect_nats(s.nats_url, name=f"trainguard-{service.name}",
-                                timeout=s.connect_timeout, error_cb=_error_cb)
+                                timeout=s.connect_timeout, error_cb=_error_cb,
+                                access=access.nats_options())
         self._bus = Bus(nc, s.subjects, source=f"trainguard/{service.name}")
-        self._redis = await connect_redis(s.redis_url, timeout=s.connect_timeout)
+        self._redis = await connect_redis(s.redis_url, timeout=s.connect_timeout,
+                                          access=access.redis_options())
+        service._runtime = self  # from here on its handlers may run
         await provision(self.bus.js, streams(s.prefix))
         for consumer in service.consumers():
             self.spawn(self._consume(consumer), f"consume:{consumer.spec.durable}")
@@ -332,8 +352,8 @@ class Runtime:
             except Reject as exc:
                 await self._dead(consumer, msg, headers, deliveries, exc.reason, "rejected")
             except TRANSIENT_ERRORS as exc:
-                log.warning("%s: transient failure on %s (%r); redelivering", name,
-                            msg.subject, exc)
+                self.log_for(msg.subject).warning(
+                    "%s: transient failure on %s (%r); redelivering", name, msg.subject, exc)
                 await self._nak(consumer, msg, redelivery_delay(deliveries), "transient")
             except Exception as exc:
                 span.record_exception(exc)
@@ -341,8 +361,9 @@ class Runtime:
                     reason = f"handler failed {deliveries} times, last: {exc!r}"
                     await self._dead(consumer, msg, headers, deliveries, reason, "handler_failed")
                 else:
-                    log.warning("%s: handler failed on %s (delivery %d): %r", name, msg.subject,
-                                deliveries, exc)
+                    self.log_for(msg.subject).warning(
+                        "%s: handler failed on %s (delivery %d): %r", name, msg.subject,
+                        deliveries, exc)
                     await self._nak(consumer, msg, redelivery_delay(deliveries), "failed")
             else:
                 with contextlib.suppress(Exception):
@@ -366,12 +387,13 @@ class Runtime:
                                        service=self.service.name, headers=headers,
                                        deliveries=deliveries)
         except DEAD_LETTER_ERRORS as exc:
-            log.warning("dead-lettering failed (%r); will redeliver", exc)
+            self.log_for(msg.subject).warning("dead-lettering failed (%r); will redeliver", exc)
             await self._nak(consumer, msg, 1.0, "dead_letter_failed")
             return
         with contextlib.suppress(Exception):
             await msg.term()
-        log.warning("dead-lettered %s from %s: %s", msg.subject, consumer.spec.durable, reason)
+        self.log_for(msg.subject).warning("dead-lettered %s from %s: %s", msg.subject,
+                                          consumer.spec.durable, reason)
         self.metrics.dead.labels(self.service.name, kind).inc()
         self.metrics.messages.labels(self.service.name, consumer.spec.durable, "dead").inc()
 
@@ -387,20 +409,30 @@ class Runtime:
                                            service=self.service.name)
                 self.metrics.dead.labels(self.service.name, "malformed").inc()
             except Exception as exc:
-                log.warning("could not dead-letter telemetry from %s: %r", subject, exc)
+                self.log_for(subject).warning("could not dead-letter telemetry from %s: %r",
+                                              subject, exc)
 
 
-class Service:
+class Service(Generic[S]):
     """Base of every trainguard service: declare consumers, start subscriptions and timers.
 
     Subclasses keep their rules in pure classes and use this only for wiring.
+    ``settings_type`` is what the CLI loads for the service; it should be ``S``.
     """
 
     name: ClassVar[str] = "service"
     settings_type: ClassVar[type[Settings]] = Settings
 
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
+    def __init__(self, settings: S) -> None:
+        self.settings: S = settings
+        self._runtime: Runtime | None = None
+
+    @property
+    def runtime(self) -> Runtime:
+        """The runtime running this service: set once its connections are up."""
+        if self._runtime is None:
+            raise NotStarted(self.name)
+        return self._runtime
 
     def consumers(self) -> Sequence[Consumer]:
         return ()
@@ -415,7 +447,7 @@ class Service:
         return True, ""
 
 
-async def run_service(service: Service, stop: asyncio.Event | None = None,
+async def run_service(service: Service[Any], stop: asyncio.Event | None = None,
                       *, install_signals: bool = True,
                       started: Callable[[Runtime], None] | None = None) -> int:
     """Run ``service`` until ``stop`` is set or SIGTERM/SIGINT arrives; returns 0."""

@@ -8,9 +8,13 @@ the remediator the blocklist and incidents, the coordinator checkpoints. Values 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeAlias
 
 import msgspec
+
+from .codec import decode_durable, encode_durable
+from .errors import DecodeError
+from .schemas import NodeHello, ProcessState
 
 RankState = Literal["ok", "slow", "hung", "silent", "exited", "stopped"]
 
@@ -22,8 +26,8 @@ class RankProgress(msgspec.Struct, kw_only=True):
     phase: str | None = None
     phase_elapsed: float = 0.0
     state: RankState = "ok"
-    process_state: str | None = None
-    """The agent's R/S/T/D/Z letter, where an agent reports it."""
+    process_state: ProcessState | None = None
+    """The agent's letter for the rank's process, where an agent reports it."""
     last_seen: float = 0.0
     attempt: int = 0
 
@@ -65,6 +69,7 @@ class Keys:
         return self._k("lease", role, job)
 
     def node(self, job: str, host: str) -> str:
+        """JSON :class:`NodeRecord` of a host's agent; written by that agent only."""
         return self._k("node", job, host)
 
     def instances(self, role: str) -> str:
@@ -102,7 +107,7 @@ class Keys:
         return self._k("leader", role)
 
     def blocklist(self) -> str:
-        """Hash host -> JSON {reason, time, job, incident}; written by the remediator only."""
+        """Hash host -> JSON :class:`BlocklistEntry`; written by the remediator only."""
         return self._k("blocklist")
 
     def dedupe(self, role: str, job: str) -> str:
@@ -119,3 +124,60 @@ def encode_progress(p: Progress) -> bytes:
 
 def decode_progress(data: bytes | str) -> Progress:
     return _progress_decoder.decode(data)
+
+
+# -- the blocklist and node records ---------------------------------------------------------
+
+
+class BlocklistEntry(msgspec.Struct, kw_only=True):
+    """Why a host may not (re)join jobs: a value of ``Keys.blocklist()``.
+
+    The remediator writes it (fenced) when it isolates a host; agents read it at launch and
+    on ``isolate``, ``trainguard status`` shows it. An operator may write one by hand, so
+    every field but the reason may be missing.
+    """
+
+    reason: str = ""
+    cause: str = ""
+    job: str = ""
+    incident: str = ""
+    time: float = 0.0
+
+
+NodeRecord: TypeAlias = NodeHello
+"""An agent's registration under ``Keys.node(job, host)``: the ``NodeHello`` it announced
+itself with, stored as the JSON it travels as. The remediator reads it to decide whether a
+host can leave the job (``isolate``)."""
+
+_blocklist_decoder = msgspec.json.Decoder(BlocklistEntry)
+
+
+def encode_blocklist_entry(entry: BlocklistEntry) -> bytes:
+    return msgspec.json.encode(entry)
+
+
+def decode_blocklist_entry(data: bytes | str) -> BlocklistEntry:
+    """Raises :class:`~trainguard.errors.DecodeError` for a value that is not an entry."""
+    try:
+        return _blocklist_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise DecodeError(f"bad blocklist entry: {exc}") from None
+
+
+def read_blocklist_entry(data: bytes | str) -> BlocklistEntry:
+    """For readers (agents, ``trainguard status``): a value an operator wrote by hand that
+    is not an entry still blocks the host, with its text as the reason."""
+    try:
+        return decode_blocklist_entry(data)
+    except DecodeError:
+        text = data if isinstance(data, str) else data.decode(errors="replace")
+        return BlocklistEntry(reason=text)
+
+
+def encode_node_record(record: NodeRecord) -> bytes:
+    return encode_durable(record)
+
+
+def decode_node_record(data: bytes | str) -> NodeRecord:
+    """Raises :class:`~trainguard.errors.DecodeError` for a value that is not a record."""
+    return decode_durable(data.encode() if isinstance(data, str) else data, NodeHello)

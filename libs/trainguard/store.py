@@ -9,25 +9,35 @@ nothing that was acknowledged on the bus is lost while Redis is away.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
+from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from .errors import TrainguardError
 
 TRANSIENT_REDIS_ERRORS: tuple[type[Exception], ...] = (RedisConnectionError, RedisTimeoutError)
 
 
-class StoreUnavailable(ConnectionError):
+class StoreUnavailable(TrainguardError, ConnectionError):
     """Redis did not answer the first ping within its bound."""
 
 
-def redis_client(url: str, *, retries: int = 8) -> aioredis.Redis:
-    """A client whose commands retry transient failures (8 retries: about 5 s in all)."""
+def redis_client(url: str, *, retries: int = 8,
+                 access: Mapping[str, Any] | None = None) -> aioredis.Redis:
+    """A client whose commands retry transient failures (8 retries: about 5 s in all).
+
+    ``access``: credentials and TLS options (:meth:`trainguard.auth.Access.redis_options`).
+    """
     backoff = ExponentialBackoff(cap=1.0, base=0.05)
     return aioredis.Redis.from_url(
         url,
+        **(access or {}),
         decode_responses=True,
         socket_connect_timeout=1.0,
         socket_timeout=5.0,
@@ -37,11 +47,17 @@ def redis_client(url: str, *, retries: int = 8) -> aioredis.Redis:
     )
 
 
-async def connect_redis(url: str, *, timeout: float = 5.0) -> aioredis.Redis:
-    """A client that has answered one PING, so a wrong URL fails at start, clearly."""
-    client = redis_client(url)
+async def connect_redis(url: str, *, timeout: float = 5.0,
+                        access: Mapping[str, Any] | None = None) -> aioredis.Redis:
+    """A client that has answered one PING, so a wrong URL or password fails at start."""
+    client = redis_client(url, access=access)
     try:
         await asyncio.wait_for(client.ping(), timeout)
+    except (AuthenticationError, NoPermissionError, ResponseError) as exc:
+        await client.aclose()
+        raise StoreUnavailable(
+            f"Redis at {url} refused this client ({exc}); give the role's credentials with "
+            "TRAINGUARD_CREDENTIALS (see `trainguard credentials`)") from None
     except (TimeoutError, RedisConnectionError, RedisTimeoutError, OSError) as exc:
         await client.aclose()
         raise StoreUnavailable(

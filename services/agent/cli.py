@@ -41,6 +41,11 @@ def own_parser() -> argparse.ArgumentParser:
     p.add_argument("--nats", metavar="URL")
     p.add_argument("--redis", metavar="URL")
     p.add_argument("--prefix")
+    p.add_argument("--credentials", metavar="FILE",
+                   help="the agent role's credentials (env TRAINGUARD_CREDENTIALS)")
+    p.add_argument("--rank-credentials", metavar="FILE",
+                   help="the rank role's credentials, handed to the ranks "
+                        "(env TRAINGUARD_RANK_CREDENTIALS)")
     p.add_argument("--stop-grace", type=float, help="SIGTERM-to-SIGKILL grace (s)")
     p.add_argument("--preempt-grace", type=float, help="save-now deadline on SIGTERM (s)")
     return p
@@ -70,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
         "job": ours.job, "host": ours.host or host_token(socket.gethostname()),
         "allow_drills": ours.allow_drills or None, "nats_url": ours.nats,
         "redis_url": ours.redis, "prefix": ours.prefix, "stop_grace": ours.stop_grace,
-        "preempt_grace": ours.preempt_grace,
+        "preempt_grace": ours.preempt_grace, "credentials": ours.credentials,
+        "rank_credentials": ours.rank_credentials,
     })
     from trainguard.subjects import check_token
 

@@ -1,16 +1,19 @@
 """What the agent does with a command: pure decisions over a :class:`Node`.
 
-Kept free of I/O so the rules (which kinds are ours, epochs, duplicate ids, drills gated,
-isolation refused on the rendezvous-store host) are testable without a bus or torch.
+Kept free of I/O so the rules are testable without a bus or torch. Admission (which kinds
+and targets are ours, duplicate ids, retries, epochs) is the library's
+:class:`~trainguard.receiver.Receiver`, shared with the ranks; what is the agent's own is
+here: drills gated, isolation refused on the rendezvous-store host, ranks that must be local.
 """
 
 from __future__ import annotations
 
-import collections
-from dataclasses import dataclass
 from typing import Protocol
 
-from trainguard.schemas import AGENT_DRILLS, AGENT_KINDS, AckOutcome, Command
+from trainguard.errors import TrainguardError
+from trainguard.receiver import Answer, Drop, Receiver
+from trainguard.schemas import AGENT_DRILLS, Command, CommandAck
+from trainguard.targets import for_agent
 
 
 class Node(Protocol):
@@ -35,49 +38,30 @@ class Node(Protocol):
     def gpu_drill(self, kind: str, params: dict[str, object]) -> str: ...
 
 
-@dataclass(frozen=True)
-class Outcome:
-    outcome: AckOutcome
-    detail: str
-
-
 class CommandExecutor:
     """Runs each command once, in order, refusing stale epochs; returns the ack to send
-    (None for commands that are not for this agent)."""
+    (None for commands that are not for this agent, or already acknowledged)."""
 
     def __init__(self, node: Node, seen_limit: int = 10_000) -> None:
         self.node = node
-        self._seen: collections.OrderedDict[str, Outcome] = collections.OrderedDict()
-        self._seen_limit = seen_limit
-        self.max_epoch: dict[str, int] = {}
-        """Highest epoch seen per issuer (each issuer's leader has its own token)."""
+        # Stack dumps are long, and their last lines matter: a larger detail than a rank's.
+        self.receiver = Receiver("host", node.host, for_agent, memory=seen_limit,
+                                 detail_limit=32_000)
 
-    def handle(self, cmd: Command) -> Outcome | None:
-        if cmd.kind not in AGENT_KINDS:
-            return None  # a rank's command, broadcast on cmd.all
-        if cmd.id in self._seen:
-            return None  # redelivered: acknowledged already
-        if cmd.retry_of and cmd.retry_of in self._seen \
-                and self._seen[cmd.retry_of].outcome == "done":
-            return self._remember(cmd, Outcome("done", f"already done as {cmd.retry_of}"))
-        highest = self.max_epoch.get(cmd.issuer, 0)
-        if cmd.epoch < highest:
-            return self._remember(cmd, Outcome(
-                "refused", f"stale epoch {cmd.epoch} < {highest} of {cmd.issuer}"))
-        self.max_epoch[cmd.issuer] = max(highest, cmd.epoch)
+    def handle(self, cmd: Command, ceiling: int | None = None) -> CommandAck | None:
+        """``ceiling``: the issuer's current epoch, where the caller could read it."""
+        verdict = self.receiver.admit(cmd, ceiling)
+        if isinstance(verdict, Drop):
+            return None
+        if isinstance(verdict, Answer):
+            return self.receiver.ack(cmd, verdict.outcome, verdict.detail)
         try:
             detail = self._run(cmd)
         except Refused as exc:
-            return self._remember(cmd, Outcome("refused", str(exc)))
+            return self.receiver.ack(cmd, "refused", str(exc))
         except Exception as exc:
-            return self._remember(cmd, Outcome("failed", f"{type(exc).__name__}: {exc}"))
-        return self._remember(cmd, Outcome("done", detail))
-
-    def _remember(self, cmd: Command, outcome: Outcome) -> Outcome:
-        self._seen[cmd.id] = outcome
-        while len(self._seen) > self._seen_limit:
-            self._seen.popitem(last=False)
-        return outcome
+            return self.receiver.ack(cmd, "failed", f"{type(exc).__name__}: {exc}")
+        return self.receiver.ack(cmd, "done", detail)
 
     def _ranks(self, cmd: Command) -> list[int]:
         pids = self.node.rank_pids()
@@ -115,5 +99,5 @@ class CommandExecutor:
         raise Refused(f"unknown agent command {cmd.kind!r}")
 
 
-class Refused(Exception):
+class Refused(TrainguardError):
     """The command is understood but must not be carried out here."""

@@ -31,6 +31,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from trainguard import envnames
 from trainguard.embedded import free_port, port_taken
 from trainguard.schemas import NodeHello, WorkerExit
 
@@ -105,12 +106,16 @@ def worker_environment(settings: AgentSettings, log_dir: str) -> dict[str, str]:
     """What the ranks need so ``Guard()`` takes no arguments, plus collective-failure
     settings that make NCCL fail fast and leave evidence (user values win)."""
     env = {
-        "TRAINGUARD_JOB": settings.job,
-        "TRAINGUARD_HOST": settings.host,
-        "TRAINGUARD_NATS_URL": settings.nats_url,
-        "TRAINGUARD_PREFIX": settings.prefix,
-        "TRAINGUARD_ALLOW_DRILLS": "1" if settings.allow_drills else "0",
+        envnames.JOB: settings.job,
+        envnames.HOST: settings.host,
+        envnames.NATS_URL: settings.nats_url,
+        envnames.SUBJECT_PREFIX: settings.prefix,
+        envnames.ALLOW_DRILLS: "1" if settings.allow_drills else "0",
     }
+    # Always set: a rank must never inherit the agent's own (wider) credentials.
+    env[envnames.CREDENTIALS] = settings.rank_credentials
+    if settings.nats_tls_ca:
+        env[envnames.NATS_TLS_CA] = settings.nats_tls_ca
     defaults = {
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",

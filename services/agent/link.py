@@ -21,8 +21,8 @@ import nats.errors
 
 from trainguard import tracing
 from trainguard.bus import Bus, BusUnavailable, connect_nats
-from trainguard.codec import decode_durable
-from trainguard.envelope import H_TRACEPARENT, normalize_headers
+from trainguard.codec import decode_as
+from trainguard.envelope import H_TYPE, normalize_headers
 from trainguard.errors import DecodeError, InvalidToken
 from trainguard.rpc import SAVE, SaveReply, SaveRequest, call
 from trainguard.schemas import (
@@ -34,7 +34,7 @@ from trainguard.schemas import (
     NodeHello,
     TelemetryMessage,
 )
-from trainguard.state import Keys
+from trainguard.state import Keys, encode_node_record, read_blocklist_entry
 from trainguard.store import redis_client
 from trainguard.topology import ConsumerSpec, ensure_consumer, provision, streams
 
@@ -116,10 +116,13 @@ class AgentLink:
         key = Keys(self.settings.prefix).blocklist()
 
         async def _get() -> str | None:
-            client = redis_client(self.settings.redis_url, retries=1)
+            client = redis_client(self.settings.redis_url, retries=1,
+                              access=self.settings.access.redis_options())
             try:
                 raw = await asyncio.wait_for(client.hget(key, self.settings.host), timeout)
-                return str(raw) if raw is not None else None
+                if raw is None:
+                    return None
+                return read_blocklist_entry(raw).reason or "no reason given"
             finally:
                 await client.aclose()
 
@@ -144,7 +147,8 @@ class AgentLink:
         while not self._stop.is_set():
             try:
                 nc = await connect_nats(s.nats_url, name=f"trainguard-agent-{s.host}",
-                                        timeout=s.connect_timeout)
+                                        timeout=s.connect_timeout,
+                                        access=s.access.nats_options())
                 break
             except BusUnavailable as exc:
                 log.warning("%s; retrying", exc)
@@ -178,12 +182,11 @@ class AgentLink:
             await bus.close()
 
     async def _write_node_record(self) -> None:
-        from trainguard.codec import encode_durable
-
-        client = redis_client(self.settings.redis_url, retries=1)
+        client = redis_client(self.settings.redis_url, retries=1,
+                              access=self.settings.access.redis_options())
         try:
             key = Keys(self.settings.prefix).node(self.settings.job, self.settings.host)
-            await asyncio.wait_for(client.set(key, encode_durable(self.hello)), 3.0)
+            await asyncio.wait_for(client.set(key, encode_node_record(self.hello)), 3.0)
         except Exception as exc:
             log.warning("could not record the node in Redis: %r", exc)
         finally:
@@ -253,7 +256,7 @@ class AgentLink:
     async def _command(self, msg: Any) -> None:
         headers = normalize_headers(msg.headers)
         try:
-            cmd = decode_durable(msg.data, Command)
+            cmd = decode_as(msg.data, headers.get(H_TYPE), Command)
         except DecodeError as exc:
             assert self._bus is not None
             with contextlib.suppress(Exception):
@@ -269,22 +272,39 @@ class AgentLink:
                         "trainguard.command": cmd.kind},
         ):
             await msg.in_progress()
-            outcome = await asyncio.to_thread(self.executor.handle, cmd)
-            if outcome is not None:
-                await self._ack(cmd, outcome.outcome, outcome.detail,
-                                headers.get(H_TRACEPARENT))
+            ceiling = await self._epoch_ceiling(cmd) \
+                if self.executor.receiver.raises_epoch(cmd) else None
+            ack = await asyncio.to_thread(self.executor.handle, cmd, ceiling)
+            if ack is not None:
+                await self._ack(cmd, ack)
         with contextlib.suppress(Exception):
             await msg.ack()
 
-    async def _ack(self, cmd: Command, outcome: Any, detail: str, parent: str | None) -> None:
+    async def _epoch_ceiling(self, cmd: Command) -> int | None:
+        """The issuers' current fencing epoch, which only the remediator's leader raises (the
+        coordinator sends with it too). None when Redis does not answer: the bus's
+        permissions still keep forgers out, and a command must not wait on Redis."""
+        if cmd.issuer not in ("remediator", "coordinator"):
+            return None
+        client = redis_client(self.settings.redis_url, retries=1,
+                              access=self.settings.access.redis_options())
+        try:
+            raw = await asyncio.wait_for(
+                client.get(Keys(self.settings.prefix).epoch("remediator")), 2.0)
+            return int(raw) if raw is not None else 0
+        except Exception as exc:
+            log.warning("cannot read the remediator's epoch (%r); admitting epoch %d of %s",
+                        exc, cmd.epoch, cmd.issuer)
+            return None
+        finally:
+            await client.aclose()
+
+    async def _ack(self, cmd: Command, ack: CommandAck) -> None:
         assert self._bus is not None
         try:
             subject = self.settings.subjects.ack(cmd.job, cmd.issuer)
         except InvalidToken:
             return
-        ack = CommandAck(command_id=cmd.id, job=cmd.job, responder=f"host-{self.settings.host}",
-                         outcome=outcome, detail=detail[-32_000:], kind=cmd.kind,
-                         time=time.time())
         for _ in range(10):
             try:
                 await self._bus.publish_durable(subject, ack)

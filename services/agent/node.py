@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from trainguard.envelope import uuid7
-from trainguard.schemas import GpuStats, WorkerExit, XidEvent
+from trainguard.schemas import GpuStats, ProcessState, WorkerExit, XidEvent, is_stopped
 
 from . import procs
 from .gpu import GpuSource, ScriptedSource
@@ -134,7 +134,7 @@ class LocalNode:
         with self._lock:
             return {r: w.pid for r, w in self.workers.items()}
 
-    def states(self) -> tuple[dict[int, str], dict[int, int]]:
+    def states(self) -> tuple[dict[int, ProcessState], dict[int, int]]:
         pids = self.rank_pids()
         return {r: procs.state_of(p) for r, p in pids.items()}, pids
 
@@ -173,7 +173,7 @@ class LocalNode:
         # landed in its stderr file (or the timeout). A stopped rank cannot write: skip it.
         deadline = time.monotonic() + timeout
         waiting = {r: f for r, f in files.items()
-                   if r in pids and not procs.is_stuck(procs.state_of(pids[r]))}
+                   if r in pids and not is_stopped(procs.state_of(pids[r]))}
         while waiting and time.monotonic() < deadline:
             for r, f in list(waiting.items()):
                 if procs.STACK_MARK in procs.read_from(f, before[r]):

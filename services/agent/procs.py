@@ -12,26 +12,31 @@ import os
 import signal
 import time
 from collections.abc import Iterable
+from typing import cast
+
+from trainguard.schemas import PROCESS_STATES, ProcessState, is_gone, is_stopped
 
 
-def state_of(pid: int) -> str:
-    """The state letter of ``pid`` (R, S, D, T, t, Z, ...), or ``X`` if it is gone."""
+def state_of(pid: int) -> ProcessState:
+    """The state letter of ``pid`` (R, S, D, T, t, Z, ...), or ``X`` if it is gone.
+
+    A letter no kernel defines (a garbled read) counts as ``S``, an ordinary live
+    process: the detector's heartbeat rules still judge it, and nothing is killed for it.
+    """
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
             data = fh.read()
     except OSError:
         return "X"
     # The command name (field 2) may contain spaces; the state follows its closing ')'.
-    return data[data.rfind(")") + 2: data.rfind(")") + 3] or "X"
-
-
-def is_stuck(state: str) -> bool:
-    """Stopped (T, t) or in uninterruptible sleep (D): cannot act on SIGTERM now."""
-    return state in ("T", "t", "D")
+    letter = data[data.rfind(")") + 2: data.rfind(")") + 3]
+    if not letter:
+        return "X"
+    return cast(ProcessState, letter) if letter in PROCESS_STATES else "S"
 
 
 def alive(pid: int) -> bool:
-    return state_of(pid) not in ("X", "Z")
+    return not is_gone(state_of(pid))
 
 
 def send(pid: int, sig: signal.Signals) -> bool:
@@ -47,7 +52,7 @@ def kill_stuck(pids: Iterable[int]) -> list[int]:
     """SIGCONT + SIGKILL every stuck worker; returns the pids it killed."""
     killed = []
     for pid in pids:
-        if is_stuck(state_of(pid)):
+        if is_stopped(state_of(pid)):
             send(pid, signal.SIGCONT)
             send(pid, signal.SIGKILL)
             killed.append(pid)

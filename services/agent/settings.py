@@ -9,6 +9,8 @@ from trainguard.config import Settings
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AgentSettings(Settings):
+    # job, host, allow_drills (and the shared nats_url, prefix) are read from the same
+    # TRAINGUARD_* names the agent then sets for its ranks (trainguard.envnames).
     job: str = ""
     host: str = ""
     allow_drills: bool = False
@@ -19,5 +21,8 @@ class AgentSettings(Settings):
     """SIGTERM-to-SIGKILL grace when the agent stops workers (restart, stop)."""
     preempt_grace: float = 30.0
     """On SIGTERM to ``trainguard launch``: how long a save-now may take before stopping."""
+    rank_credentials: str = ""
+    """The rank role's credentials file, handed to the ranks (``TRAINGUARD_CREDENTIALS`` of
+    their environment); the agent's own is ``credentials``."""
     scripted_gpus: int = 0
     """Fake GPUs for drills on machines without one (0: only with --allow-drills, 1 GPU)."""

@@ -1,6 +1,8 @@
-"""``<root>/<job>/LATEST``: the resume point as a file, for restarts while the bus is down.
+"""The coordinator's files beside the checkpoints: ``<root>/<job>/LATEST``, the resume point
+for restarts while the bus is down, and ``step-<S>/COMMITTED``, the commit record a rank
+checks before it opens a checkpoint (:mod:`trainguard.commit_record`).
 
-Written atomically (a temporary file in the same directory, fsync, ``os.replace``, fsync
+Both are written atomically (a temporary file in the same directory, fsync, ``os.replace``, fsync
 of the directory), so a reader sees the old pointer or the new one, never half of one.
 The directory comes from the checkpoint's own path (``<root>/<job>/step-<S>``): the
 coordinator needs no configuration to know where a job's checkpoints live.
@@ -15,6 +17,7 @@ from pathlib import Path
 
 import msgspec
 
+from trainguard.commit_record import COMMIT_FILE, CommitRecord, encode_commit
 from trainguard.schemas import ResumePoint
 
 NAME = "LATEST"
@@ -30,12 +33,20 @@ def point_path(point_json: str) -> str:
 
 def write_latest(point_json: str) -> Path:
     """Replace LATEST next to the pointed-to checkpoint with ``point_json``."""
-    dest = latest_path(point_path(point_json))
-    tmp = dest.with_name(f".{NAME}.{uuid.uuid4().hex}.tmp")
+    return _write_atomically(latest_path(point_path(point_json)), point_json.encode())
+
+
+def write_commit(record: CommitRecord) -> Path:
+    """Write ``COMMITTED`` into the committed checkpoint's directory."""
+    return _write_atomically(Path(record.path) / COMMIT_FILE, encode_commit(record))
+
+
+def _write_atomically(dest: Path, data: bytes) -> Path:
+    tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         with os.fdopen(fd, "wb") as fh:
-            fh.write(point_json.encode())
+            fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, dest)

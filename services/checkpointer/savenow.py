@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import re
 import time
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from nats.aio.msg import Msg
 
 from trainguard.codec import decode_durable
 from trainguard.errors import DecodeError
+from trainguard.logs import get_logger
 from trainguard.rpc import SaveReply, SaveRequest
 from trainguard.schemas import CheckpointCommitted, Command, CommandAck
 from trainguard.service import Runtime
@@ -30,7 +30,7 @@ from .commands import ISSUER, CommandFactory
 from .records import Record
 from .settings import CheckpointerSettings
 
-log = logging.getLogger("trainguard.checkpointer")
+log = get_logger("trainguard.checkpointer")
 
 _STEP_IN_DETAIL = re.compile(r"\bstep=(\d+)")
 _DONE_STEP = re.compile(r"step (\d+) done")
@@ -74,7 +74,7 @@ class SaveNow:
         try:
             reply = await self._run(job, req, started)
         except Exception as exc:
-            log.exception("save-now for %s failed", job)
+            log.bind(job=job).exception("save-now for %s failed", job)
             reply = SaveReply(ok=False, job=job, status="error", reason=f"coordinator error: "
                               f"{type(exc).__name__}: {exc}",
                               elapsed=time.monotonic() - started)
@@ -137,8 +137,9 @@ class SaveNow:
             wait.step = cmd.at_step
             wait.done.clear()
         await self.rt.publish_event(self.rt.bus.subjects.cmd_all(job), cmd)
-        log.info("save_now %s for %s: %s", cmd.id, job,
-                 f"at_step {cmd.at_step}" if cmd.at_step is not None else f"seq {cmd.seq}")
+        log.bind(job=job, step=cmd.at_step).info(
+            "save_now %s for %s: %s", cmd.id, job,
+            f"at_step {cmd.at_step}" if cmd.at_step is not None else f"seq {cmd.seq}")
         return cmd
 
     async def _on_ack(self, job: str, wait: _Wait, ack: CommandAck, params: dict[str, Any],

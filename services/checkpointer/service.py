@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import shutil
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -29,8 +28,10 @@ import msgspec
 from nats.aio.msg import Msg
 
 from trainguard.codec import decode_durable
+from trainguard.commit_record import CommitRecord
 from trainguard.config import Settings
-from trainguard.errors import ConfigError, DecodeError, Reject, Retry
+from trainguard.errors import ConfigError, DecodeError, NotStarted, Reject, Retry
+from trainguard.logs import get_logger
 from trainguard.rpc import (
     CATALOGUE,
     RESUME,
@@ -48,19 +49,19 @@ from trainguard.topology import ConsumerSpec
 from .catalogue import Catalogue, PointerChange, point_json
 from .commands import CommandFactory
 from .interval import IntervalPolicy
-from .latest import remove_latest, write_latest
+from .latest import remove_latest, write_commit, write_latest
 from .records import Record
 from .retention import Entry, expire
 from .savenow import SaveNow
 from .settings import CheckpointerSettings
-from .verify import verify_checkpoint
+from .verify import Verdict, verify_checkpoint
 
-log = logging.getLogger("trainguard.checkpointer")
+log = get_logger("trainguard.checkpointer")
 
 RPC_QUEUE = "checkpointer"
 
 
-class CheckpointerService(Service):
+class CheckpointerService(Service[CheckpointerSettings]):
     name = "checkpointer"
     settings_type = CheckpointerSettings
 
@@ -69,10 +70,8 @@ class CheckpointerService(Service):
             raise ConfigError("CheckpointerService needs CheckpointerSettings "
                               f"(got {type(settings).__name__})")
         super().__init__(settings)
-        self.cfg = settings
         self.policy = IntervalPolicy(settings.interval_min, settings.interval_max,
                                      settings.mtbf_prior, settings.interval_change)
-        self._rt: Runtime | None = None
         self._catalogue: Catalogue | None = None
         self._savenow: SaveNow | None = None
         self._commands: CommandFactory | None = None
@@ -80,17 +79,25 @@ class CheckpointerService(Service):
 
     # -- wiring -------------------------------------------------------------------------
     @property
-    def rt(self) -> Runtime:
-        assert self._rt is not None, "service not started"
-        return self._rt
-
-    @property
     def catalogue(self) -> Catalogue:
-        assert self._catalogue is not None, "service not started"
+        if self._catalogue is None:
+            raise NotStarted(self.name)
         return self._catalogue
 
+    @property
+    def commands(self) -> CommandFactory:
+        if self._commands is None:
+            raise NotStarted(self.name)
+        return self._commands
+
+    @property
+    def savenow(self) -> SaveNow:
+        if self._savenow is None:
+            raise NotStarted(self.name)
+        return self._savenow
+
     def consumers(self) -> Sequence[Consumer]:
-        s = self.cfg.subjects
+        s = self.settings.subjects
         return [
             Consumer(ConsumerSpec("reports", "checkpointer", (s.pattern("ckpt"),)),
                      self.on_report, (CheckpointReport,)),
@@ -103,11 +110,10 @@ class CheckpointerService(Service):
         ]
 
     async def start(self, rt: Runtime) -> None:
-        self._rt = rt
-        self._catalogue = Catalogue(rt.redis, self.cfg.prefix)
-        self._commands = CommandFactory(self._catalogue, self.cfg)
-        self._savenow = SaveNow(rt, self._catalogue, self.cfg, self._commands)
-        s = self.cfg.subjects
+        self._catalogue = Catalogue(rt.redis, self.settings.prefix)
+        self._commands = CommandFactory(self._catalogue, self.settings)
+        self._savenow = SaveNow(rt, self._catalogue, self.settings, self._commands)
+        s = self.settings.subjects
         endpoints: dict[str, Callable[[str, Msg], Awaitable[bytes]]] = {
             RESUME.name: self._rpc_resume, SAVE.name: self._rpc_save,
             ROLLBACK.name: self._rpc_rollback, CATALOGUE.name: self._rpc_checkpoints,
@@ -117,7 +123,7 @@ class CheckpointerService(Service):
                                       cb=self._endpoint(name, fn))
         await rt.bus.nc.flush()
         self._serving = True
-        rt.every(self.cfg.tick, self.tick, "deadlines")
+        rt.every(self.settings.tick, self.tick, "deadlines")
 
     async def ready(self) -> tuple[bool, str]:
         return (True, "") if self._serving else (False, "endpoints not subscribed")
@@ -126,18 +132,18 @@ class CheckpointerService(Service):
     async def on_report(self, rep: CheckpointReport, delivery: Delivery) -> None:
         self._check_report(rep, delivery.subject)
         out = await self.catalogue.record_report(rep, now=time.time(),
-                                                 deadline=self.cfg.commit_deadline)
+                                                 deadline=self.settings.commit_deadline)
         await self._mirror(out.pointer)
         if out.state == "busy":
             raise Retry(1.0, f"step {rep.step} of {rep.job} is being deleted")
         if out.state in ("complete", "failing"):
             await self._conclude(rep.job, rep.step, delivery)
         elif out.state == "late":
-            log.info("late report of rank %d for failed step %d of %s", rep.rank, rep.step,
-                     rep.job)
+            log.bind(job=rep.job, rank=rep.rank, step=rep.step).info(
+                "late report of rank %d for failed step %d of %s", rep.rank, rep.step, rep.job)
 
     def _check_report(self, rep: CheckpointReport, subject: str) -> None:
-        parsed = self.cfg.subjects.parse(subject)
+        parsed = self.settings.subjects.parse(subject)
         if parsed.job != rep.job or (parsed.rank is not None and parsed.rank != rep.rank):
             raise Reject(f"report of {rep.job}/rank {rep.rank} arrived on {subject}")
         if rep.world_size < 1 or not 0 <= rep.rank < rep.world_size or rep.step < 0:
@@ -146,9 +152,9 @@ class CheckpointerService(Service):
         path = Path(rep.path)
         if path.name != f"step-{rep.step}" or path.parent.name != rep.job:
             raise Reject(f"checkpoint path {rep.path!r} is not <root>/{rep.job}/step-{rep.step}")
-        root = self.cfg.ckpt_root
+        root = self.settings.checkpoint_root
         if root and not path.resolve().is_relative_to(Path(root).resolve()):
-            raise Reject(f"checkpoint path {rep.path!r} is outside ckpt_root {root!r}")
+            raise Reject(f"checkpoint path {rep.path!r} is outside checkpoint_root {root!r}")
 
     async def _conclude(self, job: str, step: int, delivery: Delivery | None = None) -> None:
         """Verify a checkpoint every rank has reported (or one a rank failed) and close it."""
@@ -160,14 +166,16 @@ class CheckpointerService(Service):
         keepalive = asyncio.create_task(self._keep_alive(delivery)) if delivery else None
         try:
             verdict = await asyncio.to_thread(
-                verify_checkpoint, reports, rec.world_size, mode=self.cfg.verify,
-                require_metadata=self.cfg.require_metadata)
+                verify_checkpoint, reports, rec.world_size, mode=self.settings.verify,
+                require_metadata=self.settings.require_metadata)
         finally:
             if keepalive:
                 keepalive.cancel()
         if problems:
             verdict = type(verdict)(False, "; ".join(problems), verdict.missing_ranks,
                                     verdict.bad_ranks)
+        if verdict.ok:
+            verdict = await self._write_commit_record(rec, reports, verdict)
         if verdict.ok:
             status = "committed"
             fields = {
@@ -182,13 +190,28 @@ class CheckpointerService(Service):
                       "bad_ranks": json.dumps(verdict.bad_ranks)}
         await self._close(rec, status, fields)
 
+    async def _write_commit_record(self, rec: Record, reports: dict[int, CheckpointReport],
+                                   verdict: Verdict) -> Verdict:
+        """Vouch for the checkpoint on disk before the pointer names it: ranks open a resume
+        point only where this record matches. A record that cannot be written fails it."""
+        files = {name: digest for r in reports.values() for name, digest in r.files.items()}
+        record = CommitRecord(job=rec.job, step=rec.step, path=rec.path,
+                              checkpoint_id=rec.id, world_size=rec.world_size,
+                              files=files, time=time.time())
+        try:
+            await asyncio.to_thread(write_commit, record)
+        except OSError as exc:
+            return type(verdict)(False, f"cannot write the commit record: {exc}", [], [])
+        return verdict
+
     async def _close(self, rec: Record, status: str, fields: dict[str, str]) -> None:
         out = await self.catalogue.close(rec, status, fields, now=time.time())
         if not out.won:
             return
-        log.info("checkpoint %s step %d: %s%s", rec.job, rec.step, status,
-                 f" ({fields.get('reason') or out.suspect})"
-                 if fields.get("reason") or out.suspect else "")
+        log.bind(job=rec.job, step=rec.step).info(
+            "checkpoint %s step %d: %s%s", rec.job, rec.step, status,
+            f" ({fields.get('reason') or out.suspect})" if fields.get("reason") or out.suspect
+            else "")
         await self._mirror(out.pointer)
         await self._announce(rec.job, rec.step)
         if status == "committed":
@@ -196,7 +219,7 @@ class CheckpointerService(Service):
                 await self._retain(rec.job)
                 await self._evaluate_interval(rec.job)
             except Exception:
-                log.exception("after-commit work for %s failed", rec.job)
+                log.bind(job=rec.job).exception("after-commit work for %s failed", rec.job)
 
     @staticmethod
     async def _keep_alive(delivery: Delivery) -> None:
@@ -222,7 +245,7 @@ class CheckpointerService(Service):
                 await self._conclude(job, step)
                 continue
             missing = rec.missing()
-            reason = (f"no report from ranks {missing} within {self.cfg.commit_deadline:g}s "
+            reason = (f"no report from ranks {missing} within {self.settings.commit_deadline:g}s "
                       f"of the first (reported: {rec.reported})")
             await self._close(rec, "failed", {"reason": reason, "missing": json.dumps(missing),
                                               "bad_ranks": "[]"})
@@ -245,10 +268,12 @@ class CheckpointerService(Service):
             world_size=rec.world_size, bytes=rec.bytes, missing_ranks=rec.missing_ranks,
             reason=rec.suspect if status == "suspect" else rec.reason, time=time.time())
         try:
-            await self.rt.publish_event(self.cfg.subjects.event(job, "checkpoint"), event)
+            await self.runtime.publish_event(self.settings.subjects.event(job, "checkpoint"),
+                                             event)
         except Exception as exc:
-            log.warning("publishing checkpoint event of %s step %d failed (%r); will retry",
-                        job, step, exc)
+            log.bind(job=job, step=step).warning(
+                "publishing checkpoint event of %s step %d failed (%r); will retry", job, step,
+                exc)
             await cat.requeue_announcement(job, step)
 
     async def _mirror(self, change: PointerChange) -> None:
@@ -272,28 +297,28 @@ class CheckpointerService(Service):
         pointer_step = msgspec.json.decode(pointer.encode(), type=ResumePoint).step \
             if pointer else None
         entries = [Entry(r.step, r.status, bool(r.suspect), r.retained) for r in records]
-        steps = expire(entries, self.cfg.retain, pointer=pointer_step, pin=await cat.pin(job),
-                       include_expired=self.cfg.delete_files)
-        expired = await cat.expire(job, steps, delete=self.cfg.delete_files)
+        steps = expire(entries, self.settings.retain, pointer=pointer_step, pin=await cat.pin(job),
+                       include_expired=self.settings.delete_files)
+        expired = await cat.expire(job, steps, delete=self.settings.delete_files)
         by_step = {r.step: r for r in records}
-        for step in expired if self.cfg.delete_files else ():
+        for step in expired if self.settings.delete_files else ():
             path = Path(by_step[step].path)
             if path.name == f"step-{step}" and path.parent.name == job:
                 await asyncio.to_thread(shutil.rmtree, path, True)
             await cat.mark_deleted(job, step)
         if expired:
-            log.info("retention of %s: %s steps %s", job,
-                     "deleted" if self.cfg.delete_files else "expired", expired)
-        await cat.prune(job, self.cfg.catalogue_limit)
+            log.bind(job=job).info("retention of %s: %s steps %s", job,
+                                   "deleted" if self.settings.delete_files else "expired",
+                                   expired)
+        await cat.prune(job, self.settings.catalogue_limit)
 
     async def _evaluate_interval(self, job: str) -> None:
-        assert self._commands is not None
         cat = self.catalogue
-        progress = await self._commands.progress(job)
+        progress = await self.commands.progress(job)
         if progress is None or not progress.median_step_time:
             return
         recent = [r.seconds_blocked for r in await cat.records(job)
-                  if r.status == "committed"][: self.cfg.interval_window]
+                  if r.status == "committed"][: self.settings.interval_window]
         failures, since = await cat.failure_count(job)
         current = await cat.interval(job)
         now = time.time()
@@ -303,17 +328,18 @@ class CheckpointerService(Service):
             current_steps=int(current["every_steps"]) if current else None)
         if decision is None or not decision.publish:
             return
-        cmd = await self._commands.build(job, "set_interval",
-                                         {"every_steps": decision.every_steps})
-        await self.rt.publish_event(self.cfg.subjects.cmd_all(job), cmd)
+        cmd = await self.commands.build(job, "set_interval",
+                                        {"every_steps": decision.every_steps})
+        await self.runtime.publish_event(self.settings.subjects.cmd_all(job), cmd)
         await cat.set_interval(job, {
             "every_steps": decision.every_steps, "from_step": cmd.params.get("from_step"),
             "seconds": decision.seconds, "raw_seconds": decision.raw_seconds,
             "cost": decision.cost, "mtbf": decision.mtbf, "failures": decision.failures,
             "step_time": progress.median_step_time, "command_id": cmd.id, "time": now})
-        log.info("interval of %s: every %d steps (%.0fs; C=%.3fs, MTBF=%.0fs, %d failures)",
-                 job, decision.every_steps, decision.seconds, decision.cost, decision.mtbf,
-                 decision.failures)
+        log.bind(job=job).info(
+            "interval of %s: every %d steps (%.0fs; C=%.3fs, MTBF=%.0fs, %d failures)", job,
+            decision.every_steps, decision.seconds, decision.cost, decision.mtbf,
+            decision.failures)
 
     # -- events in ----------------------------------------------------------------------
     async def on_event(self, event: Anomaly | Incident, delivery: Delivery) -> None:
@@ -323,18 +349,16 @@ class CheckpointerService(Service):
             if await cat.add_failure(event.job, event.id, incident=True, now=now):
                 await self._evaluate_interval(event.job)
             return
-        if event.kind in self.cfg.suspect_kind_set:
+        if event.kind in self.settings.suspect_kind_set:
             if event.status == "open":
-                onset_step = event.evidence.get("onset_step", event.step)
-                step = onset_step if isinstance(onset_step, int) else event.step
-                out = await cat.open_onset(event.job, event.id, event.kind, step,
+                out = await cat.open_onset(event.job, event.id, event.kind, event.step,
                                            event.onset_at)
                 await self._mirror(out.pointer)
                 for s in out.suspect_steps:
                     await self._announce(event.job, s)
             else:
                 await cat.close_onset(event.job, event.id)
-        if event.kind in self.cfg.failure_kind_set and event.status == "open" \
+        if event.kind in self.settings.failure_kind_set and event.status == "open" \
                 and await cat.add_failure(event.job, event.id, incident=False, now=now):
             await self._evaluate_interval(event.job)
 
@@ -345,13 +369,13 @@ class CheckpointerService(Service):
         must not hold up other requests (callbacks of one subscription run one at a time)."""
 
         async def _serve(msg: Msg) -> None:
-            job = self.cfg.subjects.job_of(msg.subject)
+            job = self.settings.subjects.job_of(msg.subject)
             if job is None:
                 return
             try:
                 data = await fn(job, msg)
             except Exception as exc:
-                log.exception("rpc %s for %s failed", name, job)
+                log.bind(job=job).exception("rpc %s for %s failed", name, job)
                 reason = f"coordinator error: {type(exc).__name__}: {exc}"
                 data = b"" if name == RESUME.name else SAVE.encode_reply(
                     SaveReply(ok=False, job=job, status="error", reason=reason))
@@ -360,7 +384,7 @@ class CheckpointerService(Service):
                     await msg.respond(data)
 
         async def _cb(msg: Msg) -> None:
-            self.rt.spawn(_serve(msg), f"rpc:{name}")
+            self.runtime.spawn(_serve(msg), f"rpc:{name}")
 
         return _cb
 
@@ -369,13 +393,12 @@ class CheckpointerService(Service):
         return point.encode() if point else b""
 
     async def _rpc_save(self, job: str, msg: Msg) -> bytes:
-        assert self._savenow is not None
         try:
             req = SAVE.decode_request(msg.data)
         except DecodeError as exc:
             return SAVE.encode_reply(SaveReply(ok=False, job=job, status="bad_request",
                                                reason=exc.reason))
-        return SAVE.encode_reply(await self._savenow.request(job, req))
+        return SAVE.encode_reply(await self.savenow.request(job, req))
 
     async def _rpc_rollback(self, job: str, msg: Msg) -> bytes:
         try:
@@ -394,8 +417,8 @@ class CheckpointerService(Service):
                 reason=f"no committed, non-suspect checkpoint below step {req.below_step}: "
                        "a restart starts from scratch"))
         point = decode_durable(out.pointer.new.encode(), ResumePoint)
-        log.info("rollback of %s below step %d: pointer at step %d", job, req.below_step,
-                 point.step)
+        log.bind(job=job).info("rollback of %s below step %d: pointer at step %d", job,
+                               req.below_step, point.step)
         return ROLLBACK.encode_reply(RollbackReply(ok=True, job=job, point=point, step=point.step,
                                     suspect_steps=out.suspect_steps))
 

@@ -21,8 +21,9 @@ class CheckpointerSettings(Settings):
     each file and compare its CRC32 (costs a full read of the checkpoint)."""
     require_metadata: bool = True
     """A DCP checkpoint without ``.metadata`` cannot be loaded: refuse to commit one."""
-    ckpt_root: str = ""
-    """If set, reports whose path lies outside this directory are rejected."""
+    checkpoint_root: str = ""
+    """If set, reports whose path lies outside this directory are rejected. The same
+    ``TRAINGUARD_CHECKPOINT_ROOT`` tells ranks where ``LATEST`` is (``Guard.resume_point``)."""
     save_deadline: float = 120.0
     """Default deadline of a save-now request, in seconds."""
     save_margin_steps: int = 2

@@ -2,22 +2,20 @@
 
 ``size`` mode checks that every reported file exists with the reported size, which catches
 a truncated or missing shard for the price of a ``stat``. ``full`` mode also re-reads each
-file and compares its CRC32 with the rank's, which catches corruption, for the price of
-reading the whole checkpoint. Runs in a worker thread (blocking file I/O).
+file and compares its CRC32 with the rank's (computed as :mod:`trainguard.checksum` says,
+the same code the ranks ran), which catches corruption, for the price of reading the whole
+checkpoint. Runs in a worker thread (blocking file I/O).
 """
 
 from __future__ import annotations
 
 import os
-import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainguard.checksum import METADATA_FILE, crc32_of
 from trainguard.schemas import CheckpointReport
-
-METADATA_FILE = ".metadata"
-CHUNK = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -29,14 +27,6 @@ class Verdict:
     bad_ranks: list[int] = field(default_factory=list)
     """Ranks whose report failed or whose files do not match."""
     bytes: int = 0
-
-
-def crc32_of(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as fh:
-        while chunk := fh.read(CHUNK):
-            crc = zlib.crc32(chunk, crc)
-    return crc
 
 
 def _safe_name(name: str) -> bool:

@@ -21,6 +21,7 @@ import msgspec
 
 from trainguard.codec import decode_durable, encode_durable
 from trainguard.envelope import uuid7
+from trainguard.evidence import BY_KIND, Evidence
 from trainguard.schemas import Anomaly, AnomalyKind, Severity
 
 
@@ -61,10 +62,11 @@ class AnomalyBook:
 
     def raise_(self, key: str, kind: AnomalyKind, *, now: float, onset_at: float,
                ranks: Iterable[int], hosts: Iterable[str] = (), step: int | None = None,
-               severity: Severity = "warning", evidence: dict[str, Any] | None = None,
+               severity: Severity = "warning", evidence: Evidence | None = None,
                widen: bool = True) -> Anomaly | None:
         """Open an anomaly for ``key``, or widen the open one; None if nothing changed.
 
+        ``evidence`` must be the Struct of ``kind`` (none: the kind's empty one).
         ``widen=False`` keeps an open anomaly as first raised (a hang's culprits are the
         ones seen at its onset; ranks that move while the job recovers are not).
         """
@@ -75,7 +77,8 @@ class AnomalyBook:
             anomaly = Anomaly(
                 id=self._new_id(), job=self.job, kind=kind, ranks=sorted(rank_set),
                 hosts=sorted(host_set), step=step, onset_at=onset_at, detected_at=now,
-                severity=severity, evidence=evidence or {})
+                severity=severity,
+                evidence=evidence if evidence is not None else BY_KIND[kind]())
         else:
             if not widen:
                 return None
@@ -92,15 +95,18 @@ class AnomalyBook:
         self._outbox.append(Transition(self.job, key, anomaly))
         return anomaly
 
-    def clear(self, key: str, now: float, evidence: dict[str, Any] | None = None
-              ) -> Anomaly | None:
-        """Resolve the open anomaly for ``key`` (same id, ``rev + 1``); None if none."""
+    def clear(self, key: str, now: float, **resolution: Any) -> Anomaly | None:
+        """Resolve the open anomaly for ``key`` (same id, ``rev + 1``); None if none.
+
+        ``resolution`` sets fields of its evidence (``resumed_step=...``): names its kind's
+        Struct does not have are a TypeError.
+        """
         current = self.open.pop(key, None)
         if current is None:
             return None
-        merged = {**current.evidence, **evidence} if evidence else current.evidence
+        evidence = msgspec.structs.replace(current.evidence, **resolution)
         resolved = msgspec.structs.replace(current, status="resolved", rev=current.rev + 1,
-                                           resolved_at=now, evidence=merged)
+                                           resolved_at=now, evidence=evidence)
         self._outbox.append(Transition(self.job, key, resolved))
         return resolved
 

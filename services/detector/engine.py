@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 
 from trainguard.envelope import uuid7
+from trainguard.evidence import HangEvidence
 from trainguard.schemas import (
     Anomaly,
     CheckpointReport,
@@ -195,10 +196,10 @@ class Detector:
             if anomaly.status != "open":
                 continue
             job.book.restore(key, anomaly)
-            if key == "hang":
-                since = anomaly.evidence.get("stalled_since")
-                if isinstance(since, int | float):
-                    job.last_progress = min(job.last_progress, float(since))
+            if key == "hang" and isinstance(anomaly.evidence, HangEvidence):
+                since = anomaly.evidence.stalled_since
+                if since is not None:
+                    job.last_progress = min(job.last_progress, since)
                     job.has_stepped = True
             elif key.startswith("straggler:"):
                 rank = int(key.split(":", 1)[1])

@@ -19,7 +19,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from typing import Protocol
 
-from trainguard.schemas import Heartbeat, StepReport
+from trainguard.schemas import GONE_STATES, STOPPED_STATES, Heartbeat, ProcessState, StepReport
 
 from .book import AnomalyBook
 from .thresholds import Thresholds
@@ -44,7 +44,7 @@ class RankInfo:
         self.straggle = FlagHistory(window)
         self.compute_recent: deque[float] = deque(maxlen=window)
         self.straggling = False
-        self.proc_state: str | None = None
+        self.proc_state: ProcessState | None = None
         self.proc_since = t
         self.reset(attempt, t)
 
@@ -127,7 +127,8 @@ class JobState:
         self.census: Census | None = None
         self.pending_long: list[tuple[str, float, int, float]] = []
         self.odd_procs: set[int] = set()
-        """Ranks the agent reports in T, D, Z or X: checked every tick, others never."""
+        """Ranks the agent reports stopped or gone (``STOPPED_STATES``, ``GONE_STATES``):
+        checked every tick, others never."""
         self.configure(th)
         self._new_attempt(0, now)
         self.attempt_start = now
@@ -387,9 +388,9 @@ class JobState:
         stopped: list[RankInfo] = []
         counts: Counter[str] = Counter()
         for r in self.in_attempt():
-            if r.proc_state in ("T", "t", "D"):
+            if r.proc_state in STOPPED_STATES:
                 stopped.append(r)
-            elif r.proc_state in ("Z", "X"):
+            elif r.proc_state in GONE_STATES:
                 continue  # dying: the crash rule judges it, silence proves nothing more
             elif self.is_silent(r, now):
                 silent.append(r)

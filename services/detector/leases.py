@@ -17,23 +17,10 @@ from collections.abc import Iterable
 
 import redis.asyncio as aioredis
 
+from trainguard.lease import LeaseHolder
 from trainguard.state import Keys
 
 ROLE = "detector"
-
-_RENEW = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
-end
-return 0
-"""
-
-_RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
-end
-return 0
-"""
 
 
 def preferred(job: str, instances: Iterable[str]) -> str | None:
@@ -47,50 +34,38 @@ def preferred(job: str, instances: Iterable[str]) -> str | None:
 
 
 class Leases:
-    """Lease operations for one detector instance (all pipelined: one round trip each)."""
+    """Job leases and the instance registry of one detector (one round trip each).
+
+    The lease mechanics are :class:`trainguard.lease.LeaseHolder`'s; this class adds the
+    detector's naming (a lease per job, held under the instance name) and its registry.
+    """
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, instance: str, ttl: float,
                  registry_key: str) -> None:
         self.redis = redis
         self.keys = keys
         self.instance = instance
-        self.ttl_ms = max(1, int(ttl * 1000))
         self.ttl = ttl
         self.registry_key = registry_key
+        self._held = LeaseHolder(redis, instance, ttl)
 
     def key(self, job: str) -> str:
         return self.keys.lease(ROLE, job)
 
     async def acquire(self, job: str) -> bool:
-        return bool(await self.redis.set(self.key(job), self.instance, nx=True, px=self.ttl_ms))
+        return await self._held.acquire(self.key(job))
 
     async def renew(self, jobs: Iterable[str]) -> set[str]:
         """Extend our leases; returns the jobs whose lease we no longer hold."""
-        jobs = list(jobs)
-        if not jobs:
-            return set()
-        pipe = self.redis.pipeline(transaction=False)
-        for job in jobs:
-            pipe.eval(_RENEW, 1, self.key(job), self.instance, self.ttl_ms)
-        results = await pipe.execute()
-        return {job for job, ok in zip(jobs, results, strict=True) if not ok}
+        by_key = {self.key(job): job for job in jobs}
+        return {by_key[key] for key in await self._held.renew(by_key)}
 
     async def release(self, jobs: Iterable[str]) -> None:
-        jobs = list(jobs)
-        if not jobs:
-            return
-        pipe = self.redis.pipeline(transaction=False)
-        for job in jobs:
-            pipe.eval(_RELEASE, 1, self.key(job), self.instance)
-        await pipe.execute()
+        await self._held.release(self.key(job) for job in jobs)
 
     async def owners(self, jobs: Iterable[str]) -> dict[str, str | None]:
-        jobs = list(jobs)
-        if not jobs:
-            return {}
-        values = await self.redis.mget([self.key(j) for j in jobs])
-        return {job: v.decode() if isinstance(v, bytes) else v
-                for job, v in zip(jobs, values, strict=True)}
+        by_key = {self.key(job): job for job in jobs}
+        return {by_key[key]: owner for key, owner in (await self._held.owners(by_key)).items()}
 
     async def heartbeat(self) -> list[str]:
         """Say we are alive; returns every live instance (us included), sorted."""

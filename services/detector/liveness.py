@@ -18,16 +18,20 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from trainguard.schemas import NodeHeartbeat, WorkerExit
+from trainguard.evidence import CrashEvidence, HangEvidence, RankPhase, UnresponsiveEvidence
+from trainguard.schemas import (
+    GONE_STATES,
+    STOPPED_STATES,
+    NodeHeartbeat,
+    WorkerExit,
+    is_gone,
+    is_stopped,
+)
 
 from .job import Census, JobState, RankInfo
 
-STOPPED = ("T", "t", "D")
-"""Process states that cannot make progress: T (SIGSTOP) at once; t (traced) and D
-(uninterruptible) only when they last, since a profiler or a disk write makes them brief."""
-GONE = ("Z", "X")
+ODD_STATES = STOPPED_STATES | GONE_STATES
+"""Process states the rules watch every tick (the others prove nothing either way)."""
 
 
 def crash_key(rank: int, attempt: int) -> str:
@@ -49,15 +53,14 @@ class Liveness:
             return
         if ex.time and now - ex.time > job.th.exit_max_age:
             return  # replayed history: state only
-        self._crash(job, r, now, ex.time or now, {
-            "source": "worker_exit", "exit_id": ex.id, "exit_code": ex.exit_code,
-            "signal": ex.signal, "error": ex.error, "stderr_tail": ex.stderr_tail[-2000:],
-            "pid": ex.pid, "local_rank": ex.local_rank, "attempt": ex.attempt,
-            "confirmed_gone": ex.exit_code is None and not ex.signal})
+        self._crash(job, r, now, ex.time or now, CrashEvidence(
+            source="worker_exit", exit_id=ex.id, exit_code=ex.exit_code, signal=ex.signal,
+            error=ex.error, stderr_tail=ex.stderr_tail[-2000:], pid=ex.pid,
+            local_rank=ex.local_rank, confirmed_gone=ex.exit_code is None and not ex.signal))
 
     def _crash(self, job: JobState, r: RankInfo, now: float, onset: float,
-               evidence: dict[str, Any]) -> None:
-        evidence.update({"last_step": r.last_step, "phase": r.phase, "attempt": r.attempt})
+               evidence: CrashEvidence) -> None:
+        evidence.last_step, evidence.phase, evidence.attempt = r.last_step, r.phase, r.attempt
         job.book.raise_(crash_key(r.rank, r.attempt), "crash", now=now, onset_at=onset,
                         ranks=[r.rank], hosts=[r.host],
                         step=r.last_step if r.last_step is not None else job.max_step,
@@ -72,12 +75,12 @@ class Liveness:
                 if r is None:
                     continue
             if letter != r.proc_state:
-                if r.proc_state in STOPPED and node.time > r.last_hb:
+                if is_stopped(r.proc_state) and node.time > r.last_hb:
                     # Running again, as the agent saw: its silence so far is explained.
                     r.last_hb = node.time
                 r.proc_state = letter
                 r.proc_since = node.time
-                if letter in STOPPED or letter in GONE:
+                if letter in ODD_STATES:
                     job.odd_procs.add(rank)
                 else:
                     job.odd_procs.discard(rank)
@@ -89,30 +92,31 @@ class Liveness:
         th = job.th
         odd = [r for r in (job.ranks[i] for i in sorted(job.odd_procs))
                if r.attempt == job.attempt and not r.exited]
+        # T (SIGSTOP) lasts: a hang at once. t and D are often brief: only when they last.
         stopped = [r for r in odd if r.proc_state == "T"
-                   or (r.proc_state in STOPPED and now - r.proc_since >= th.dstate_grace)]
+                   or (is_stopped(r.proc_state) and now - r.proc_since >= th.dstate_grace)]
         if stopped:
             ranks = [r.rank for r in stopped]
             job.book.raise_("hang", "hang", now=now, onset_at=min(r.proc_since for r in stopped),
                             ranks=ranks, hosts=job.hosts_of(ranks), step=job.max_step,
-                            severity="critical", evidence={
-                                "culprits": ranks, "culprit_basis": "process_state",
-                                "process_states": {str(r.rank): r.proc_state for r in stopped},
-                                "stalled_since": job.last_progress, "dstate_grace":
-                                th.dstate_grace, "last_step": job.max_step})
+                            severity="critical", evidence=HangEvidence(
+                                culprits=ranks, culprit_basis="process_state",
+                                process_states={str(r.rank): r.proc_state for r in stopped
+                                                if r.proc_state is not None},
+                                stalled_since=job.last_progress, dstate_grace=th.dstate_grace,
+                                last_step=job.max_step))
         for r in odd:
-            if r.proc_state in GONE and now - r.proc_since >= th.hb_timeout:
+            if is_gone(r.proc_state) and now - r.proc_since >= th.hb_timeout:
                 job.mark_exited(r)
-                self._crash(job, r, now, r.proc_since, {
-                    "source": "node_heartbeat", "process_state": r.proc_state,
-                    "confirmed_gone": True})
+                self._crash(job, r, now, r.proc_since, CrashEvidence(
+                    source="node_heartbeat", process_state=r.proc_state, confirmed_gone=True))
 
     # -- silence ------------------------------------------------------------------------
     def judge_silence(self, job: JobState, census: Census | None, now: float) -> None:
         th = job.th
         silent = census.silent if census is not None else [
             r for r in job.in_attempt()
-            if r.proc_state not in STOPPED + GONE and job.is_silent(r, now)]
+            if r.proc_state not in ODD_STATES and job.is_silent(r, now)]
         by_host: dict[str, list[RankInfo]] = {}
         for r in silent:
             by_host.setdefault(r.host or "-", []).append(r)
@@ -122,10 +126,11 @@ class Liveness:
                 f"unresponsive:{host}", "unresponsive", now=now,
                 onset_at=min(r.last_hb for r in ranks), ranks=[r.rank for r in ranks],
                 hosts=[host] if host != "-" else [], step=job.max_step, severity="warning",
-                evidence={"hb_timeout": th.hb_timeout,
-                          "last_heard": {str(r.rank): r.last_hb for r in shown},
-                          "silent_for": {str(r.rank): round(now - r.last_hb, 3) for r in shown},
-                          "last_step": {str(r.rank): r.last_step for r in shown}})
+                evidence=UnresponsiveEvidence(
+                    hb_timeout=th.hb_timeout,
+                    last_heard={str(r.rank): r.last_hb for r in shown},
+                    silent_for={str(r.rank): round(now - r.last_hb, 3) for r in shown},
+                    last_step={str(r.rank): r.last_step for r in shown}))
         for key in job.book.keys("unresponsive:"):
             if key.split(":", 1)[1] not in by_host:
                 job.book.clear(key, now)
@@ -181,27 +186,27 @@ class Liveness:
         detail = sorted(everyone, key=lambda r: (r.rank not in first, r.rank))[:cap]
         state = {r.rank: "silent" for r in census.silent}
         state.update((r.rank, "stopped") for r in census.stopped)
-        evidence: dict[str, Any] = {
-            "stalled_since": since, "stalled_for": round(now - since, 3), "limit": limit,
-            "limit_basis": basis, "p99_step_interval": job.p99_interval(),
-            "hang_floor": job.th.hang_floor, "hang_k": job.th.hang_k,
-            "last_step": job.max_step, "majority_phase": census.majority,
-            "phase_counts": census.counts, "silent": [r.rank for r in census.silent][:cap],
-            "culprits": culprits[:cap], "culprit_basis": how,
-            "phases": {str(r.rank): self._describe(r, state.get(r.rank, "alive"), now)
-                       for r in detail},
-            "truncated": len(everyone) > cap,
-        }
+        evidence = HangEvidence(
+            stalled_since=since, stalled_for=round(now - since, 3), limit=limit,
+            limit_basis=basis, p99_step_interval=job.p99_interval(),
+            hang_floor=job.th.hang_floor, hang_k=job.th.hang_k,
+            last_step=job.max_step, majority_phase=census.majority,
+            phase_counts=census.counts, silent=[r.rank for r in census.silent][:cap],
+            culprits=culprits[:cap], culprit_basis=how,
+            phases={str(r.rank): self._describe(r, state.get(r.rank, "alive"), now)
+                    for r in detail},
+            truncated=len(everyone) > cap)
         job.book.raise_("hang", "hang", now=now, onset_at=since, ranks=named,
                         hosts=job.hosts_of(named), step=job.max_step, severity="critical",
                         evidence=evidence, widen=False)
 
     @staticmethod
-    def _describe(r: RankInfo, state: str, now: float) -> dict[str, Any]:
-        return {"phase": r.phase or "idle",
-                "elapsed": round(now - r.phase_start, 3) if r.phase_start is not None else None,
-                "host": r.host, "step": r.hb_step, "coll_seq": r.coll_seq, "state": state,
-                "process_state": r.proc_state}
+    def _describe(r: RankInfo, state: str, now: float) -> RankPhase:
+        return RankPhase(
+            phase=r.phase or "idle",
+            elapsed=round(now - r.phase_start, 3) if r.phase_start is not None else None,
+            host=r.host, step=r.hb_step, coll_seq=r.coll_seq, state=state,
+            process_state=r.proc_state)
 
     @staticmethod
     def culprits(job: JobState, census: Census) -> tuple[list[int], str]:
@@ -223,16 +228,16 @@ class Liveness:
     def resolve(self, job: JobState, now: float) -> None:
         """Close hangs the job has moved past, and crashes of ranks that came back."""
         hang = job.book.get("hang")
-        if hang is not None:
-            since = hang.evidence.get("stalled_since")
-            moved = isinstance(since, int | float) and job.last_progress > since
-            stuck = any(job.ranks[i].proc_state in STOPPED and job.ranks[i].attempt == job.attempt
-                        for i in job.odd_procs)
+        if hang is not None and isinstance(hang.evidence, HangEvidence):
+            since = hang.evidence.stalled_since
+            moved = since is not None and job.last_progress > since
+            stuck = any(is_stopped(job.ranks[i].proc_state)
+                        and job.ranks[i].attempt == job.attempt for i in job.odd_procs)
             if moved and not stuck:
-                job.book.clear("hang", now, {"resumed_at": job.last_progress,
-                                             "resumed_step": job.max_step})
+                job.book.clear("hang", now, resumed_at=job.last_progress,
+                               resumed_step=job.max_step)
         for key in job.book.keys("crash:"):
             _, rank, attempt = key.split(":")
             r = job.ranks.get(int(rank))
             if r is not None and r.attempt > int(attempt):
-                job.book.clear(key, now, {"restarted_attempt": r.attempt})
+                job.book.clear(key, now, restarted_attempt=r.attempt)

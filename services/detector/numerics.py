@@ -20,9 +20,15 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import Any
 
-from trainguard.schemas import Fingerprint
+from trainguard.evidence import (
+    GradExplosionEvidence,
+    GradVanishingEvidence,
+    LossSpikeEvidence,
+    NonfiniteEvidence,
+    SdcMismatchEvidence,
+)
+from trainguard.schemas import AnomalyKind, Fingerprint
 
 from .job import JobState, StepBucket
 from .windows import ROBUST_SIGMA, Ring, median
@@ -71,12 +77,11 @@ class Numerics:
         bad = sorted(set(b.nonfinite))
         minority = len(bad) * 2 < b.count
         cap = job.th.evidence_max_ranks
-        evidence: dict[str, Any] = {
-            "nonfinite_ranks": bad[:cap], "ranks_reporting": b.count,
-            "minority": minority, "sdc_hint": minority,
-            "loss": {str(r): b.losses[r] for r in bad[:cap] if r in b.losses},
-            "grad_norm": {str(r): b.grads[r] for r in bad[:cap] if r in b.grads},
-        }
+        evidence = NonfiniteEvidence(
+            nonfinite_ranks=bad[:cap], ranks_reporting=b.count, minority=minority,
+            sdc_hint=minority,
+            loss={str(r): b.losses[r] for r in bad[:cap] if r in b.losses},
+            grad_norm={str(r): b.grads[r] for r in bad[:cap] if r in b.grads})
         job.book.raise_("nonfinite", "nonfinite", now=now, onset_at=b.first_time, ranks=bad,
                         hosts=job.hosts_of(bad), step=b.step, severity="critical",
                         evidence=evidence)
@@ -92,13 +97,13 @@ class Numerics:
         sigma = max(ROBUST_SIGMA * mad, LOG_SIGMA_FLOOR)
         usual = math.exp(med)
         z = (math.log(g) - med) / sigma if g > 0.0 else float("-inf")
-        evidence: dict[str, Any] = {
-            "grad_norm": g, "baseline_median": usual, "z": round(z, 2) if g > 0.0 else z,
-            "grad_z": th.grad_z, "window": len(self.log_grads)}
+        shown_z = round(z, 2) if g > 0.0 else z
+        window = len(self.log_grads)
         if z > th.grad_z and g > usual * th.grad_explosion_ratio:
             self._abnormal("grad_explosion")
-            self._raise(job, b, "grad_explosion", now, {
-                **evidence, "grad_explosion_ratio": th.grad_explosion_ratio},
+            self._raise(job, b, "grad_explosion", now, GradExplosionEvidence(
+                grad_norm=g, baseline_median=usual, z=shown_z, grad_z=th.grad_z, window=window,
+                grad_explosion_ratio=th.grad_explosion_ratio),
                 self._outliers(b.grads, usual * th.grad_explosion_ratio, above=True))
         else:
             self._normal(job, "grad_explosion", now)
@@ -106,9 +111,10 @@ class Numerics:
             self.vanishing_run += 1
             self._abnormal("grad_vanishing")
             if self.vanishing_run >= th.grad_vanishing_steps:
-                self._raise(job, b, "grad_vanishing", now, {
-                    **evidence, "grad_vanishing_ratio": th.grad_vanishing_ratio,
-                    "steps": self.vanishing_run},
+                self._raise(job, b, "grad_vanishing", now, GradVanishingEvidence(
+                    grad_norm=g, baseline_median=usual, z=shown_z, grad_z=th.grad_z,
+                    window=window, grad_vanishing_ratio=th.grad_vanishing_ratio,
+                    steps=self.vanishing_run),
                     self._outliers(b.grads, usual / th.grad_vanishing_ratio, above=False))
         else:
             self.vanishing_run = 0
@@ -125,10 +131,9 @@ class Numerics:
         margin = max(th.loss_z * sigma, th.loss_spike_rel * abs(med))
         if loss - med > margin:
             self._abnormal("loss_spike")
-            self._raise(job, b, "loss_spike", now, {
-                "loss": loss, "baseline_median": med, "mad": mad,
-                "z": round((loss - med) / sigma, 2), "loss_z": th.loss_z,
-                "loss_spike_rel": th.loss_spike_rel, "window": len(self.losses)},
+            self._raise(job, b, "loss_spike", now, LossSpikeEvidence(
+                loss=loss, baseline_median=med, mad=mad, z=round((loss - med) / sigma, 2),
+                loss_z=th.loss_z, loss_spike_rel=th.loss_spike_rel, window=len(self.losses)),
                 self._outliers(b.losses, med + margin, above=True))
         else:
             self._normal(job, "loss_spike", now)
@@ -137,8 +142,9 @@ class Numerics:
     def _outliers(values: dict[int, float], bound: float, *, above: bool) -> list[int]:
         return sorted(r for r, v in values.items() if (v > bound if above else v < bound))
 
-    def _raise(self, job: JobState, b: StepBucket, kind: Any, now: float,
-               evidence: dict[str, Any], ranks: list[int]) -> None:
+    def _raise(self, job: JobState, b: StepBucket, kind: AnomalyKind, now: float,
+               evidence: GradExplosionEvidence | GradVanishingEvidence | LossSpikeEvidence,
+               ranks: list[int]) -> None:
         named = ranks or [r for r in b.compute]
         job.book.raise_(kind, kind, now=now, onset_at=b.first_time, ranks=named,
                         hosts=job.hosts_of(named), step=b.step, evidence=evidence)
@@ -191,7 +197,7 @@ class Fingerprints:
         key = f"sdc:{group}"
         votes = Counter(sums.values())
         if len(votes) == 1:
-            job.book.clear(key, now, {"agreed_step": rnd.step})
+            job.book.clear(key, now, agreed_step=rnd.step)
             return
         ranked = votes.most_common()
         tie = ranked[0][1] == ranked[1][1]
@@ -201,9 +207,8 @@ class Fingerprints:
         cap = job.th.evidence_max_ranks
         job.book.raise_(key, "sdc_mismatch", now=now, onset_at=rnd.first_time, ranks=named,
                         hosts=job.hosts_of(named), step=rnd.step, severity="critical",
-                        evidence={"group": group, "tie": tie, "suspects": suspects,
-                                  "majority_checksum": majority,
-                                  "votes": {str(c): n for c, n in ranked[:16]},
-                                  "checksums": {str(r): c for r, c in
-                                                sorted(sums.items())[:cap]},
-                                  "ranks_reporting": len(sums)})
+                        evidence=SdcMismatchEvidence(
+                            group=group, tie=tie, suspects=suspects, majority_checksum=majority,
+                            votes={str(c): n for c, n in ranked[:16]},
+                            checksums={str(r): c for r, c in sorted(sums.items())[:cap]},
+                            ranks_reporting=len(sums)))

@@ -14,8 +14,14 @@ minus the phases that are long by nature, which every rank pays alike).
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
 
+from trainguard.evidence import (
+    CheckpointSlowEvidence,
+    DataStallEvidence,
+    StragglerEvidence,
+    StragglerThresholds,
+    ThroughputDropEvidence,
+)
 from trainguard.schemas import CheckpointReport
 
 from .job import JobState, RankInfo, StepBucket
@@ -61,25 +67,24 @@ class Stragglers:
             if r.straggling:
                 if hist.full and hist.count <= calm:
                     r.straggling = False
-                    job.book.clear(straggler_key(rank), now,
-                                   {"resolved_ratio": round(median(list(r.compute_recent))
-                                                            / med, 3)})
+                    job.book.clear(straggler_key(rank), now, resolved_ratio=round(
+                        median(list(r.compute_recent)) / med, 3))
             elif hist.count >= patience:
                 r.straggling = True
                 mine = median(list(r.compute_recent))
                 job.book.raise_(
                     straggler_key(rank), "straggler", now=now, onset_at=self.onset(r, b),
                     ranks=[rank], hosts=[r.host], step=b.step, severity="warning",
-                    evidence={
-                        "compute": round(c, 6), "rank_compute_median": round(mine, 6),
-                        "job_compute_median": round(med, 6), "ratio": round(mine / med, 3),
-                        "z": round((c - med) / sigma, 2), "mad": mad,
-                        "flagged_steps": hist.count, "window": th.straggler_window,
-                        "step_time_median": round(median(b.durations), 6),
-                        "ranks_reporting": len(compute),
-                        "thresholds": {"straggler_ratio": th.straggler_ratio,
-                                       "straggler_z": th.straggler_z,
-                                       "straggler_patience": patience}})
+                    evidence=StragglerEvidence(
+                        compute=round(c, 6), rank_compute_median=round(mine, 6),
+                        job_compute_median=round(med, 6), ratio=round(mine / med, 3),
+                        z=round((c - med) / sigma, 2), mad=mad, flagged_steps=hist.count,
+                        window=th.straggler_window,
+                        step_time_median=round(median(b.durations), 6),
+                        ranks_reporting=len(compute),
+                        thresholds=StragglerThresholds(straggler_ratio=th.straggler_ratio,
+                                                       straggler_z=th.straggler_z,
+                                                       straggler_patience=patience)))
 
 
 class DataStalls:
@@ -109,12 +114,11 @@ class DataStalls:
             worst = sorted(self.stalled, key=lambda k: -self.stalled[k])[:th.evidence_max_ranks]
             job.book.raise_(key, "data_stall", now=now, onset_at=b.first_time,
                             ranks=worst, hosts=job.hosts_of(worst), step=b.step,
-                            evidence={"data_seconds": {str(k): round(self.stalled[k], 4)
-                                                       for k in worst},
-                                      "baseline_median": usual, "threshold": threshold,
-                                      "stalled_steps": self.history.count,
-                                      "window": th.data_stall_window,
-                                      "data_stall_ratio": th.data_stall_ratio})
+                            evidence=DataStallEvidence(
+                                data_seconds={str(k): round(self.stalled[k], 4) for k in worst},
+                                baseline_median=usual, threshold=threshold,
+                                stalled_steps=self.history.count, window=th.data_stall_window,
+                                data_stall_ratio=th.data_stall_ratio))
         elif self.history.count == 0:
             self.stalled.clear()
             job.book.clear(key, now)
@@ -156,19 +160,18 @@ class Throughput:
         assert base is not None and now_rate is not None
         if base <= 0.0:
             return
-        evidence: dict[str, Any] = {"baseline": base, "recent": now_rate,
-                                    "ratio": round(now_rate / base, 3),
-                                    "throughput_drop": th.throughput_drop,
-                                    "recent_steps": th.throughput_recent}
         if now_rate < (1.0 - th.throughput_drop) * base:
             if is_open:
                 return
             everyone = [r.rank for r in job.in_attempt()]
             job.book.raise_(key, "throughput_drop", now=now, onset_at=self.onset,
                             ranks=everyone, hosts=job.hosts_of(everyone), step=b.step,
-                            evidence=evidence)
+                            evidence=ThroughputDropEvidence(
+                                baseline=base, recent=now_rate, ratio=round(now_rate / base, 3),
+                                throughput_drop=th.throughput_drop,
+                                recent_steps=th.throughput_recent))
         elif is_open and now_rate >= (1.0 - th.throughput_drop / 2.0) * base:
-            job.book.clear(key, now, {"recovered": now_rate})
+            job.book.clear(key, now, recovered=now_rate)
 
 
 class Checkpoints:
@@ -195,10 +198,11 @@ class Checkpoints:
     def _slow(self, job: JobState, now: float, seconds: float, threshold: float,
               usual: float, source: str, ranks: list[int], step: int | None) -> None:
         job.book.raise_("checkpoint_slow", "checkpoint_slow", now=now, onset_at=now - seconds,
-                        ranks=ranks, hosts=job.hosts_of(ranks), step=step, evidence={
-                            "seconds": round(seconds, 3), "usual": round(usual, 3),
-                            "threshold": round(threshold, 3), "source": source,
-                            "checkpoint_slow_ratio": job.th.checkpoint_slow_ratio})
+                        ranks=ranks, hosts=job.hosts_of(ranks), step=step,
+                        evidence=CheckpointSlowEvidence(
+                            seconds=round(seconds, 3), usual=round(usual, 3),
+                            threshold=round(threshold, 3), source=source,
+                            checkpoint_slow_ratio=job.th.checkpoint_slow_ratio))
 
     def tick(self, job: JobState, now: float) -> None:
         th = job.th
@@ -227,7 +231,7 @@ class Checkpoints:
                     self._slow(job, now, elapsed, threshold, usual, "heartbeat", ranks,
                                job.max_step)
         if pending and not slow:
-            job.book.clear("checkpoint_slow", now, {"next_save_seconds": pending[-1][1]})
+            job.book.clear("checkpoint_slow", now, next_save_seconds=pending[-1][1])
 
     def on_report(self, job: JobState, rep: CheckpointReport, now: float) -> None:
         if self.report_step is not None and rep.step < self.report_step:
@@ -246,4 +250,4 @@ class Checkpoints:
             return
         current = job.book.get("checkpoint_slow")
         if current is not None and current.step is not None and current.step < rep.step:
-            job.book.clear("checkpoint_slow", now, {"next_save_seconds": rep.seconds_total})
+            job.book.clear("checkpoint_slow", now, next_save_seconds=rep.seconds_total)

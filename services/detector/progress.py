@@ -8,18 +8,17 @@ and each rank's state. A detector that takes a job over seeds itself from the la
 
 from __future__ import annotations
 
+from trainguard.schemas import is_stopped
 from trainguard.state import Progress, RankProgress, RankState
 
 from .job import JobState, RankInfo
-
-STOPPED_STATES = ("T", "t", "D")
 
 
 def rank_state(job: JobState, r: RankInfo, now: float, hung: set[int]) -> RankState:
     """One word for a rank, most telling first: exited, stopped, hung, silent, slow, ok."""
     if r.exited or r.attempt < job.attempt:
         return "exited"
-    if r.proc_state in STOPPED_STATES:
+    if is_stopped(r.proc_state):
         return "stopped"
     if r.rank in hung:
         return "hung"

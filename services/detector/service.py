@@ -63,7 +63,7 @@ def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-class DetectorService(Service):
+class DetectorService(Service[DetectorSettings]):
     """Finds hangs, crashes, stragglers, bad numerics and SDC; publishes ``Anomaly`` events."""
 
     name = "detector"
@@ -87,15 +87,9 @@ class DetectorService(Service):
         self._flush_lock = asyncio.Lock()
         self._own_lock = asyncio.Lock()
         self._started = asyncio.Event()
-        self._rt: Runtime | None = None
         self._leases: Leases | None = None
         self._reconnects = 0
         self._published: Any = None
-
-    @property
-    def rt(self) -> Runtime:
-        assert self._rt is not None, "detector not started"
-        return self._rt
 
     @property
     def leases(self) -> Leases:
@@ -116,7 +110,6 @@ class DetectorService(Service):
         ]
 
     async def start(self, rt: Runtime) -> None:
-        self._rt = rt
         registry = rt.metrics.registry
         self._published = Counter("trainguard_detector_anomalies",
                                   "Anomaly changes published, by kind and status",
@@ -135,7 +128,7 @@ class DetectorService(Service):
 
     async def stop(self) -> None:
         """Publish what is pending, write progress once more, and hand the jobs back."""
-        if self._rt is None:
+        if self._leases is None:  # start() never ran
             return
         with contextlib.suppress(Exception):
             await self._flush()
@@ -162,7 +155,7 @@ class DetectorService(Service):
             return
         self.subscribed.add(job)
         for kind in TELEMETRY_KINDS:
-            await self.rt.subscribe_telemetry(self.settings.subjects.pattern(kind, job=job),
+            await self.runtime.subscribe_telemetry(self.settings.subjects.pattern(kind, job=job),
                                               self.on_telemetry)
 
     # -- durable messages ---------------------------------------------------------------
@@ -205,7 +198,7 @@ class DetectorService(Service):
             if job in self.owned:
                 return True
             self.retired.pop(job, None)
-            await self.rt.redis.sadd(self.keys.jobs(), job)
+            await self.runtime.redis.sadd(self.keys.jobs(), job)
             owner = (await self.leases.owners([job]))[job]
             if owner is None:
                 live = await self.leases.heartbeat()
@@ -217,7 +210,7 @@ class DetectorService(Service):
 
     async def _adopt(self, job: str) -> None:
         """Take a job over: what is open and what was pending, then its telemetry."""
-        redis = self.rt.redis
+        redis = self.runtime.redis
         stored = {_text(k): _text(v)
                   for k, v in (await redis.hgetall(self.keys.dedupe(ROLE, job))).items()}
         raw_progress = await redis.get(self.keys.progress(job))
@@ -252,7 +245,7 @@ class DetectorService(Service):
     # -- timers -------------------------------------------------------------------------
     async def _tick(self) -> None:
         now = time.time()
-        nc = self.rt.bus.nc
+        nc = self.runtime.bus.nc
         reconnects = nc.stats["reconnects"]
         if reconnects != self._reconnects or not nc.is_connected:
             # Telemetry sent while we were away is lost to us: silence proves nothing yet.
@@ -269,7 +262,7 @@ class DetectorService(Service):
             if not self._pending:
                 return
             batch = list(self._pending)
-            redis = self.rt.redis
+            redis = self.runtime.redis
             pipe = redis.pipeline(transaction=False)
             for t in batch:
                 pipe.hset(self.keys.dedupe(ROLE, t.job), t.key, dump_anomaly(t.anomaly))
@@ -278,7 +271,7 @@ class DetectorService(Service):
             for t in batch:
                 started = time.monotonic()
                 try:
-                    await self.rt.publish_event(self.settings.subjects.event(t.job, "anomaly"),
+                    await self.runtime.publish_event(self.settings.subjects.event(t.job, "anomaly"),
                                                 t.anomaly)
                 except Exception as exc:
                     log.warning("publishing anomaly %s failed (%r); will retry", t.anomaly.id,
@@ -305,7 +298,7 @@ class DetectorService(Service):
 
     async def _write_progress(self) -> None:
         now = time.time()
-        pipe = self.rt.redis.pipeline(transaction=False)
+        pipe = self.runtime.redis.pipeline(transaction=False)
         expiry = max(60, int(self.cfg.job_idle_expiry))
         for job in sorted(self.owned):
             progress = self.detector.progress(job, now)
@@ -336,7 +329,7 @@ class DetectorService(Service):
                 await self.leases.release([job])
                 self._drop(job)
                 self.retired[job] = now
-        known = [_text(j) for j in await self.rt.redis.smembers(self.keys.jobs())]
+        known = [_text(j) for j in await self.runtime.redis.smembers(self.keys.jobs())]
         free = [j for j in known if j not in self.owned and j not in self.retired]
         for job, owner in (await self.leases.owners(free)).items():
             if owner is not None:

@@ -15,6 +15,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from trainguard import xids
+
 log = logging.getLogger("trainguard.detector")
 
 ENV_PREFIX = "TRAINGUARD_"
@@ -104,9 +106,9 @@ class Thresholds:
     checkpoint_min_samples: int = 2
 
     # -- hardware ----------------------------------------------------------------------
-    fatal_xids: str = "48,79,94,95"
-    """XIDs that mean the GPU is lost or its memory corrupt (double-bit ECC, fell off
-    the bus, contained/uncontained errors)."""
+    fatal_xids: str = ""
+    """XIDs that are ``gpu_health``, comma-separated; empty: every XID NVIDIA's catalog says
+    takes the GPU out of service (:func:`trainguard.xids.fatal_codes`)."""
     gpu_resolve_after: float = 300.0
     """A gpu_health anomaly resolves after this long without new fatal evidence."""
 
@@ -121,6 +123,8 @@ class Thresholds:
         return frozenset(p.strip() for p in getattr(self, which).split(",") if p.strip())
 
     def xid_set(self) -> frozenset[int]:
+        if not self.fatal_xids.strip():
+            return xids.fatal_codes()
         return frozenset(int(x) for x in self.fatal_xids.split(",") if x.strip())
 
 

@@ -1,6 +1,9 @@
-"""What the diagnoser knows, as data: XID codes, exit-text patterns, recommended actions.
+"""What the diagnoser knows, as data: exit-text patterns and recommended actions.
 
 Kept apart from the rules so a reader (or a test table) sees the whole vocabulary at once.
+XIDs are not listed here: what each one means, whether it is fatal and which cause it
+points at come from NVIDIA's catalog through :mod:`trainguard.xids`, the table the detector
+uses too; the exit-text patterns below take their XID codes from it.
 """
 
 from __future__ import annotations
@@ -9,31 +12,8 @@ import re
 from dataclasses import dataclass
 from typing import Final
 
+from trainguard import xids
 from trainguard.schemas import Cause
-
-
-@dataclass(frozen=True)
-class Xid:
-    code: int
-    meaning: str
-    cause: Cause
-    fatal: bool
-
-
-# NVIDIA XID catalogue, the codes that matter for training jobs.
-XIDS: Final[dict[int, Xid]] = {x.code: x for x in (
-    Xid(13, "graphics engine exception (often an application bug)", "process_crash", False),
-    Xid(31, "GPU memory page fault (often an application bug)", "process_crash", False),
-    Xid(43, "GPU stopped processing (application fault)", "process_crash", False),
-    Xid(48, "double-bit ECC error", "hbm_ecc", True),
-    Xid(63, "ECC page retirement / row remapping recorded", "hbm_ecc", False),
-    Xid(64, "ECC page retirement / row remapping failure", "hbm_ecc", True),
-    Xid(74, "NVLink error", "network", True),
-    Xid(79, "GPU has fallen off the bus", "gpu_lost", True),
-    Xid(92, "high single-bit ECC error rate", "hbm_ecc", False),
-    Xid(94, "contained uncorrectable ECC error", "hbm_ecc", True),
-    Xid(95, "uncontained uncorrectable ECC error", "gpu_lost", True),
-)}
 
 
 @dataclass(frozen=True)
@@ -49,12 +29,18 @@ def _p(cause: Cause, pattern: str, fact: str, weight: float) -> TextPattern:
     return TextPattern(cause, re.compile(pattern, re.IGNORECASE), fact, weight)
 
 
+def _xid_named(cause: Cause) -> str:
+    """A pattern for "Xid 79" (and the like) naming any XID the table gives ``cause``."""
+    codes = "|".join(str(code) for code in sorted(xids.codes_with(cause)))
+    return rf"xid[ :]*({codes})\b"
+
+
 # Order matters only for equal weights: hardware before software.
 EXIT_PATTERNS: Final[tuple[TextPattern, ...]] = (
-    _p("gpu_lost", r"xid[ :]*(79|95)\b|fallen off the bus|gpu is lost|"
+    _p("gpu_lost", _xid_named("gpu_lost") + r"|fallen off the bus|gpu is lost|"
        r"unable to determine the device handle|no cuda-capable device", "the GPU is gone", 0.95),
-    _p("hbm_ecc", r"uncorrectable ecc|ecc error|double[- ]bit|xid[ :]*(48|63|64|94)\b|"
-       r"row remap", "an ECC error was reported", 0.9),
+    _p("hbm_ecc", r"uncorrectable ecc|ecc error|double[- ]bit|" + _xid_named("hbm_ecc")
+       + r"|row remap", "an ECC error was reported", 0.9),
     _p("oom", r"out of memory|outofmemoryerror|cuda_error_out_of_memory|cannot allocate memory",
        "the process ran out of memory", 0.9),
     _p("gpu_lost", r"cuda error: (unknown error|an illegal memory access|launch failure)|"

@@ -13,9 +13,24 @@ import collections
 import hashlib
 import re
 from dataclasses import dataclass, field
-from typing import Any
 
+from trainguard import xids
 from trainguard.envelope import uuid7
+from trainguard.evidence import (
+    CheckpointSlowEvidence,
+    CrashEvidence,
+    DataStallEvidence,
+    GpuHealthEvidence,
+    GradExplosionEvidence,
+    GradVanishingEvidence,
+    HangEvidence,
+    LossSpikeEvidence,
+    NonfiniteEvidence,
+    SdcMismatchEvidence,
+    StragglerEvidence,
+    ThroughputDropEvidence,
+    UnresponsiveEvidence,
+)
 from trainguard.schemas import Anomaly, Cause, Diagnosis, EvidenceItem, GpuSample, WorkerExit
 
 from .knowledge import (
@@ -26,7 +41,6 @@ from .knowledge import (
     RECOMMENDED,
     THERMAL_REASONS,
     TRACEBACK,
-    XIDS,
 )
 
 ROOT_CAUSES: frozenset[Cause] = frozenset({"gpu_lost", "hbm_ecc", "oom", "process_crash",
@@ -178,72 +192,72 @@ class Diagnoser:
 
     # -- classification -------------------------------------------------------------------
     def classify(self, a: Anomaly, now: float) -> Verdict:
-        ev = a.evidence
         facts = [EvidenceItem(fact=f"{a.kind} anomaly on ranks {a.ranks}", source="detector",
                               value=a.id)]
         hw = self._gpu_findings(a.hosts, now)
-        match a.kind:
-            case "crash":
-                return self._crash(a, facts, hw, now)
-            case "gpu_health":
-                return self._gpu_health(a, facts, hw)
-            case "hang":
-                culprits = [int(r) for r in ev.get("culprits", [])]
-                basis = str(ev.get("culprit_basis", ""))
-                if hw and (hw[0][0] in ("gpu_lost", "hbm_ecc")):
-                    return Verdict(hw[0][0], 0.85, a.ranks, a.hosts, [*facts, hw[0][1]])
-                if culprits:
-                    phases = ev.get("phases", {})
-                    where = {r: (phases.get(str(r)) or {}).get("phase") for r in culprits}
-                    facts.append(EvidenceItem(fact=f"ranks {culprits} stuck outside the "
-                                              f"collective ({basis})", source="detector",
-                                              value=where))
-                    conf = 0.9 if basis == "process_state" else 0.8
-                    return Verdict("rank_hang", conf, culprits, _hosts_of(a, culprits), facts)
-                majority = str(ev.get("majority_phase", ""))
-                if majority == "comm":
-                    facts.append(EvidenceItem(fact="every rank waits in the collective",
-                                              source="detector", value=ev.get("phase_counts")))
-                    return Verdict("network", 0.7, a.ranks, a.hosts, facts)
-                if majority == "data":
-                    return Verdict("data_pipeline", 0.6, a.ranks, a.hosts, facts)
-                return Verdict("unknown", 0.3, a.ranks, a.hosts, facts)
-            case "unresponsive":
+        # The evidence Struct is the anomaly kind's (Anomaly.__post_init__ makes sure).
+        match a.evidence:
+            case CrashEvidence() as ev:
+                return self._crash(a, ev, facts, hw, now)
+            case GpuHealthEvidence() as ev:
+                return self._gpu_health(a, ev, facts, hw)
+            case HangEvidence() as ev:
+                return self._hang(a, ev, facts, hw)
+            case UnresponsiveEvidence():
                 if hw:
                     return Verdict(hw[0][0], 0.8, a.ranks, a.hosts, [*facts, hw[0][1]])
                 facts.append(EvidenceItem(fact="heartbeats stopped with no exit reported",
                                           source="detector"))
                 return Verdict("unknown", 0.3, a.ranks, a.hosts, facts)
-            case "nonfinite":
-                if ev.get("minority"):
+            case NonfiniteEvidence() as ev:
+                if ev.minority:
                     facts.append(EvidenceItem(fact="only a minority of data-parallel ranks saw "
                                               "NaN/Inf before the all-reduce", source="detector",
-                                              value=ev.get("nonfinite_ranks")))
+                                              value=ev.nonfinite_ranks))
                     return Verdict("sdc_suspect", 0.7, a.ranks, a.hosts, facts)
                 facts.append(EvidenceItem(fact="NaN/Inf on every rank", source="detector",
-                                          value=ev.get("loss")))
+                                          value=ev.loss))
                 return Verdict("numeric", 0.85, a.ranks, a.hosts, facts)
-            case "grad_explosion" | "grad_vanishing" | "loss_spike":
+            case GradExplosionEvidence() | GradVanishingEvidence() | LossSpikeEvidence():
                 return Verdict("numeric", 0.6, a.ranks, a.hosts, facts)
-            case "sdc_mismatch":
-                tie = bool(ev.get("tie"))
+            case SdcMismatchEvidence() as ev:
                 facts.append(EvidenceItem(fact="replica fingerprints disagree at one step",
-                                          source="detector", value=ev.get("suspects")))
-                return Verdict("sdc_suspect", 0.5 if tie else 0.85, a.ranks, a.hosts, facts)
-            case "straggler":
-                return self._straggler(a, facts, now)
-            case "data_stall":
+                                          source="detector", value=ev.suspects))
+                return Verdict("sdc_suspect", 0.5 if ev.tie else 0.85, a.ranks, a.hosts, facts)
+            case StragglerEvidence() as ev:
+                return self._straggler(a, ev, facts, now)
+            case DataStallEvidence():
                 return Verdict("data_pipeline", 0.8, a.ranks, a.hosts, facts)
-            case "throughput_drop":
+            case ThroughputDropEvidence():
                 return Verdict("unknown", 0.3, a.ranks, a.hosts, facts)
-            case "checkpoint_slow":
+            case CheckpointSlowEvidence():
                 return Verdict("storage_io", 0.8, a.ranks, a.hosts, facts)
         return Verdict("unknown", 0.2, a.ranks, a.hosts, facts)
 
-    def _crash(self, a: Anomaly, facts: list[EvidenceItem],
+    def _hang(self, a: Anomaly, ev: HangEvidence, facts: list[EvidenceItem],
+              hw: list[tuple[Cause, EvidenceItem]]) -> Verdict:
+        if hw and (hw[0][0] in ("gpu_lost", "hbm_ecc")):
+            return Verdict(hw[0][0], 0.85, a.ranks, a.hosts, [*facts, hw[0][1]])
+        culprits = ev.culprits
+        if culprits:
+            where = {r: p.phase if (p := ev.phases.get(str(r))) is not None else None
+                     for r in culprits}
+            facts.append(EvidenceItem(fact=f"ranks {culprits} stuck outside the "
+                                      f"collective ({ev.culprit_basis})", source="detector",
+                                      value=where))
+            conf = 0.9 if ev.culprit_basis == "process_state" else 0.8
+            return Verdict("rank_hang", conf, culprits, _hosts_of(a, ev, culprits), facts)
+        if ev.majority_phase == "comm":
+            facts.append(EvidenceItem(fact="every rank waits in the collective",
+                                      source="detector", value=ev.phase_counts))
+            return Verdict("network", 0.7, a.ranks, a.hosts, facts)
+        if ev.majority_phase == "data":
+            return Verdict("data_pipeline", 0.6, a.ranks, a.hosts, facts)
+        return Verdict("unknown", 0.3, a.ranks, a.hosts, facts)
+
+    def _crash(self, a: Anomaly, ev: CrashEvidence, facts: list[EvidenceItem],
                hw: list[tuple[Cause, EvidenceItem]], now: float) -> Verdict:
-        ev = a.evidence
-        text = f"{ev.get('error') or ''}\n{ev.get('stderr_tail') or ''}"
+        text = f"{ev.error}\n{ev.stderr_tail}"
         root = self._root_exit(a.job, now)
         if PEER_ERROR.search(text) and root is not None and root.rank not in a.ranks:
             facts.append(EvidenceItem(fact=f"peer error after rank {root.rank} on {root.host} "
@@ -263,35 +277,35 @@ class Diagnoser:
             facts.append(EvidenceItem(fact=pattern.fact, source="exit", value=matched))
             return Verdict(pattern.cause, pattern.weight, a.ranks, a.hosts, facts,
                            signature=signature)
-        sig = ev.get("signal")
-        if TRACEBACK.search(text) or sig or ev.get("exit_code"):
+        sig = ev.signal
+        if TRACEBACK.search(text) or sig or ev.exit_code:
             facts.append(EvidenceItem(
-                fact=f"exited with code {ev.get('exit_code')}"
-                     f"{' (' + str(sig) + ')' if sig else ''}, no hardware or OOM evidence",
+                fact=f"exited with code {ev.exit_code}"
+                     f"{' (' + sig + ')' if sig else ''}, no hardware or OOM evidence",
                 source="exit", value=last_line(text)))
             return Verdict("process_crash", 0.75 if TRACEBACK.search(text) else 0.6, a.ranks,
                            a.hosts, facts, signature=signature)
         return Verdict("unknown", 0.3, a.ranks, a.hosts, facts)
 
-    def _gpu_health(self, a: Anomaly, facts: list[EvidenceItem],
+    def _gpu_health(self, a: Anomaly, ev: GpuHealthEvidence, facts: list[EvidenceItem],
                     hw: list[tuple[Cause, EvidenceItem]]) -> Verdict:
-        ev = a.evidence
-        for x in ev.get("xids", []):
-            code = int(x.get("code", 0)) if isinstance(x, dict) else int(x)
-            xid = XIDS.get(code)
+        for x in ev.xids:
+            xid = xids.lookup(x.code)
             if xid is not None:
-                facts.append(EvidenceItem(fact=f"XID {code}: {xid.meaning}", source="nvml",
-                                          value=code))
+                facts.append(EvidenceItem(fact=f"XID {x.code}: {xid.meaning}", source="nvml",
+                                          value=x.code))
                 return Verdict(xid.cause, 0.95 if xid.fatal else 0.7, a.ranks, a.hosts, facts)
-        if any(k.startswith("ecc_uncorrected") for k in ev):
+        rises = ev.ecc_rises()
+        if rises:
             facts.append(EvidenceItem(fact="uncorrectable ECC count rising", source="nvml",
-                                      value={k: v for k, v in ev.items() if k.startswith("ecc")}))
+                                      value=rises))
             return Verdict("hbm_ecc", 0.9, a.ranks, a.hosts, facts)
         if hw:
             return Verdict(hw[0][0], 0.8, a.ranks, a.hosts, [*facts, hw[0][1]])
         return Verdict("unknown", 0.3, a.ranks, a.hosts, facts)
 
-    def _straggler(self, a: Anomaly, facts: list[EvidenceItem], now: float) -> Verdict:
+    def _straggler(self, a: Anomaly, ev: StragglerEvidence, facts: list[EvidenceItem],
+                   now: float) -> Verdict:
         for host in a.hosts:
             for sample in reversed(self.gpu.get(host, ())):
                 if now - sample.time > self.gpu_window:
@@ -310,18 +324,8 @@ class Diagnoser:
                                  f"({', '.join(sorted(reasons))})", source="nvml",
                             value=sorted(reasons)))
                         return Verdict("straggler_power", 0.85, a.ranks, a.hosts, facts)
-        phases = a.evidence.get("phases") or {}
-        if isinstance(phases, dict) and phases:
-            data = sum(float(v.get("data", 0.0)) if isinstance(v, dict) else 0.0
-                       for v in phases.values())
-            total = sum(sum(float(x) for x in v.values()) if isinstance(v, dict) else 0.0
-                        for v in phases.values())
-            if total and data / total > 0.5:
-                facts.append(EvidenceItem(fact="the data phase dominates the slow rank's step",
-                                          source="detector", value=round(data / total, 3)))
-                return Verdict("data_pipeline", 0.7, a.ranks, a.hosts, facts)
         facts.append(EvidenceItem(fact="slow compute with no hardware evidence",
-                                  source="detector", value=a.evidence.get("ratio")))
+                                  source="detector", value=ev.ratio))
         return Verdict("straggler", 0.7, a.ranks, a.hosts, facts)
 
     def _gpu_findings(self, hosts: list[str], now: float) -> list[tuple[Cause, EvidenceItem]]:
@@ -331,7 +335,7 @@ class Diagnoser:
             samples = [s for s in self.gpu.get(host, ()) if now - s.time <= self.gpu_window]
             for s in samples:
                 for x in s.xids:
-                    xid = XIDS.get(x.code)
+                    xid = xids.lookup(x.code)
                     if xid is not None and xid.fatal:
                         found.append((xid.cause, EvidenceItem(
                             fact=f"XID {x.code} on {host} GPU {x.gpu}: {xid.meaning}",
@@ -361,10 +365,10 @@ class Diagnoser:
         return min(pool, key=lambda e: e.time) if pool else None
 
 
-def _hosts_of(a: Anomaly, ranks: list[int]) -> list[str]:
-    phases: dict[str, Any] = a.evidence.get("phases") or {}
-    hosts = sorted({str(p.get("host")) for r, p in phases.items()
-                    if int(r) in ranks and isinstance(p, dict) and p.get("host")})
+def _hosts_of(a: Anomaly, ev: HangEvidence, ranks: list[int]) -> list[str]:
+    """The hosts of ``ranks`` as the hang's evidence recorded them, else the anomaly's."""
+    wanted = {str(r) for r in ranks}
+    hosts = sorted({p.host for r, p in ev.phases.items() if r in wanted and p.host})
     return hosts or a.hosts
 
 

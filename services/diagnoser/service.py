@@ -14,19 +14,17 @@ from .rules import Diagnoser, HostRecord
 from .settings import DiagnoserSettings
 
 
-class DiagnoserService(Service):
+class DiagnoserService(Service[DiagnoserSettings]):
     name = "diagnoser"
     settings_type = DiagnoserSettings
 
     def __init__(self, settings: DiagnoserSettings) -> None:
         super().__init__(settings)
-        self.cfg = settings
         self.rules = Diagnoser(window=settings.correlation_window,
                                gpu_window=settings.gpu_window,
                                same_cause_window=settings.same_cause_window,
                                symptom_window=settings.symptom_window)
         self.keys = Keys(settings.prefix)
-        self.rt: Runtime | None = None
 
     def consumers(self) -> Sequence[Consumer]:
         s = self.settings.subjects
@@ -38,7 +36,6 @@ class DiagnoserService(Service):
         ]
 
     async def start(self, rt: Runtime) -> None:
-        self.rt = rt
         await rt.subscribe_telemetry(self.settings.subjects.pattern("gpu"), self.on_gpu)
 
     def on_gpu(self, msg: TelemetryMessage, subject: str) -> None:
@@ -49,8 +46,7 @@ class DiagnoserService(Service):
         self.rules.observe_exit(ex)
 
     async def on_anomaly(self, a: Anomaly, delivery: Delivery) -> None:
-        assert self.rt is not None
-        redis = self.rt.redis
+        redis = self.runtime.redis
         dedupe = self.keys.dedupe("diagnoser", a.job)
         if a.status == "resolved" or await redis.hexists(dedupe, a.id):
             return
@@ -62,7 +58,7 @@ class DiagnoserService(Service):
         decision = self.rules.on_anomaly(a, time.time(), history)
         subject = self.settings.subjects.event(a.job, "diagnosis")
         for d in decision.publish:
-            await self.rt.publish_event(subject, d, ctx=delivery.ctx)
+            await self.runtime.publish_event(subject, d, ctx=delivery.ctx)
         fresh = [d for d in decision.publish if d.rev == 1]
         async with redis.pipeline(transaction=True) as pipe:
             for d in fresh:
@@ -71,5 +67,5 @@ class DiagnoserService(Service):
                     pipe.hincrby(key, d.cause, 1)
                     pipe.hset(key, mapping={"last_cause": d.cause, "last_time": str(d.time)})
             pipe.hset(dedupe, a.id, decision.publish[-1].id if decision.publish else "")
-            pipe.expire(dedupe, int(self.cfg.dedupe_ttl))
+            pipe.expire(dedupe, int(self.settings.dedupe_ttl))
             await pipe.execute()

@@ -1,31 +1,56 @@
-"""Incidents and plans: pure decisions, no I/O.
+"""The remediator's decisions: pure functions of an incident, a job view, the policy and the
+time (no I/O; :mod:`.service` is the shell that loads, sends, waits and saves).
 
 An incident is opened once per root cause: a diagnosis joins an open incident when it is
 an update of one already linked, when it supersedes one (its anomalies overlap), or when
 it names the same cause on overlapping hosts within the cooldown. A new incident gets a
-plan: the policy's actions for its cause, adapted to what the job can take right now.
+plan: the policy's actions for its cause, adapted to what the job can take right now; a
+changed root cause re-plans, keeping the steps already done. The steps then run in order
+(:func:`next_step`, :func:`finish_step`) until none is left (:func:`conclude`), and the
+incident is resolved once training passes the failure step, or its anomalies resolve
+(:func:`resolution`).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final, Literal, NamedTuple
+
+import msgspec
 
 from trainguard.envelope import uuid7
-from trainguard.schemas import Diagnosis, Incident
+from trainguard.rpc import RollbackReply, SaveReply
+from trainguard.schemas import (
+    Action,
+    CommandAck,
+    Diagnosis,
+    Incident,
+    IncidentStep,
+    StepStatus,
+)
+from trainguard.state import BlocklistEntry, NodeRecord
 
 from .policy import Policy
 
-RESTARTING = frozenset({"restart", "rollback", "isolate"})
+RESTARTING: Final = frozenset({"restart", "rollback", "isolate"})
+"""Actions after which the job comes back in a new attempt (resolution waits for it)."""
+CRASHING: Final = frozenset({"process_crash", "oom", "hbm_ecc"})
+"""Causes whose evidence is a dead worker (the launcher restarts those by itself)."""
+OPEN: Final = frozenset({"open", "mitigating"})
+
+Resolution = Literal["progress", "anomalies", "timeout"]
+"""Why an incident ends: training passed the failure step, its anomalies resolved (for
+incidents without a restart), or it was not resolved in time (escalated)."""
 
 
 @dataclass
 class JobView:
     """What the remediator knows of a job when it decides."""
 
-    hosts: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """host -> NodeHello fields (hosts_store, nnodes_min, ...), for hosts still in the job."""
+    hosts: dict[str, NodeRecord] = field(default_factory=dict)
+    """host -> its agent's record, for hosts still in the job (not blocklisted)."""
     restarts_last_hour: int = 0
     cause_count_last_hour: int = 0
     first_seen_at: float | None = None
@@ -34,24 +59,10 @@ class JobView:
     last_step: int | None = None
 
 
-@dataclass
-class Step:
-    action: str
-    params: dict[str, Any] = field(default_factory=dict)
-    status: str = "pending"  # pending, sent, done, failed, skipped
-    command_ids: list[str] = field(default_factory=list)
-    detail: str = ""
-    at: float | None = None
+# -- incidents ---------------------------------------------------------------------------
 
-    def as_dict(self) -> dict[str, Any]:
-        return {"action": self.action, "params": self.params, "status": self.status,
-                "command_ids": self.command_ids, "detail": self.detail, "at": self.at}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Step:
-        return cls(action=d["action"], params=dict(d.get("params", {})),
-                   status=d.get("status", "pending"), command_ids=list(d.get("command_ids", [])),
-                   detail=d.get("detail", ""), at=d.get("at"))
+def is_open(inc: Incident) -> bool:
+    return inc.status in OPEN
 
 
 def find_incident(open_incidents: list[Incident], d: Diagnosis, cooldown_s: float,
@@ -69,6 +80,12 @@ def find_incident(open_incidents: list[Incident], d: Diagnosis, cooldown_s: floa
                                                  or set(d.hosts) & set(inc.hosts)):
             return inc
     return None
+
+
+def detected_at(d: Diagnosis, now: float) -> float:
+    """When a new incident's failure was detected: a revision of an older diagnosis that
+    opens a new incident is a new failure, detected now."""
+    return d.time if d.rev == 1 and d.time else now
 
 
 def open_incident(d: Diagnosis, detected_at: float | None, now: float) -> Incident:
@@ -97,29 +114,35 @@ def join(inc: Incident, d: Diagnosis) -> bool:
     return changed
 
 
+# -- plans -------------------------------------------------------------------------------
+
+def _step(action: str, **params: Any) -> IncidentStep:
+    return IncidentStep(action=action, params=params)
+
+
 def plan(inc: Incident, d: Diagnosis, policy: Policy, view: JobView,
-         now: float | None = None) -> tuple[list[Step], list[str]]:
+         now: float | None = None) -> tuple[list[IncidentStep], list[str]]:
     """The steps to run for ``inc`` and notes on why the plan differs from the policy."""
     now = now or time.time()
     cp = policy.for_cause(inc.cause)
     notes: list[str] = []
     actions = list(cp.actions)
     if inc.cause == "unknown" and policy.escalate_unknown:
-        return [Step("escalate", {"reason": "cause unknown", "grace": policy.unknown_grace_s})], \
+        return [_step("escalate", reason="cause unknown", grace=policy.unknown_grace_s)], \
             ["unknown cause: a human decides"]
     if cp.escalate_after and view.cause_count_last_hour >= cp.escalate_after:
-        return [Step("escalate", {"reason": f"{inc.cause} {view.cause_count_last_hour} times "
-                                            "in the last hour"})], ["repeating cause"]
+        return [_step("escalate", reason=f"{inc.cause} {view.cause_count_last_hour} times "
+                                         "in the last hour")], ["repeating cause"]
     if cp.isolate_if_sustained_s and view.first_seen_at is not None \
             and now - view.first_seen_at >= cp.isolate_if_sustained_s and "isolate" not in actions:
         actions.append("isolate")
         notes.append(f"sustained {now - view.first_seen_at:.0f}s: isolating")
     if any(a in RESTARTING for a in actions) \
             and view.restarts_last_hour >= policy.restart_budget_per_hour:
-        return [Step("escalate", {"reason": f"restart budget spent ({view.restarts_last_hour}/"
-                                            f"{policy.restart_budget_per_hour} in the last "
-                                            "hour)"})], ["budget spent"]
-    steps: list[Step] = []
+        return [_step("escalate", reason=f"restart budget spent ({view.restarts_last_hour}/"
+                                         f"{policy.restart_budget_per_hour} in the last "
+                                         "hour)")], ["budget spent"]
+    steps: list[IncidentStep] = []
     for action in actions:
         if action == "none":
             continue
@@ -127,35 +150,31 @@ def plan(inc: Incident, d: Diagnosis, policy: Policy, view: JobView,
             if inc.cause in ("rank_hang", "network"):
                 notes.append("save_now skipped: the collective is hung")
                 continue
-            steps.append(Step("save_now", {"deadline": policy.save_deadline_s}))
+            steps.append(_step("save_now", deadline=policy.save_deadline_s))
         elif action == "isolate":
             for host in inc.hosts:
                 ok, why = can_isolate(host, view)
                 if ok:
-                    steps.append(Step("isolate", {"host": host}))
+                    steps.append(_step("isolate", host=host))
                 else:
                     notes.append(f"not isolating {host}: {why}; restarting in place")
-                    steps.append(Step("escalate", {"reason": f"{host} should leave the job "
-                                                             f"but cannot: {why}"}))
+                    steps.append(_step("escalate", reason=f"{host} should leave the job "
+                                                          f"but cannot: {why}"))
         elif action == "dump":
-            by_host: dict[str, list[int]] = {}
-            for host in inc.hosts or [""]:
-                by_host[host] = list(inc.ranks)
-            for host, ranks in by_host.items():
-                if host:
-                    steps.append(Step("dump", {"host": host, "ranks": ranks}))
+            steps.extend(_step("dump", host=host, ranks=list(inc.ranks))
+                         for host in dict.fromkeys(inc.hosts) if host)
         elif action == "rollback":
             below = inc.failure_step if inc.failure_step is not None else 0
-            steps.append(Step("rollback", {"below_step": below}))
+            steps.append(_step("rollback", below_step=below))
         else:
-            steps.append(Step(action, {}))
+            steps.append(_step(action))
     if any(s.action in ("isolate", "rollback") for s in steps) \
             and not any(s.action == "restart" for s in steps):
-        steps.append(Step("restart", {}))  # the job re-forms / reloads only on a restart
+        steps.append(_step("restart"))  # the job re-forms / reloads only on a restart
     # An escalation from a refused isolation must not stop the restart in place.
     if any(s.action == "escalate" for s in steps) and not any(
             s.action == "restart" for s in steps) and any(a in RESTARTING for a in actions):
-        steps.append(Step("restart", {}))
+        steps.append(_step("restart"))
     return steps, notes
 
 
@@ -165,14 +184,167 @@ def can_isolate(host: str, view: JobView) -> tuple[bool, str]:
     info = view.hosts.get(host)
     if info is None:
         return False, "no agent registered for it"
-    if info.get("hosts_store"):
+    if info.hosts_store:
         return False, "it runs the rendezvous store"
     remaining = len(view.hosts) - 1
-    minimum = int(info.get("nnodes_min", 1))
-    if remaining < max(1, minimum):
-        return False, f"{remaining} node(s) would remain, below the job's minimum {minimum}"
+    if remaining < max(1, info.nnodes_min):
+        return False, (f"{remaining} node(s) would remain, below the job's minimum "
+                       f"{info.nnodes_min}")
     return True, ""
 
+
+def _identity(step: IncidentStep) -> tuple[str, bytes]:
+    return step.action, msgspec.json.encode(step.params, order="sorted")
+
+
+def merge_plan(current: Sequence[IncidentStep],
+               planned: Sequence[IncidentStep]) -> list[IncidentStep]:
+    """A re-plan: the steps already done stay, then the new plan without what they did."""
+    done = [s for s in current if s.status == "done"]
+    did = {_identity(s) for s in done}
+    return done + [s for s in planned if _identity(s) not in did]
+
+
+def replan(inc: Incident, d: Diagnosis, policy: Policy, view: JobView, now: float) -> None:
+    """Give ``inc`` the plan for its (new) cause, noting in its summary why it differs."""
+    steps, notes = plan(inc, d, policy, view, now)
+    inc.actions = merge_plan(inc.actions, steps)
+    if notes:
+        inc.summary = f"{inc.summary} [{'; '.join(notes)}]".strip()
+
+
+# -- running the steps -------------------------------------------------------------------
+
+def next_step(inc: Incident) -> int | None:
+    """The index of the step to run now: the first not finished (a ``sent`` one is re-sent)."""
+    return next((i for i, s in enumerate(inc.actions) if s.status in ("pending", "sent")),
+                None)
+
+
+def grace_to_wait(step: IncidentStep) -> float:
+    """Seconds an escalation still waits for a better diagnosis to supersede it (0: none)."""
+    if step.action != "escalate" or step.params.get("waited"):
+        return 0.0
+    return float(step.params.get("grace") or 0.0)
+
+
+def start_step(inc: Incident, step: IncidentStep, now: float) -> None:
+    step.at = now
+    if inc.first_action_at is None:
+        inc.first_action_at = now
+        inc.status = "mitigating"
+
+
+def finish_step(inc: Incident, step: IncidentStep) -> None:
+    """What a finished step means for its incident."""
+    if step.action == "escalate":
+        inc.escalation = step.detail  # a human is told; steps that can still help go on
+    elif step.status == "failed":
+        inc.status = "escalated"
+        inc.escalation = f"{step.action} failed: {step.detail}"
+
+
+def conclude(inc: Incident, now: float) -> bool:
+    """No step left: the incident is mitigated, or escalated when nothing in its plan could
+    recover it after an escalation. True when that changed the incident."""
+    if inc.mitigated_at is not None or not inc.actions:
+        return False
+    inc.mitigated_at = now
+    recovering = any(s.action in RESTARTING and s.status in ("done", "skipped")
+                     for s in inc.actions)
+    if inc.escalation and not recovering:
+        inc.status = "escalated"
+    return True
+
+
+def blocklist_entry(inc: Incident, now: float) -> BlocklistEntry:
+    return BlocklistEntry(reason=inc.summary or inc.cause, cause=inc.cause, job=inc.job,
+                          incident=inc.id, time=now)
+
+
+def waits_for_launcher(inc: Incident) -> bool:
+    """A dead worker: torchrun restarts the group by itself, so a restart first gives it
+    the chance rather than restarting a group that is already coming back."""
+    return inc.cause in CRASHING and inc.failure_attempt is not None
+
+
+def launcher_restarted(inc: Incident, view: JobView) -> bool:
+    """The job is in a later attempt than the one that failed: restarting is done."""
+    return inc.failure_attempt is not None and view.attempt is not None \
+        and view.attempt > inc.failure_attempt
+
+
+def skip_restart(inc: Incident, step: IncidentStep, view: JobView) -> None:
+    step.status = "skipped"
+    step.detail = f"the launcher already restarted the workers (attempt {view.attempt})"
+    inc.restarted_attempt = inc.failure_attempt
+
+
+# -- outcomes ----------------------------------------------------------------------------
+
+class Outcome(NamedTuple):
+    status: StepStatus
+    detail: str
+
+
+class AckVerdict(NamedTuple):
+    status: StepStatus
+    detail: str
+    retry: bool
+    """Worth sending again (as a retry): no answer, or every responder failed."""
+
+
+def acks_complete(acks: Sequence[CommandAck], hosts: Collection[str]) -> bool:
+    """Every expected host answered (any answer, when no host is named)."""
+    responders = {a.responder.removeprefix("host-") for a in acks}
+    return bool(acks) and set(hosts) <= responders
+
+
+def ack_verdict(acks: Sequence[CommandAck], hosts: Sequence[str], kind: str,
+                earlier: str = "") -> AckVerdict:
+    """What the acks of one send mean for its step; ``earlier``: the detail of a previous
+    send, kept when this one got no answer. A refusal is final."""
+    if not acks:
+        return AckVerdict("failed", earlier or f"no acknowledgement of {kind} from "
+                                               f"{', '.join(hosts)}", True)
+    detail = "; ".join(f"{a.responder}: {a.outcome} {a.detail[:200]}".strip() for a in acks)
+    if any(a.outcome == "done" for a in acks):
+        return AckVerdict("done", detail, False)
+    return AckVerdict("failed", detail, not any(a.outcome == "refused" for a in acks))
+
+
+def save_outcome(reply: SaveReply | None, error: str = "") -> Outcome:
+    """A save-now that did not commit is skipped, not failed: the plan goes on without it."""
+    if reply is None:
+        return Outcome("skipped", error or "the coordinator has no checkpoint")
+    return Outcome("done" if reply.ok else "skipped",
+                   reply.reason or (f"committed step {reply.step}" if reply.ok
+                                    else f"save {reply.status}"))
+
+
+def rollback_outcome(reply: RollbackReply | None, error: str = "") -> Outcome:
+    """A rollback without a checkpoint to go back to fails (the incident escalates)."""
+    if reply is None:
+        return Outcome("failed", error or "the coordinator has no checkpoint")
+    if reply.step is None:
+        return Outcome("failed", reply.reason or "no checkpoint")
+    return Outcome("done", f"resume pointer at step {reply.step}")
+
+
+ACTION_STATUS: Final[dict[StepStatus, Literal["sent", "acked", "failed", "skipped"]]] = {
+    "done": "acked", "failed": "failed", "skipped": "skipped", "pending": "sent",
+    "sent": "sent"}
+
+
+def action_event(inc: Incident, step: IncidentStep, now: float) -> Action:
+    """The ``action`` event that tells alerting tools what a step did."""
+    return Action(id=uuid7(), job=inc.job, action=step.action, incident_id=inc.id,
+                  diagnosis_id=inc.diagnosis_ids[-1] if inc.diagnosis_ids else "",
+                  command_ids=list(step.command_ids), detail=step.detail, time=now,
+                  status=ACTION_STATUS[step.status])
+
+
+# -- resolution --------------------------------------------------------------------------
 
 def resolved_by_progress(inc: Incident, view: JobView, restarted_attempt: int | None) -> bool:
     """Training passed the failure step again (in an attempt after the restart, if any)."""
@@ -182,3 +354,36 @@ def resolved_by_progress(inc: Incident, view: JobView, restarted_attempt: int | 
                                           restarted_attempt):
         return False
     return view.last_step > inc.failure_step
+
+
+def resolution(inc: Incident, view: JobView, resolved_anomalies: Collection[str],
+               policy: Policy, now: float) -> Resolution | None:
+    """Whether an incident whose steps have run ends now, and why."""
+    restarting = any(s.action in RESTARTING for s in inc.actions)
+    if restarting and resolved_by_progress(inc, view, inc.restarted_attempt):
+        return "progress"
+    if not restarting and (set(inc.anomaly_ids) <= set(resolved_anomalies)
+                           or (inc.mitigated_at is not None and not inc.anomaly_ids)):
+        return "anomalies"
+    if now - (inc.detected_at or now) > policy.resolve_timeout_s:
+        return "timeout"
+    return None
+
+
+def needs_resume_step(inc: Incident, why: Resolution) -> bool:
+    """Steps lost are counted for a job the remediator restarted: from where it resumed."""
+    return why == "progress" and inc.restarted_attempt is not None
+
+
+def settle(inc: Incident, why: Resolution, policy: Policy, now: float,
+           resume_step: int | None = None) -> None:
+    """End ``inc`` as :func:`resolution` decided; ``resume_step``: where training resumed."""
+    if why == "timeout":
+        inc.status = "escalated"
+        inc.escalation = f"not resolved within {policy.resolve_timeout_s:.0f}s of detection"
+        return
+    inc.status, inc.resolved_at = "resolved", now
+    if why == "progress" and resume_step is not None:
+        inc.resume_step = resume_step
+        if inc.failure_step is not None:
+            inc.steps_lost = max(0, inc.failure_step - resume_step)

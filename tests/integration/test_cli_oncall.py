@@ -13,8 +13,15 @@ import redis.asyncio as aioredis
 
 from trainguard.bus import Bus
 from trainguard.codec import encode_durable
-from trainguard.schemas import Anomaly, Incident
-from trainguard.state import Keys, Progress, RankProgress, encode_progress
+from trainguard.schemas import Anomaly, Incident, IncidentStep
+from trainguard.state import (
+    BlocklistEntry,
+    Keys,
+    Progress,
+    RankProgress,
+    encode_blocklist_entry,
+    encode_progress,
+)
 from trainguard.subjects import Subjects
 from trainguard.topology import provision, streams
 
@@ -35,9 +42,12 @@ async def test_oncall_views(nats_url: str, redis_url: str, prefix: str, job: str
     inc = Incident(id="inc-1", job=job, cause="rank_hang", status="resolved", hosts=["node-b"],
                    onset_at=now - 30, detected_at=now - 24, mitigated_at=now - 20,
                    resolved_at=now - 5, steps_lost=7,
-                   actions=[{"action": "restart", "status": "done"}])
+                   actions=[IncidentStep(action="restart", status="done")])
     await r.hset(keys.incidents(job), inc.id, encode_durable(inc))
-    await r.hset(keys.blocklist(), "node-z", '{"reason": "ecc"}')
+    await r.hset(keys.blocklist(), "node-z", '{"reason": "ecc"}')  # written by hand
+    await r.hset(keys.blocklist(), "node-y", encode_blocklist_entry(BlocklistEntry(
+        reason="xid 79", cause="gpu_lost", job=job, incident="inc-1", time=now - 60)))
+    await r.hset(keys.blocklist(), "node-x", "maintenance")
     await r.aclose()
     await provision(nc.jetstream(), streams(prefix))
     await Bus(nc, s, source="test").publish_durable(s.event(job, "anomaly"), Anomaly(
@@ -48,9 +58,12 @@ async def test_oncall_views(nats_url: str, redis_url: str, prefix: str, job: str
     assert out.returncode == 0, out.stderr
     status = json.loads(out.stdout)
     assert status["jobs"][job]["progress"]["last_step"] == 42
-    assert "node-z" in status["blocklist"]
+    assert status["blocklist"]["node-z"]["reason"] == "ecc"
+    assert status["blocklist"]["node-y"]["incident"] == "inc-1"
+    assert status["blocklist"]["node-x"]["reason"] == "maintenance"  # not an entry: its text
     text = await cli("status", "--job", job, *conn)
-    assert "1 hung" in text.stdout and "blocklisted: node-z" in text.stdout
+    assert "1 hung" in text.stdout and "blocklisted: node-z ecc" in text.stdout
+    assert f"blocklisted: node-y xid 79 (job {job}, gpu_lost," in text.stdout
 
     out = await cli("incidents", "--job", job, "--json", *conn)
     (row,) = [json.loads(line) for line in out.stdout.splitlines()]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -34,12 +35,17 @@ def _trainguard(*args: str) -> list[str]:
     return [sys.executable, "-m", "trainguard", *args]
 
 
-def test_up_starts_embedded_servers_answers_and_stops_cleanly(tmp_path: Path) -> None:
+@pytest.mark.parametrize("secure", [True, False], ids=["auth", "insecure"])
+def test_up_starts_embedded_servers_answers_and_stops_cleanly(tmp_path: Path,
+                                                              secure: bool) -> None:
+    """Also with ``TRAINGUARD_LOG_FORMAT=json``: its log lines are JSON objects. With auth
+    (the default) every service connects as its own role and anonymous clients are refused."""
     nats_port, redis_port = free_port(), free_port()
     proc = subprocess.Popen(
         _trainguard("up", "--nats-port", str(nats_port), "--redis-port", str(redis_port),
-                    "--data-dir", str(tmp_path)),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                    "--data-dir", str(tmp_path), *(() if secure else ("--insecure",))),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "TRAINGUARD_LOG_FORMAT": "json"})
     assert proc.stdout is not None
     lines: list[str] = []
     try:
@@ -60,10 +66,19 @@ def test_up_starts_embedded_servers_answers_and_stops_cleanly(tmp_path: Path) ->
             assert s.recv(4) == b"INFO"
         with socket.create_connection(("127.0.0.1", redis_port), timeout=2) as s:
             s.sendall(b"PING\r\n")
-            assert s.recv(7) == b"+PONG\r\n"
+            assert s.recv(7) == (b"-NOAUTH" if secure else b"+PONG\r\n")
+        assert (f"creds: {tmp_path.resolve() / 'creds'}" in text) == secure, text
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
+        rest, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 0
         assert not any(_alive(c) for c in children)
+        logged = [json.loads(line) for line in (text + rest).splitlines()
+                  if line.startswith("{")]
+        ready = [r for r in logged if r["logger"] == "trainguard.service"
+                 and r["message"].startswith("service detector ready")]
+        assert ready and ready[0]["level"] == "INFO" and ready[0]["time"].endswith("Z"), rest
+        for name in ("detector", "diagnoser", "remediator", "checkpointer"):
+            assert f"{name}: ready" in text + rest, text + rest
     finally:
         if proc.poll() is None:
             proc.kill()

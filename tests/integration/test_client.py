@@ -100,7 +100,7 @@ async def test_commands_run_at_safe_points_in_order_once_and_are_acked(
         in_step = threading.Event()
 
         def note(cmd: Command) -> str:
-            ran.append((cmd.id, guard._step, guard._phase))
+            ran.append((cmd.id, guard.state.step, guard.state.phase))
             return "noted"
 
         guard.on("note", note)
@@ -117,14 +117,16 @@ async def test_commands_run_at_safe_points_in_order_once_and_are_acked(
 
         worker = threading.Thread(target=loop)
         worker.start()
-        await wait_until(lambda: guard._transport.connected and in_step.is_set(),
+        await wait_until(lambda: guard.connected and in_step.is_set(),
                          what="guard connected")
         cmds = [Command(id=f"c{i}", job=job, kind="note", issuer="cli") for i in range(3)]
         for c in cmds:
             await bus.publish_durable(s.cmd_rank(job, 1), c)
         await bus.publish_durable(s.cmd_all(job), cmds[0])  # redelivered id: not run again
         await bus.publish_durable(s.cmd_rank(job, 0), Command(
-            id="other-rank", job=job, kind="note", issuer="cli"))
+            id="other-rank", job=job, kind="note", issuer="cli", target="rank.0"))
+        await bus.publish_durable(s.cmd_all(job), Command(  # misrouted: left to rank 0
+            id="for-rank-0", job=job, kind="note", issuer="cli", target="rank.0"))
         await bus.publish_durable(s.cmd_all(job), Command(
             id="bogus", job=job, kind="levitate", issuer="cli"))
         await bus.publish_durable(s.cmd_all(job), Command(
@@ -142,6 +144,7 @@ async def test_commands_run_at_safe_points_in_order_once_and_are_acked(
     assert by_id["c1"].responder == "rank-1"
     assert by_id["bogus"].outcome == "unknown_kind"
     assert "agent-only" not in by_id and "other-rank" not in by_id
+    assert "for-rank-0" not in by_id  # arrived before "bogus", which was answered
     assert sum(1 for a in tap.acks if a.command_id == "c0") == 1
 
 
@@ -152,7 +155,7 @@ async def test_at_step_runs_exactly_there_and_late_commands_say_too_late(
         guard = make_guard(nats_url, prefix, job)
         completed: list[int] = []
         ran_after: list[int] = []
-        guard.on("note", lambda cmd: ran_after.append(guard._step) or None)
+        guard.on("note", lambda cmd: ran_after.append(guard.state.step) or None)
         gate = threading.Event()
 
         def loop() -> None:
@@ -165,13 +168,13 @@ async def test_at_step_runs_exactly_there_and_late_commands_say_too_late(
 
         worker = threading.Thread(target=loop)
         worker.start()
-        await wait_until(lambda: len(completed) == 5 and guard._transport.connected,
+        await wait_until(lambda: len(completed) == 5 and guard.connected,
                          what="five steps")
         await bus.publish_durable(s.cmd_all(job), Command(id="at20", job=job, kind="note",
                                                           issuer="cli", at_step=20))
         await bus.publish_durable(s.cmd_all(job), Command(id="at2", job=job, kind="note",
                                                           issuer="cli", at_step=2))
-        await wait_until(lambda: len(guard._desk.inbox) == 2, what="commands received")
+        await wait_until(lambda: len(guard.commands.inbox) == 2, what="commands received")
         gate.set()
         await wait_until(lambda: {a.command_id for a in tap.acks} == {"at20", "at2"},
                          what="acks")
@@ -188,17 +191,17 @@ async def test_drills_are_refused_unless_allowed_and_crash_reaches_the_loop(
     async with tapped(nats_url, prefix, job) as (tap, bus):
         guard = make_guard(nats_url, prefix, job, allow_drills=False)
         await asyncio.to_thread(train, guard, range(2))
-        await wait_until(lambda: guard._transport.connected, what="connected")
+        await wait_until(lambda: guard.connected, what="connected")
         await bus.publish_durable(s.cmd_all(job), Command(id="n1", job=job, kind="nan",
                                                           issuer="cli"))
-        await wait_until(lambda: len(guard._desk.inbox) == 1, what="drill received")
+        await wait_until(lambda: len(guard.commands.inbox) == 1, what="drill received")
         await asyncio.to_thread(train, guard, range(2, 4))
         await wait_until(lambda: tap.acks, what="ack")
         assert tap.acks[0].outcome == "failed" and "--allow-drills" in tap.acks[0].detail
         guard.allow_drills = True
         await bus.publish_durable(s.cmd_all(job), Command(id="n2", job=job, kind="nan",
                                                           issuer="cli"))
-        await wait_until(lambda: len(guard._desk.inbox) == 1, what="nan drill received")
+        await wait_until(lambda: len(guard.commands.inbox) == 1, what="nan drill received")
         await asyncio.to_thread(train, guard, range(4, 6))
 
         def nan_reports() -> list[StepReport]:
@@ -209,7 +212,7 @@ async def test_drills_are_refused_unless_allowed_and_crash_reaches_the_loop(
         await bus.publish_durable(s.cmd_all(job), Command(
             id="boom", job=job, kind="crash", issuer="cli",
             params={"message": "uncorrectable ECC error encountered"}))
-        await wait_until(lambda: len(guard._desk.inbox) == 1, what="crash drill received")
+        await wait_until(lambda: len(guard.commands.inbox) == 1, what="crash drill received")
         with pytest.raises(DrillCrash, match="uncorrectable ECC"):
             await asyncio.to_thread(train, guard, range(6, 10))
         await wait_until(lambda: len(tap.acks) == 3, what="acks")

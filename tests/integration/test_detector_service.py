@@ -167,8 +167,8 @@ async def test_hang_arrives_on_the_event_subject_naming_the_culprit_then_resolve
             await until(lambda: of(seen, "hang"), what="a hang anomaly")
             [hang] = of(seen, "hang")
             assert hang.job == job and hang.ranks == [2] and hang.hosts == ["host-1"]
-            assert hang.evidence["culprits"] == [2] and hang.evidence["majority_phase"] == "comm"
-            assert hang.evidence["phases"]["2"]["phase"] == "data"
+            assert hang.evidence.culprits == [2] and hang.evidence.majority_phase == "comm"
+            assert hang.evidence.phases["2"].phase == "data"
             assert hang.step == 29 and hang.schema == "io.trainguard.anomaly.v1"
             p = await until(lambda: _progress_state(redis_url, prefix, job, 2, "hung"),
                             what="progress to show rank 2 hung")
@@ -213,7 +213,7 @@ async def test_worker_exit_is_a_crash_unless_a_command_initiated_it(
         await until(lambda: of(seen, "crash"), what="a crash anomaly")
     [crash] = of(seen, "crash")
     assert crash.ranks == [3] and crash.hosts == ["host-1"] and crash.severity == "critical"
-    assert crash.evidence["exit_code"] == 1 and "illegal memory" in crash.evidence["error"]
+    assert crash.evidence.exit_code == 1 and "illegal memory" in crash.evidence.error
     assert crash.detected_at >= crash.onset_at
 
 

@@ -12,6 +12,7 @@ from tests.integration.recorder import running
 from trainguard.bus import Bus
 from trainguard.codec import decode_durable, encode_telemetry
 from trainguard.config import load_settings
+from trainguard.evidence import CrashEvidence, HangEvidence
 from trainguard.schemas import Anomaly, DeadLetter, Diagnosis, GpuSample, WorkerExit, XidEvent
 from trainguard.services.diagnoser.service import DiagnoserService
 from trainguard.services.diagnoser.settings import DiagnoserSettings
@@ -47,13 +48,13 @@ async def test_exit_and_crash_become_one_diagnosis(nats_url: str, redis_url: str
             stderr_tail="RuntimeError: CUDA error: unknown error"))
         await bus.publish_durable(s.event(job, "anomaly"), Anomaly(
             id="crash-3", job=job, kind="crash", ranks=[3], hosts=["node-b"], onset_at=now,
-            detected_at=now, evidence={"stderr_tail": "RuntimeError: CUDA error: unknown error",
-                                       "exit_code": 1}))
+            detected_at=now, evidence=CrashEvidence(
+                stderr_tail="RuntimeError: CUDA error: unknown error", exit_code=1)))
         await wait_until(lambda: got, what="a diagnosis")
         await bus.publish_durable(s.event(job, "anomaly"), Anomaly(
             id="hang-1", job=job, kind="hang", ranks=[0, 1, 2], hosts=["node-a", "node-b"],
-            onset_at=now, detected_at=now + 1, evidence={"culprits": [],
-                                                         "majority_phase": "comm"}))
+            onset_at=now, detected_at=now + 1, evidence=HangEvidence(culprits=[],
+                                                                     majority_phase="comm")))
         await nc.jetstream().publish(s.event(job, "anomaly"), b'{"kind": 7}',
                                      headers={"ce-type": "io.trainguard.anomaly.v1"})
         await wait_until(lambda: len(got) == 2 and dead, what="the join and a dead letter")

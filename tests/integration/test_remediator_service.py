@@ -4,7 +4,6 @@ the agent's own command rules (CommandExecutor) and acknowledges like an agent."
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
@@ -19,14 +18,22 @@ from tests.conftest import wait_until
 from tests.integration.recorder import running
 from tests.unit.test_agent_rules import FakeNode
 from trainguard.bus import Bus
-from trainguard.codec import decode_durable
+from trainguard.codec import decode_durable, encode_durable
 from trainguard.config import load_settings
 from trainguard.embedded import free_port
-from trainguard.schemas import Action, Command, CommandAck, Diagnosis, Incident
+from trainguard.rpc import RESUME, SAVE, SaveReply, SaveRequest
+from trainguard.schemas import Action, Command, CommandAck, Diagnosis, Incident, ResumePoint
 from trainguard.services.agent.executor import CommandExecutor
 from trainguard.services.remediator.service import RemediatorService
 from trainguard.services.remediator.settings import RemediatorSettings
-from trainguard.state import Keys, Progress, encode_progress
+from trainguard.state import (
+    Keys,
+    NodeRecord,
+    Progress,
+    decode_blocklist_entry,
+    encode_node_record,
+    encode_progress,
+)
 from trainguard.subjects import Subjects
 from trainguard.topology import provision, streams
 
@@ -69,11 +76,21 @@ async def seed(redis_url: str, prefix: str, job: str, *, attempt: int, step: int
     keys = Keys(prefix)
     r = aioredis.Redis.from_url(redis_url)
     for host, store in (("node-a", True), ("node-b", False)):
-        await r.set(keys.node(job, host), json.dumps({"host": host, "hosts_store": store,
-                                                      "nnodes_min": 1, "job": job}))
+        await r.set(keys.node(job, host), encode_node_record(NodeRecord(
+            host=host, job=job, hosts_store=store, nnodes_min=1)))
     await r.set(keys.progress(job), encode_progress(Progress(
         job=job, time=time.time(), attempt=attempt, last_step=step)))
     await r.aclose()
+
+
+async def stage(nc: Any, redis_url: str, prefix: str,
+                job: str) -> tuple[Agents, list[Incident]]:
+    """Streams, two agents, a job at step 120 of attempt 0, and the incidents to come."""
+    await provision(nc.jetstream(), streams(prefix))
+    agents = Agents(nc, prefix, job)
+    await agents.start()
+    await seed(redis_url, prefix, job, attempt=0, step=120)
+    return agents, await incidents_of(nc, prefix, job)
 
 
 def diagnosis(job: str, ident: str, cause: str = "process_crash", host: str = "node-b",
@@ -101,11 +118,7 @@ def settings_for(nats_url: str, redis_url: str, prefix: str, **kw: Any) -> Remed
 
 async def test_crash_to_restart_to_resolved(nats_url: str, redis_url: str, prefix: str,
                                             job: str, nc: Any, tmp_path: Path) -> None:
-    await provision(nc.jetstream(), streams(prefix))
-    agents = Agents(nc, prefix, job)
-    await agents.start()
-    await seed(redis_url, prefix, job, attempt=0, step=120)
-    seen = await incidents_of(nc, prefix, job)
+    agents, seen = await stage(nc, redis_url, prefix, job)
     actions: list[Action] = []
 
     async def on_action(msg: Any) -> None:
@@ -130,8 +143,8 @@ async def test_crash_to_restart_to_resolved(nats_url: str, redis_url: str, prefi
     assert all(getattr(final, f) for f in ("onset_at", "detected_at", "diagnosed_at",
                                            "first_action_at", "mitigated_at", "resolved_at"))
     assert final.failure_step == 120 and final.steps_lost == 120  # no checkpoint: from 0
-    assert [a["action"] for a in final.actions] == ["restart"]
-    assert final.actions[0]["status"] == "done"
+    assert [a.action for a in final.actions] == ["restart"]
+    assert final.actions[0].status == "done"
     assert agents.executed("restart") == {agents.commands[0].id}
     assert len(agents.commands) == 1
     assert agents.commands[0].epoch >= 1 and agents.commands[0].issuer == "remediator"
@@ -141,11 +154,7 @@ async def test_crash_to_restart_to_resolved(nats_url: str, redis_url: str, prefi
 
 async def test_no_second_restart_when_the_launcher_already_restarted(
         nats_url: str, redis_url: str, prefix: str, job: str, nc: Any) -> None:
-    await provision(nc.jetstream(), streams(prefix))
-    agents = Agents(nc, prefix, job)
-    await agents.start()
-    await seed(redis_url, prefix, job, attempt=0, step=120)
-    seen = await incidents_of(nc, prefix, job)
+    agents, seen = await stage(nc, redis_url, prefix, job)
     svc = RemediatorService(settings_for(nats_url, redis_url, prefix))
     async with running(svc):
         await wait_until(lambda: svc.leader is not None and svc.leader.leading, what="leading")
@@ -156,9 +165,83 @@ async def test_no_second_restart_when_the_launcher_already_restarted(
         await wait_until(lambda: any(i.status == "resolved" for i in seen), timeout=30,
                          what="resolved")
     final = seen[-1]
-    assert final.actions[0]["action"] == "restart" and final.actions[0]["status"] == "skipped"
-    assert "already restarted" in final.actions[0]["detail"]
+    assert final.actions[0].action == "restart" and final.actions[0].status == "skipped"
+    assert "already restarted" in final.actions[0].detail
     assert agents.commands == []
+
+
+async def test_a_sick_host_is_blocklisted_isolated_and_the_rest_restarted(
+        nats_url: str, redis_url: str, prefix: str, job: str, nc: Any, tmp_path: Path) -> None:
+    agents, seen = await stage(nc, redis_url, prefix, job)
+    policy = tmp_path / "policy.toml"
+    policy.write_text("[defaults]\nlauncher_grace_s = 0\n")
+    svc = RemediatorService(settings_for(nats_url, redis_url, prefix, policy=str(policy)))
+    async with running(svc):
+        await wait_until(lambda: svc.leader is not None and svc.leader.leading, what="leading")
+        bus = Bus(nc, Subjects(prefix), source="test")
+        await bus.publish_durable(Subjects(prefix).event(job, "diagnosis"),
+                                  diagnosis(job, "d1", cause="hbm_ecc"))
+        await wait_until(lambda: any(i.mitigated_at for i in seen), what="mitigated")
+        await seed(redis_url, prefix, job, attempt=1, step=121)
+        await wait_until(lambda: any(i.status == "resolved" for i in seen), what="resolved")
+    final = seen[-1]
+    assert [(a.action, a.status) for a in final.actions] == [("isolate", "done"),
+                                                              ("restart", "done")]
+    isolate, restart = agents.commands
+    assert (isolate.kind, isolate.target, restart.kind, restart.target) == (
+        "isolate", "host.node-b", "restart", "all")
+    assert final.actions[0].command_ids == [isolate.id]
+    r = aioredis.Redis.from_url(redis_url)
+    raw = await r.hget(Keys(prefix).blocklist(), "node-b")
+    await r.aclose()
+    assert raw is not None
+    entry = decode_blocklist_entry(raw)
+    assert (entry.cause, entry.job, entry.incident) == ("hbm_ecc", job, final.id)
+    assert "hbm_ecc" in entry.reason and entry.time > 0
+
+
+async def test_save_rollback_and_resume_go_through_the_coordinator_endpoints(
+        nats_url: str, redis_url: str, prefix: str, job: str, nc: Any, tmp_path: Path) -> None:
+    agents, seen = await stage(nc, redis_url, prefix, job)
+    s = Subjects(prefix)
+    asked: list[SaveRequest] = []
+
+    async def save(msg: Any) -> None:  # a stand-in for the coordinator
+        asked.append(SAVE.decode_request(msg.data))
+        await msg.respond(SAVE.encode_reply(SaveReply(ok=True, job=job, status="committed",
+                                                      step=118)))
+
+    async def resume(msg: Any) -> None:
+        RESUME.decode_request(msg.data)
+        await msg.respond(encode_durable(ResumePoint(job=job, step=118, path="/ckpt/118")))
+
+    await nc.subscribe(SAVE.subject(s, job), cb=save)
+    await nc.subscribe(RESUME.subject(s, job), cb=resume)
+    policy = tmp_path / "policy.toml"
+    policy.write_text("[defaults]\nsave_deadline_s = 7\n")
+    svc = RemediatorService(settings_for(nats_url, redis_url, prefix, policy=str(policy)))
+    async with running(svc):
+        await wait_until(lambda: svc.leader is not None and svc.leader.leading, what="leading")
+        bus = Bus(nc, s, source="test")
+        await bus.publish_durable(s.event(job, "diagnosis"), diagnosis(job, "d1", "gpu_lost"))
+        await wait_until(lambda: any(i.mitigated_at for i in seen), what="mitigated")
+        await seed(redis_url, prefix, job, attempt=1, step=121)
+        await wait_until(lambda: any(i.status == "resolved" for i in seen), what="resolved")
+        # Nobody answers a rollback: the step fails and the incident escalates.
+        await bus.publish_durable(s.event(job, "diagnosis"), diagnosis(job, "d2", "numeric",
+                                                                       host="node-a"))
+        await wait_until(lambda: any(i.status == "escalated" for i in seen), what="escalated")
+    resolved = next(i for i in seen if i.status == "resolved")
+    assert [(a.action, a.status) for a in resolved.actions] == [
+        ("save_now", "done"), ("isolate", "done"), ("restart", "done")]
+    assert resolved.actions[0].detail == "committed step 118"
+    assert [a.deadline for a in asked] == [7.0]
+    assert (resolved.resume_step, resolved.steps_lost) == (118, 2)
+    escalated = next(i for i in seen if i.status == "escalated")
+    assert escalated.actions[0].action == "rollback"
+    assert escalated.actions[0].status == "failed"
+    assert "no answer from the checkpoint coordinator" in escalated.escalation
+    assert len(agents.executed("restart")) == 1  # a failed rollback is not followed by one
 
 
 async def test_a_fault_beyond_the_restart_budget_escalates(

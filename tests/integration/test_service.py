@@ -4,12 +4,14 @@ health, and recovery from NATS and Redis outages."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import sys
 from typing import Any
 
 import nats
+import pytest
 import redis.asyncio as aioredis
 
 from tests.conftest import wait_until
@@ -17,7 +19,9 @@ from tests.integration.recorder import Recorder, recorder_settings, running
 from trainguard.bus import Bus
 from trainguard.codec import decode_durable
 from trainguard.embedded import NatsServer, RedisServer
+from trainguard.errors import NotStarted
 from trainguard.schemas import Anomaly, CommandAck, DeadLetter
+from trainguard.service import Runtime
 from trainguard.subjects import Subjects
 
 
@@ -58,8 +62,20 @@ async def test_handled_messages_are_acked_once(nats_url: str, redis_url: str, pr
         assert rt.metrics.messages.labels("recorder", "recorder", "ack")._value.get() == 20
 
 
+async def test_the_runtime_is_a_clear_error_before_start_and_the_services_after(
+        nats_url: str, redis_url: str, prefix: str) -> None:
+    svc = Recorder(recorder_settings(nats_url, redis_url, prefix))
+    with pytest.raises(NotStarted, match=r"^recorder used before start$"):
+        _ = svc.runtime
+    with pytest.raises(NotStarted, match=r"^the bus of recorder used before start$"):
+        _ = Runtime(svc, svc.settings).bus
+    async with running(svc) as rt:
+        assert svc.runtime is rt and rt.bus.connected
+
+
 async def test_failing_handler_is_retried_then_dead_lettered_and_service_goes_on(
-        nats_url: str, redis_url: str, prefix: str, job: str, nc: Any) -> None:
+        nats_url: str, redis_url: str, prefix: str, job: str, nc: Any,
+        caplog: pytest.LogCaptureFixture) -> None:
     svc = Recorder(recorder_settings(nats_url, redis_url, prefix),
                    fail_times={"flaky": 2})
     dead = await collect_dead(nc, prefix, job)
@@ -78,6 +94,12 @@ async def test_failing_handler_is_retried_then_dead_lettered_and_service_goes_on
         assert "refuses" in by_id["reject-1"].reason and svc.attempts["reject-1"] == 1
         assert by_id["poison-1"].subject == subject
         assert by_id["poison-1"].headers["ce-type"] == "io.trainguard.anomaly.v1"
+
+        def logged() -> list[logging.LogRecord]:
+            return [r for r in caplog.records if r.getMessage().startswith("dead-lettered")]
+
+        await wait_until(lambda: len(logged()) >= 2, what="dead letters logged")
+        assert {getattr(r, "job", None) for r in logged()} == {job}  # the stable key
         await wait_until(lambda: len(svc.attempts) == 4 and svc.attempts["flaky"] == 3,
                          what="flaky recorded on its third delivery")
         assert await recorded(redis_url, svc.key) == {"flaky", "after"}

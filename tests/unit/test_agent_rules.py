@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from trainguard import Guard
 from trainguard.config import load_settings
 from trainguard.schemas import Command, GpuStats, WorkerExit
 from trainguard.services.agent.executor import CommandExecutor
@@ -14,6 +15,8 @@ from trainguard.services.agent.gpu import ScriptedSource, open_source, throttle_
 from trainguard.services.agent.launcher import prepare_torchrun, worker_environment
 from trainguard.services.agent.node import Failure, LocalNode, Worker
 from trainguard.services.agent.settings import AgentSettings
+from trainguard.subjects import Subjects
+from trainguard.targets import addressed
 
 
 @dataclass
@@ -71,6 +74,17 @@ def test_rank_commands_are_not_the_agents() -> None:
     assert CommandExecutor(FakeNode()).handle(cmd("s", "save_now")) is None
 
 
+def test_a_command_for_another_host_is_left_to_it() -> None:
+    node = FakeNode(host="node-b")
+    ex = CommandExecutor(node)
+    _, other = addressed(Subjects(), "j", "restart", issuer="remediator", host="node-a")
+    assert ex.handle(other) is None and node.calls == []
+    _, mine = addressed(Subjects(), "j", "restart", issuer="remediator", host="node-b")
+    ack = ex.handle(mine)
+    assert ack is not None and (ack.responder, ack.outcome) == ("host-node-b", "done")
+    assert node.calls == [f"restart:{mine.id}"]
+
+
 def test_stale_epochs_are_refused() -> None:
     node = FakeNode()
     ex = CommandExecutor(node)
@@ -120,11 +134,22 @@ def test_torchrun_defaults_fix_restarts_and_keep_user_values(tmp_path: object) -
 
 
 def test_worker_environment_lets_guard_take_no_arguments() -> None:
-    env = worker_environment(settings(allow_drills=True, prefix="p"), "/logs")
+    url = "nats://10.9.8.7:4333"
+    env = worker_environment(settings(allow_drills=True, prefix="p", nats_url=url), "/logs")
     assert env["TRAINGUARD_JOB"] == "j" and env["TRAINGUARD_HOST"] == "node-a"
     assert env["TRAINGUARD_ALLOW_DRILLS"] == "1" and env["TRAINGUARD_PREFIX"] == "p"
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     assert env["TORCH_FR_DUMP_TEMP_FILE"].startswith("/logs/")
+    with pytest.MonkeyPatch.context() as mp:  # the ranks' environment: Guard() reads it
+        for k, v in env.items():
+            mp.setenv(k, v)
+        guard = Guard(rank=0, world_size=1)
+    assert (guard.job, guard.host, guard.allow_drills, guard.subjects.prefix) == (
+        "j", "node-a", True, "p")
+    assert guard.nats_url == url
+    # The names the agent sets are the ones its own settings are read from.
+    again = load_settings(AgentSettings, env={k: env[k] for k in env if k.startswith("TRAIN")})
+    assert (again.job, again.host, again.allow_drills, again.prefix) == ("j", "node-a", True, "p")
 
 
 def test_exits_name_the_root_and_the_collateral() -> None:

@@ -38,7 +38,7 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, n: int) -> list[float]:
 
 
 def queued_reports(guard: Guard) -> list[CheckpointReport]:
-    return [o.msg for o in guard._transport.durable if isinstance(o.msg, CheckpointReport)]
+    return [o.msg for o in guard.transport.durable if isinstance(o.msg, CheckpointReport)]
 
 
 def test_round_trip_continues_bit_for_bit(tmp_path: Path) -> None:
@@ -100,7 +100,7 @@ def test_save_now_saves_the_step_just_completed(tmp_path: Path) -> None:
     for i in range(3):
         with guard.step(i):
             train(model, opt, 1)
-    handler = guard._desk.handlers["save_now"]
+    handler = guard.commands.handlers["save_now"]
     detail = handler(Command(id="c1", job="ckjob", kind="save_now", issuer="coordinator"))
     assert detail is not None and detail.startswith("step=2 ")
     assert ckpt.wait() is not None and (tmp_path / "ckjob" / "step-2" / ".metadata").exists()

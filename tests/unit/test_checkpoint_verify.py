@@ -1,10 +1,17 @@
-"""Verification of a checkpoint's files against its ranks' reports (real files)."""
+"""Verification of a checkpoint's files against its ranks' reports (real files), and the
+one digest both the writer and the verifier compute."""
 
 from __future__ import annotations
 
+import random
+import subprocess
+import sys
 import zlib
 from pathlib import Path
 
+import pytest
+
+from trainguard.checksum import CHUNK, METADATA_FILE, crc32_of, file_digest
 from trainguard.schemas import CheckpointReport, FileDigest
 from trainguard.services.checkpointer.verify import verify_checkpoint
 
@@ -84,3 +91,28 @@ def test_ranks_disagreeing_on_the_path_fail(tmp_path: Path) -> None:
     reports = write_checkpoint(tmp_path, 2)
     reports[1].path = str(tmp_path / "elsewhere")
     assert "different paths" in verify_checkpoint(reports, 2).reason
+
+
+@pytest.mark.parametrize("size", [0, 1, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 7])
+def test_streamed_digest_equals_the_whole_file_crc_across_chunk_edges(tmp_path: Path,
+                                                                     size: int) -> None:
+    data = random.Random(size).randbytes(size)
+    path = tmp_path / "shard"
+    path.write_bytes(data)
+    assert crc32_of(path) == zlib.crc32(data)
+    assert file_digest(path) == FileDigest(bytes=size, crc32=zlib.crc32(data))
+
+
+def test_what_the_writer_reports_verifies_in_full_mode(tmp_path: Path) -> None:
+    """Reports built with the writer's :func:`file_digest` pass the verifier's re-read."""
+    reports = write_checkpoint(tmp_path, 2)
+    for rep in reports.values():
+        rep.files = {name: file_digest(Path(rep.path) / name) for name in rep.files}
+    assert METADATA_FILE in reports[0].files
+    assert verify_checkpoint(reports, 2, mode="full").ok
+
+
+def test_the_checksum_module_loads_no_torch() -> None:
+    """The coordinator imports it and does not install torch."""
+    code = "import sys, trainguard.checksum; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

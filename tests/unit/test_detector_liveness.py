@@ -28,7 +28,7 @@ def test_worker_exit_is_a_crash_naming_rank_and_host_once() -> None:
     [crash] = h.collect()
     assert crash.kind == "crash" and crash.ranks == [3] and crash.hosts == ["node-0"]
     assert crash.severity == "critical" and crash.step == 19
-    assert crash.evidence["exit_code"] == 1 and "CUDA" in crash.evidence["error"]
+    assert crash.evidence.exit_code == 1 and "CUDA" in crash.evidence.error
     assert crash.detected_at - crash.onset_at < 1.0
     # The crashed rank falls silent: that is expected now, not "unresponsive".
     h.sim.silent.add(3)
@@ -49,7 +49,7 @@ def test_initiated_and_clean_exits_are_not_crashes() -> None:
     h.detector.on_exit(exit_of(h, 2, code=0, ident="e2"), h.clock)
     h.detector.on_exit(exit_of(h, 4, code=None, signal="SIGKILL", ident="e3"), h.clock)
     [crash] = h.collect()
-    assert crash.ranks == [4] and crash.evidence["signal"] == "SIGKILL"
+    assert crash.ranks == [4] and crash.evidence.signal == "SIGKILL"
 
 
 def test_exit_with_neither_code_nor_signal_is_the_agents_confirmation_of_a_crash() -> None:
@@ -57,7 +57,7 @@ def test_exit_with_neither_code_nor_signal_is_the_agents_confirmation_of_a_crash
     h.sim.steps(5)
     h.detector.on_exit(exit_of(h, 6, code=None), h.clock)
     [crash] = h.collect()
-    assert crash.ranks == [6] and crash.evidence["confirmed_gone"] is True
+    assert crash.ranks == [6] and crash.evidence.confirmed_gone is True
 
 
 def test_silence_is_unresponsive_per_host_and_resolves_when_beats_return() -> None:
@@ -129,16 +129,16 @@ def test_hang_with_heartbeats_names_the_rank_whose_phase_differs_once() -> None:
     [hang] = h.opened()
     assert hang.kind == "hang" and hang.ranks == [3] and hang.hosts == ["node-0"]
     ev = hang.evidence
-    assert ev["majority_phase"] == "comm" and ev["culprit_basis"] == "phase"
-    assert ev["phases"]["3"]["phase"] == "data" and ev["phases"]["0"]["phase"] == "comm"
-    assert ev["phases"]["3"]["elapsed"] > 3.0
-    assert ev["limit"] == 5.0 and ev["phase_counts"] == {"comm": 7, "data": 1}
-    assert hang.detected_at - stalled_at <= ev["limit"] + TICK + 0.5
+    assert ev.majority_phase == "comm" and ev.culprit_basis == "phase"
+    assert ev.phases["3"].phase == "data" and ev.phases["0"].phase == "comm"
+    assert ev.phases["3"].elapsed > 3.0
+    assert ev.limit == 5.0 and ev.phase_counts == {"comm": 7, "data": 1}
+    assert hang.detected_at - stalled_at <= ev.limit + TICK + 0.5
     assert len(h.events) == 1, "a minute-long hang is one event"
     h.sim.steps(2)
     [resolved] = h.resolved()
     assert resolved.id == hang.id and resolved.rev == 2
-    assert resolved.evidence["resumed_step"] == 100
+    assert resolved.evidence.resumed_step == 100
 
 
 def test_hang_limit_follows_k_times_p99_of_slow_steps() -> None:
@@ -149,8 +149,8 @@ def test_hang_limit_follows_k_times_p99_of_slow_steps() -> None:
     assert h.events == [], "11 s is under 3 x a 4 s step"
     h.sim.stall(5.0, lambda r: "data" if r == 0 else "comm")
     [hang] = h.opened()
-    assert hang.ranks == [0] and hang.evidence["limit_basis"] == "p99"
-    assert 12.0 < hang.evidence["limit"] < 13.5
+    assert hang.ranks == [0] and hang.evidence.limit_basis == "p99"
+    assert 12.0 < hang.evidence.limit < 13.5
 
 
 def test_hang_with_every_rank_in_comm_blames_the_rank_behind_in_collectives() -> None:
@@ -159,7 +159,7 @@ def test_hang_with_every_rank_in_comm_blames_the_rank_behind_in_collectives() ->
     h.sim.coll_lag[2] = 1
     h.sim.stall(10.0, lambda r: "comm")
     [hang] = h.opened()
-    assert hang.ranks == [2] and hang.evidence["culprit_basis"] == "coll_seq"
+    assert hang.ranks == [2] and hang.evidence.culprit_basis == "coll_seq"
 
 
 def test_hang_with_every_rank_alike_names_all_and_no_culprit() -> None:
@@ -167,8 +167,8 @@ def test_hang_with_every_rank_alike_names_all_and_no_culprit() -> None:
     h.sim.steps(50)
     h.sim.stall(10.0, lambda r: "comm")
     [hang] = h.opened()
-    assert hang.ranks == [0, 1, 2, 3] and hang.evidence["culprits"] == []
-    assert hang.evidence["culprit_basis"] == "none"
+    assert hang.ranks == [0, 1, 2, 3] and hang.evidence.culprits == []
+    assert hang.evidence.culprit_basis == "none"
 
 
 def test_a_long_checkpoint_is_not_a_hang_but_one_far_beyond_the_learned_ones_is() -> None:
@@ -180,9 +180,9 @@ def test_a_long_checkpoint_is_not_a_hang_but_one_far_beyond_the_learned_ones_is(
     kinds = [a.kind for a in h.opened()]
     assert kinds == ["checkpoint_slow", "hang"], kinds
     slow, hang = h.opened()
-    assert slow.evidence["source"] == "heartbeat" and 16.0 <= slow.evidence["threshold"] < 24.0
-    assert hang.evidence["limit_basis"] == "phase:checkpoint"
-    assert 27.0 < hang.evidence["limit"] < 36.0
+    assert slow.evidence.source == "heartbeat" and 16.0 <= slow.evidence.threshold < 24.0
+    assert hang.evidence.limit_basis == "phase:checkpoint"
+    assert 27.0 < hang.evidence.limit < 36.0
 
 
 def test_first_long_phase_uses_the_long_phase_floor() -> None:
@@ -192,7 +192,7 @@ def test_first_long_phase_uses_the_long_phase_floor() -> None:
     assert h.events == []
     h.sim.stall(30.0, lambda r: "eval")
     [hang] = h.opened()
-    assert hang.evidence["limit"] == 120.0
+    assert hang.evidence.limit == 120.0
 
 
 def test_start_up_uses_its_own_longer_grace() -> None:
@@ -201,7 +201,7 @@ def test_start_up_uses_its_own_longer_grace() -> None:
     assert h.events == []
     h.sim.stall(20.0, lambda r: "init")
     [hang] = h.opened()
-    assert hang.evidence["limit_basis"] == "startup_grace" and hang.step is None
+    assert hang.evidence.limit_basis == "startup_grace" and hang.step is None
 
 
 def node_beat(h: Harness, states: dict[int, str], host: str = "node-0") -> NodeHeartbeat:
@@ -214,8 +214,8 @@ def test_stopped_rank_is_a_hang_at_once_naming_it() -> None:
     h.feed(node_beat(h, {0: "R", 1: "T", 2: "S", 3: "R"}))
     [hang] = h.opened()
     assert hang.kind == "hang" and hang.ranks == [1]
-    assert hang.evidence["culprit_basis"] == "process_state"
-    assert hang.evidence["process_states"] == {"1": "T"}
+    assert hang.evidence.culprit_basis == "process_state"
+    assert hang.evidence.process_states == {"1": "T"}
     # SIGSTOP also stops the rank's heartbeat thread: no separate unresponsive alert.
     h.sim.silent.add(1)
     h.sim.stall(20.0, lambda r: "comm")
@@ -237,7 +237,7 @@ def test_d_state_counts_only_when_it_persists() -> None:
     h.feed(node_beat(h, {2: "D"}))
     h.sim.stall(6.0, lambda r: "comm" if r != 2 else "data")
     [hang] = h.opened()
-    assert hang.ranks == [2] and hang.evidence["process_states"] == {"2": "D"}
+    assert hang.ranks == [2] and hang.evidence.process_states == {"2": "D"}
 
 
 def test_zombie_for_a_whole_timeout_is_a_crash() -> None:
@@ -248,7 +248,7 @@ def test_zombie_for_a_whole_timeout_is_a_crash() -> None:
     h.sim.stall(7.0, lambda r: "comm")
     crashes = h.opened("crash")
     assert [c.ranks for c in crashes] == [[3]]
-    assert crashes[0].evidence["source"] == "node_heartbeat"
+    assert crashes[0].evidence.source == "node_heartbeat"
     assert not h.opened("unresponsive")
 
 

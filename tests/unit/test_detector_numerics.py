@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import math
 
+import msgspec
+
+from trainguard.evidence import EccRise
 from trainguard.schemas import Fingerprint, GpuSample, GpuStats, RankHello, XidEvent
 from trainguard.services.detector.synthetic import Harness, SimConfig
 from trainguard.services.detector.thresholds import Thresholds
@@ -20,8 +23,8 @@ def test_nan_loss_on_every_rank_is_nonfinite_at_that_step() -> None:
     h.sim.steps(5)
     [bad] = h.opened()
     assert bad.kind == "nonfinite" and bad.step == 33 and bad.ranks == list(range(8))
-    assert bad.evidence["minority"] is False and bad.severity == "critical"
-    assert math.isnan(bad.evidence["loss"]["0"])
+    assert bad.evidence.minority is False and bad.severity == "critical"
+    assert math.isnan(bad.evidence.loss["0"])
     assert bad.detected_at - bad.onset_at < 1.0, "judged when the step's reports are in"
     h.sim.steps(25)
     assert [a.id for a in h.resolved()] == [bad.id]
@@ -33,8 +36,8 @@ def test_nan_on_a_minority_of_ranks_says_so_as_an_sdc_hint() -> None:
     h.sim.nan_ranks[12] = {2}
     h.sim.steps(5)
     [bad] = h.opened()
-    assert bad.ranks == [2] and bad.evidence["minority"] is True
-    assert bad.evidence["sdc_hint"] is True and bad.evidence["ranks_reporting"] == 8
+    assert bad.ranks == [2] and bad.evidence.minority is True
+    assert bad.evidence.sdc_hint is True and bad.evidence.ranks_reporting == 8
 
 
 def test_nan_that_persists_is_one_anomaly() -> None:
@@ -55,8 +58,7 @@ def test_gradient_explosion_after_warm_up_not_during_it() -> None:
     h.sim.steps(15)
     [boom] = h.opened()
     assert boom.kind == "grad_explosion" and boom.step == 90
-    assert boom.evidence["z"] > 6 and boom.evidence["grad_norm"] > 10 * boom.evidence[
-        "baseline_median"]
+    assert boom.evidence.z > 6 and boom.evidence.grad_norm > 10 * boom.evidence.baseline_median
     h.sim.steps(25)
     assert [a.kind for a in h.resolved()] == ["grad_explosion"]
 
@@ -81,7 +83,7 @@ def test_loss_spike_against_the_rolling_baseline() -> None:
     h.sim.steps(10)
     [spike] = h.opened()
     assert spike.kind == "loss_spike" and spike.step == 125
-    assert spike.evidence["loss"] > 1.3 * spike.evidence["baseline_median"]
+    assert spike.evidence.loss > 1.3 * spike.evidence.baseline_median
 
 
 def fp(rank: int, step: int, checksum: int, time: float, group: str = "dp") -> Fingerprint:
@@ -96,10 +98,10 @@ def test_fingerprint_minority_is_the_sdc_suspect_and_agreement_resolves() -> Non
     h.sim.steps(50)
     [sdc] = h.opened()
     assert sdc.kind == "sdc_mismatch" and sdc.ranks == [2] and sdc.step == 100
-    assert sdc.evidence["suspects"] == [2] and sdc.evidence["tie"] is False
+    assert sdc.evidence.suspects == [2] and sdc.evidence.tie is False
     h.sim.steps(50)
     [resolved] = h.resolved()
-    assert resolved.id == sdc.id and resolved.evidence["agreed_step"] == 150
+    assert resolved.id == sdc.id and resolved.evidence.agreed_step == 150
 
 
 def test_fingerprint_tie_names_no_suspect() -> None:
@@ -109,7 +111,7 @@ def test_fingerprint_tie_names_no_suspect() -> None:
     for rank, checksum in ((0, 11), (1, 12)):
         h.feed(fp(rank, 10, checksum, t))
     [sdc] = h.opened()
-    assert sdc.evidence["tie"] is True and sdc.evidence["suspects"] == []
+    assert sdc.evidence.tie is True and sdc.evidence.suspects == []
     assert sdc.ranks == [0, 1]
 
 
@@ -137,7 +139,7 @@ def test_fatal_xid_is_gpu_health_naming_host_and_the_rank_on_that_gpu() -> None:
     h.feed(sample)  # the same XID reported again is the same event
     [gpu] = h.opened()
     assert gpu.kind == "gpu_health" and gpu.hosts == ["node-1"] and gpu.ranks == [3]
-    assert gpu.evidence["xids"][0]["code"] == 79 and gpu.evidence["gpu"]["uuid"] == "GPU-b"
+    assert gpu.evidence.xids[0].code == 79 and gpu.evidence.gpu.uuid == "GPU-b"
     assert len(h.events) == 1
 
 
@@ -154,4 +156,5 @@ def test_rising_uncorrectable_ecc_is_gpu_health_a_steady_count_is_not() -> None:
     assert h.events == []
     h.feed(sample(6))
     [gpu] = h.opened()
-    assert gpu.evidence["ecc_uncorrected_aggregate"] == {"from": 4, "to": 6}
+    assert gpu.evidence.ecc_uncorrected_aggregate == EccRise(from_=4, to=6)
+    assert msgspec.to_builtins(gpu.evidence)["ecc_uncorrected_aggregate"] == {"from": 4, "to": 6}

@@ -36,7 +36,7 @@ def test_straggler_hidden_in_total_step_time_is_found_from_compute_time() -> Non
     assert alert.kind == "straggler" and alert.ranks == [5] and alert.hosts == ["node-0"]
     assert alert.step is not None and alert.step - onset <= 8
     ev = alert.evidence
-    assert 1.35 < ev["ratio"] < 1.65 and ev["z"] > 3.5 and ev["flagged_steps"] >= 8
+    assert 1.35 < ev.ratio < 1.65 and ev.z > 3.5 and ev.flagged_steps >= 8
     assert h.job.ranks[5].straggling
     progress = h.detector.progress("sim", h.clock)
     assert progress is not None and progress.ranks[5].state == "slow"
@@ -82,7 +82,7 @@ def test_data_stall_names_the_rank_waiting_for_data() -> None:
     h.sim.steps(5)
     [stall] = h.opened()
     assert stall.kind == "data_stall" and stall.ranks == [4]
-    assert stall.evidence["stalled_steps"] == 3 and stall.evidence["threshold"] == 1.0
+    assert stall.evidence.stalled_steps == 3 and stall.evidence.threshold == 1.0
     h.sim.data_extra.clear()
     h.sim.steps(12)
     assert [a.id for a in h.resolved()] == [stall.id]
@@ -96,7 +96,7 @@ def test_throughput_drop_against_the_jobs_own_baseline() -> None:
     h.sim.steps(25)
     drops = h.opened("throughput_drop")
     assert len(drops) == 1 and drops[0].step is not None and drops[0].step - onset <= 12
-    assert drops[0].evidence["ratio"] < 0.7
+    assert drops[0].evidence.ratio < 0.7
     assert h.opened("straggler") == [], "every rank slowed alike: no straggler"
     h.sim.steps(100)
     assert h.resolved() == [], "a lasting drop stays open: the baseline does not learn it"
@@ -130,7 +130,7 @@ def test_slow_checkpoint_from_shard_reports_and_its_resolution() -> None:
     d.on_checkpoint(report(400, 1, 41.0), h.clock)
     [slow] = h.collect()
     assert slow.kind == "checkpoint_slow" and slow.ranks == [1] and slow.step == 400
-    assert slow.evidence["source"] == "report" and slow.evidence["usual"] == 12.0
+    assert slow.evidence.source == "report" and slow.evidence.usual == 12.0
     d.on_checkpoint(report(500, 0, 12.0), h.clock)
     [resolved] = h.collect()
     assert resolved.id == slow.id and resolved.status == "resolved"

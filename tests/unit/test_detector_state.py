@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from trainguard import xids
 from trainguard.config import Settings, load_settings
 from trainguard.errors import ConfigError
+from trainguard.evidence import CrashEvidence, HangEvidence, NonfiniteEvidence, UnresponsiveEvidence
 from trainguard.services.detector.book import AnomalyBook, Transition, dump_anomaly, load_anomaly
 from trainguard.services.detector.engine import Detector
 from trainguard.services.detector.leases import preferred
@@ -55,22 +57,37 @@ def test_book_raises_once_widens_and_resolves_with_the_same_id() -> None:
     assert wider is not None and (wider.id, wider.rev, wider.ranks) == ("x1", 2, [3, 4])
     assert book.raise_("hang", "hang", now=4.0, onset_at=1.0, ranks=[1]) is not None
     assert book.raise_("hang", "hang", now=5.0, onset_at=1.0, ranks=[2], widen=False) is None
-    done = book.clear("unresponsive:h", 9.0, {"why": "back"})
+    done = book.clear("unresponsive:h", 9.0)
     assert done is not None and (done.id, done.rev, done.status) == ("x1", 3, "resolved")
-    assert done.resolved_at == 9.0 and done.evidence["why"] == "back"
+    assert done.resolved_at == 9.0 and done.evidence == UnresponsiveEvidence()
     assert book.clear("unresponsive:h", 10.0) is None
-    assert [t.anomaly.rev for t in outbox] == [1, 2, 1, 3]
+    resumed = book.clear("hang", 9.0, resumed_step=7)
+    assert resumed is not None and resumed.evidence == HangEvidence(resumed_step=7)
+    assert [t.anomaly.rev for t in outbox] == [1, 2, 1, 3, 2]
+
+
+def test_book_evidence_must_be_the_kinds_and_resolution_fields_must_exist() -> None:
+    book = AnomalyBook("j", [], new_id=lambda: "x1")
+    with pytest.raises(TypeError, match="evidence of a hang anomaly"):
+        book.raise_("hang", "hang", now=1.0, onset_at=1.0, ranks=[1],
+                    evidence=CrashEvidence(exit_code=1))
+    book.raise_("hang", "hang", now=1.0, onset_at=1.0, ranks=[1], evidence=HangEvidence())
+    with pytest.raises(TypeError, match="no field 'why'"):
+        book.clear("hang", 2.0, why="back")
 
 
 def test_stored_anomalies_keep_non_finite_evidence() -> None:
     outbox: list[Transition] = []
     book = AnomalyBook("j", outbox)
     a = book.raise_("nonfinite", "nonfinite", now=1.0, onset_at=1.0, ranks=[0],
-                    evidence={"loss": {"0": float("nan")}, "grad": float("inf")})
+                    evidence=NonfiniteEvidence(loss={"0": float("nan")},
+                                               grad_norm={"0": float("inf")}))
     assert a is not None
-    back = load_anomaly(dump_anomaly(a))
-    assert back.id == a.id and math.isnan(a.evidence["loss"]["0"])
-    assert back.evidence["loss"]["0"] == "nan" and back.evidence["grad"] == "inf"
+    stored = dump_anomaly(a)
+    assert '"loss":{"0":"nan"}' in stored and '"grad_norm":{"0":"inf"}' in stored
+    back = load_anomaly(stored)
+    assert back.id == a.id and isinstance(back.evidence, NonfiniteEvidence)
+    assert math.isnan(back.evidence.loss["0"]) and back.evidence.grad_norm["0"] == math.inf
 
 
 def test_restarted_detector_does_not_re_alert_and_resolves_with_the_old_id() -> None:
@@ -116,7 +133,9 @@ def test_job_overrides_apply_known_fields_and_report_bad_values() -> None:
     assert rejected == ["TRAINGUARD_HB_TIMEOUT='-1': must be a non-negative number"]
     assert with_job_overrides(base, {})[0] is base
     assert th.phase_set("long_phases") == {"checkpoint", "eval"}
-    assert th.xid_set() == {48, 79, 94, 95}
+    assert th.xid_set() == xids.fatal_codes() and {48, 64, 74, 79, 95} <= th.xid_set()
+    mine, _ = with_job_overrides(base, {"TRAINGUARD_FATAL_XIDS": "48, 79"})
+    assert mine.xid_set() == {48, 79}
 
 
 def test_detector_settings_load_thresholds_from_the_environment() -> None:

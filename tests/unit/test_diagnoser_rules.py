@@ -2,25 +2,49 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
+from trainguard.evidence import (
+    CheckpointSlowEvidence,
+    CrashEvidence,
+    DataStallEvidence,
+    EccRise,
+    Evidence,
+    GpuHealthEvidence,
+    HangEvidence,
+    NonfiniteEvidence,
+    RankPhase,
+    SdcMismatchEvidence,
+    StragglerEvidence,
+    UnresponsiveEvidence,
+    XidSeen,
+)
 from trainguard.schemas import Anomaly, GpuSample, GpuStats, WorkerExit, XidEvent
 from trainguard.services.diagnoser.rules import Diagnoser, HostRecord, traceback_signature
 
 NOW = 1_000_000.0
 
 
-def anomaly(kind: str, ranks: list[int], hosts: list[str], ident: str = "a1",
-            **evidence: Any) -> Anomaly:
-    return Anomaly(id=ident, job="j", kind=kind, ranks=ranks, hosts=hosts,  # type: ignore[arg-type]
-                   step=100, onset_at=NOW - 5, detected_at=NOW - 1, evidence=evidence)
+def anomaly(evidence: Evidence, ranks: list[int], hosts: list[str],
+            ident: str = "a1") -> Anomaly:
+    """An anomaly of the evidence's kind."""
+    return Anomaly(id=ident, job="j", kind=evidence.KIND,  # type: ignore[arg-type]
+                   ranks=ranks, hosts=hosts, step=100, onset_at=NOW - 5, detected_at=NOW - 1,
+                   evidence=evidence)
 
 
-def crash(rank: int, host: str, text: str, ident: str = "c1", **extra: Any) -> Anomaly:
-    return anomaly("crash", [rank], [host], ident, source="worker_exit", exit_code=1,
-                   signal=None, error="", stderr_tail=text, **extra)
+def crash(rank: int, host: str, text: str, ident: str = "c1") -> Anomaly:
+    return anomaly(CrashEvidence(source="worker_exit", exit_code=1, stderr_tail=text),
+                   [rank], [host], ident)
+
+
+def hang(ranks: list[int], hosts: list[str], ident: str = "a1", **ev: object) -> Anomaly:
+    return anomaly(HangEvidence(**ev), ranks, hosts, ident)  # type: ignore[arg-type]
+
+
+STUCK_IN_DATA = {"culprits": [2], "culprit_basis": "phase", "majority_phase": "comm",
+                 "phases": {"2": RankPhase(phase="data", host="node-b")}}
+ALL_IN_COMM = {"culprits": [], "majority_phase": "comm"}
 
 
 def exit_of(rank: int, host: str, text: str, t: float, by: str | None = None) -> WorkerExit:
@@ -46,41 +70,50 @@ CASES: list[tuple[str, Anomaly, list[GpuSample], str, list[int], list[str], str]
     ("ecc text", crash(2, "node-b", ECC_TEXT), [], "hbm_ecc", [2], ["node-b"], "isolate"),
     ("plain traceback", crash(1, "node-a", TRACE), [], "process_crash", [1], ["node-a"],
      "restart"),
-    ("gpu health xid 79", anomaly("gpu_health", [2, 3], ["node-b"], xids=[{"code": 79}]), [],
-     "gpu_lost", [2, 3], ["node-b"], "save_now"),
-    ("gpu health ecc rising", anomaly("gpu_health", [2], ["node-b"],
-                                      ecc_uncorrected_volatile={"from": 0, "to": 2}), [],
+    ("xid 64 in the exit text", crash(2, "node-b", "RuntimeError: NVRM Xid 64 on GPU 0"), [],
      "hbm_ecc", [2], ["node-b"], "isolate"),
-    ("one rank stuck in data", anomaly("hang", [2], ["node-b"], culprits=[2],
-                                       culprit_basis="phase:comm", majority_phase="comm",
-                                       phases={"2": {"phase": "data", "host": "node-b"}}), [],
+    ("xid 95 in the exit text", crash(2, "node-b", "RuntimeError: NVRM Xid: 95"), [],
+     "gpu_lost", [2], ["node-b"], "save_now"),
+    ("xid 13 in the exit text is the application's", crash(2, "node-b",
+                                                           "RuntimeError: NVRM Xid 13"), [],
+     "process_crash", [2], ["node-b"], "restart"),
+    ("gpu health xid 79", anomaly(GpuHealthEvidence(xids=[XidSeen(code=79)]), [2, 3],
+                                  ["node-b"]), [], "gpu_lost", [2, 3], ["node-b"], "save_now"),
+    ("gpu health xid 74 (NVLink)", anomaly(GpuHealthEvidence(xids=[XidSeen(code=74)]), [2],
+                                           ["node-b"]), [], "network", [2], ["node-b"],
+     "restart"),
+    ("gpu health ecc rising", anomaly(GpuHealthEvidence(
+        ecc_uncorrected_volatile=EccRise(from_=0, to=2)), [2], ["node-b"]), [],
+     "hbm_ecc", [2], ["node-b"], "isolate"),
+    ("one rank stuck in data", hang([2], ["node-a", "node-b"], **STUCK_IN_DATA), [],
      "rank_hang", [2], ["node-b"], "dump"),
-    ("frozen rank", anomaly("hang", [1], ["node-a"], culprits=[1],
-                            culprit_basis="process_state"), [],
+    ("frozen rank", hang([1], ["node-a"], culprits=[1], culprit_basis="process_state",
+                         process_states={"1": "T"}), [],
      "rank_hang", [1], ["node-a"], "dump"),
-    ("everyone waits in comm", anomaly("hang", [0, 1, 2, 3], ["node-a", "node-b"], culprits=[],
-                                       majority_phase="comm"), [],
+    ("everyone waits in comm", hang([0, 1, 2, 3], ["node-a", "node-b"], **ALL_IN_COMM), [],
      "network", [0, 1, 2, 3], ["node-a", "node-b"], "restart"),
-    ("NaN on all ranks", anomaly("nonfinite", [0, 1, 2, 3], ["node-a", "node-b"],
-                                 minority=False), [],
+    ("everyone waits for data", hang([0, 1], ["node-a"], majority_phase="data"), [],
+     "data_pipeline", [0, 1], ["node-a"], "alert"),
+    ("NaN on all ranks", anomaly(NonfiniteEvidence(minority=False, loss={"0": float("nan")}),
+                                 [0, 1, 2, 3], ["node-a", "node-b"]), [],
      "numeric", [0, 1, 2, 3], ["node-a", "node-b"], "rollback"),
-    ("NaN on one rank", anomaly("nonfinite", [3], ["node-b"], minority=True), [],
-     "sdc_suspect", [3], ["node-b"], "isolate"),
-    ("fingerprints disagree", anomaly("sdc_mismatch", [1], ["node-a"], suspects=[1]), [],
+    ("NaN on one rank", anomaly(NonfiniteEvidence(minority=True, nonfinite_ranks=[3]), [3],
+                                ["node-b"]), [], "sdc_suspect", [3], ["node-b"], "isolate"),
+    ("fingerprints disagree", anomaly(SdcMismatchEvidence(suspects=[1]), [1], ["node-a"]), [],
      "sdc_suspect", [1], ["node-a"], "isolate"),
-    ("thermal straggler", anomaly("straggler", [1], ["node-a"], ratio=2.0),
+    ("thermal straggler", anomaly(StragglerEvidence(ratio=2.0), [1], ["node-a"]),
      [gpu("node-a", throttle=("hw_thermal_slowdown",), temp=91)], "straggler_thermal", [1],
      ["node-a"], "alert"),
-    ("power straggler", anomaly("straggler", [1], ["node-a"], ratio=2.0),
+    ("power straggler", anomaly(StragglerEvidence(ratio=2.0), [1], ["node-a"]),
      [gpu("node-a", throttle=("hw_power_brake_slowdown",))], "straggler_power", [1],
      ["node-a"], "alert"),
-    ("plain straggler", anomaly("straggler", [1], ["node-a"], ratio=2.0), [gpu("node-a")],
-     "straggler", [1], ["node-a"], "alert"),
-    ("loader stall", anomaly("data_stall", [0], ["node-a"]), [], "data_pipeline", [0],
+    ("plain straggler", anomaly(StragglerEvidence(ratio=2.0), [1], ["node-a"]),
+     [gpu("node-a")], "straggler", [1], ["node-a"], "alert"),
+    ("loader stall", anomaly(DataStallEvidence(), [0], ["node-a"]), [], "data_pipeline", [0],
      ["node-a"], "alert"),
-    ("slow checkpoints", anomaly("checkpoint_slow", [0], ["node-a"]), [], "storage_io", [0],
-     ["node-a"], "alert"),
-    ("silence alone", anomaly("unresponsive", [2], ["node-b"]), [], "unknown", [2],
+    ("slow checkpoints", anomaly(CheckpointSlowEvidence(), [0], ["node-a"]), [], "storage_io",
+     [0], ["node-a"], "alert"),
+    ("silence alone", anomaly(UnresponsiveEvidence(), [2], ["node-b"]), [], "unknown", [2],
      ["node-b"], "escalate"),
 ]
 
@@ -104,9 +137,8 @@ def test_crash_then_hangs_is_one_diagnosis_naming_the_crashed_host() -> None:
     d.observe_exit(exit_of(3, "node-b", ECC_TEXT, NOW - 3))
     first = d.on_anomaly(crash(3, "node-b", ECC_TEXT, "crash-3"), NOW)
     (root,) = first.publish
-    hang = anomaly("hang", [0, 1, 2], ["node-a", "node-b"], "hang-1", culprits=[],
-                   majority_phase="comm")
-    (joined,) = d.on_anomaly(hang, NOW + 2).publish
+    symptom = hang([0, 1, 2], ["node-a", "node-b"], "hang-1", **ALL_IN_COMM)
+    (joined,) = d.on_anomaly(symptom, NOW + 2).publish
     assert joined.id == root.id and joined.rev == 2
     assert joined.anomaly_ids == ["crash-3", "hang-1"]
     assert joined.cause == "hbm_ecc" and joined.hosts == ["node-b"]
@@ -124,19 +156,18 @@ def test_peer_errors_are_collateral_of_the_first_exit() -> None:
 
 def test_a_late_root_supersedes_an_earlier_guess() -> None:
     d = Diagnoser()
-    hang = anomaly("hang", [0, 1], ["node-a"], "h", culprits=[], majority_phase="comm")
-    (guess,) = d.on_anomaly(hang, NOW).publish
+    (guess,) = d.on_anomaly(hang([0, 1], ["node-a"], "h", **ALL_IN_COMM), NOW).publish
     assert guess.cause == "network"
     d.observe_gpu(gpu("node-b", xid=79))
-    old, root = d.on_anomaly(anomaly("gpu_health", [2, 3], ["node-b"], "g",
-                                     xids=[{"code": 79}]), NOW + 1).publish
+    old, root = d.on_anomaly(anomaly(GpuHealthEvidence(xids=[XidSeen(code=79)]), [2, 3],
+                                     ["node-b"], "g"), NOW + 1).publish
     assert old.id == guess.id and old.status == "superseded" and old.superseded_by == root.id
     assert root.cause == "gpu_lost" and set(root.anomaly_ids) == {"g", "h"}
 
 
 def test_repeated_trouble_raises_confidence_and_the_action() -> None:
     d = Diagnoser()
-    a = anomaly("hang", [0, 1], ["node-a"], "h1", culprits=[], majority_phase="comm")
+    a = hang([0, 1], ["node-a"], "h1", **ALL_IN_COMM)
     (fresh,) = Diagnoser().on_anomaly(a, NOW).publish
     (again,) = d.on_anomaly(a, NOW, {"node-a": HostRecord({"network": 2})}).publish
     assert again.confidence > fresh.confidence
@@ -161,20 +192,21 @@ def test_traceback_signature_ignores_numbers() -> None:
 
 def test_the_same_cause_later_is_a_new_failure() -> None:
     d = Diagnoser(same_cause_window=10)
-    hang = dict(culprits=[1], culprit_basis="phase:comm", majority_phase="comm")
-    (first,) = d.on_anomaly(anomaly("hang", [1], ["node-a"], "h1", **hang), NOW).publish
-    (again,) = d.on_anomaly(anomaly("hang", [1], ["node-a"], "h2", **hang), NOW + 5).publish
+    stuck = {"culprits": [1], "culprit_basis": "phase", "majority_phase": "comm"}
+    (first,) = d.on_anomaly(hang([1], ["node-a"], "h1", **stuck), NOW).publish
+    (again,) = d.on_anomaly(hang([1], ["node-a"], "h2", **stuck), NOW + 5).publish
     assert again.id == first.id  # the same failure, seen again
-    (later,) = d.on_anomaly(anomaly("hang", [1], ["node-a"], "h3", **hang), NOW + 30).publish
+    (later,) = d.on_anomaly(hang([1], ["node-a"], "h3", **stuck), NOW + 30).publish
     assert later.id != first.id and later.rev == 1
 
 
 def test_a_named_cause_supersedes_an_unknown_guess_on_the_same_ranks() -> None:
     d = Diagnoser()
-    (guess,) = d.on_anomaly(anomaly("unresponsive", [1], ["node-a"], "u1"), NOW).publish
+    (guess,) = d.on_anomaly(anomaly(UnresponsiveEvidence(), [1], ["node-a"], "u1"),
+                            NOW).publish
     assert guess.cause == "unknown"
-    old, new = d.on_anomaly(anomaly("hang", [1], ["node-a"], "h1", culprits=[1],
-                                    culprit_basis="process_state"), NOW + 1).publish
+    old, new = d.on_anomaly(hang([1], ["node-a"], "h1", culprits=[1],
+                                 culprit_basis="process_state"), NOW + 1).publish
     assert old.id == guess.id and old.status == "superseded"
     assert new.cause == "rank_hang" and set(new.anomaly_ids) == {"u1", "h1"}
 
@@ -183,10 +215,9 @@ def test_a_hang_long_after_a_crash_is_its_own_failure() -> None:
     d = Diagnoser(symptom_window=20)
     d.observe_exit(exit_of(3, "node-b", TRACE, NOW - 1))
     (crashed,) = d.on_anomaly(crash(3, "node-b", TRACE, "c3"), NOW).publish
-    hang = dict(culprits=[3], culprit_basis="phase:comm", majority_phase="comm",
-                phases={"3": {"phase": "data", "host": "node-b"}})
-    (soon,) = d.on_anomaly(anomaly("hang", [0, 1, 2], ["node-a"], "h1", culprits=[],
-                                   majority_phase="comm"), NOW + 8).publish
+    stuck = {"culprits": [3], "culprit_basis": "phase", "majority_phase": "comm",
+             "phases": {"3": RankPhase(phase="data", host="node-b")}}
+    (soon,) = d.on_anomaly(hang([0, 1, 2], ["node-a"], "h1", **ALL_IN_COMM), NOW + 8).publish
     assert soon.id == crashed.id
-    (later,) = d.on_anomaly(anomaly("hang", [3], ["node-b"], "h2", **hang), NOW + 40).publish
+    (later,) = d.on_anomaly(hang([3], ["node-b"], "h2", **stuck), NOW + 40).publish
     assert later.id != crashed.id and later.cause == "rank_hang"

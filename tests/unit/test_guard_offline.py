@@ -9,7 +9,7 @@ import torch
 
 from trainguard import Guard
 from trainguard.embedded import free_port
-from trainguard.schemas import Command, Fingerprint, StepReport
+from trainguard.schemas import Command, Fingerprint, Heartbeat, StepReport
 
 
 def offline_guard(**kw: object) -> Guard:
@@ -19,7 +19,7 @@ def offline_guard(**kw: object) -> Guard:
 
 
 def queued(guard: Guard, cls: type) -> list:
-    return [m for _, m in guard._transport.telemetry if isinstance(m, cls)]
+    return [m for _, m in guard.transport.telemetry if isinstance(m, cls)]
 
 
 def test_tensor_metrics_are_read_and_nonfinite_grads_named() -> None:
@@ -65,8 +65,9 @@ def test_report_every_aggregates() -> None:
 def test_should_checkpoint_follows_set_interval() -> None:
     g = offline_guard(checkpoint_every=10)
     assert [s for s in range(40) if g.should_checkpoint(s)] == [9, 19, 29, 39]
-    g._set_interval(Command(id="x", job="offline", kind="set_interval", issuer="coordinator",
-                            params={"every_steps": 7, "from_step": 20}))
+    set_interval = g.commands.handlers["set_interval"]
+    set_interval(Command(id="x", job="offline", kind="set_interval", issuer="coordinator",
+                         params={"every_steps": 7, "from_step": 20}))
     assert g.checkpoint_interval == (7, 20)
     assert [s for s in range(40) if g.should_checkpoint(s)] == [26, 33]
     g.close(timeout=0.1)
@@ -78,7 +79,7 @@ def test_disabled_guard_is_a_no_op() -> None:
         with g.step(i) as s:
             s.report(loss=1.0)
     g.close(timeout=0.1)
-    assert len(g._transport.telemetry) == 0 and g._transport._thread is None
+    assert len(g.transport.telemetry) == 0 and not g.started
 
 
 def test_exceptions_in_the_step_propagate_unchanged() -> None:
@@ -100,3 +101,30 @@ def test_close_is_bounded_and_idempotent() -> None:
     g.close(timeout=0.5)
     g.close(timeout=0.5)
     assert time.monotonic() - t0 < 3
+
+
+def test_heartbeats_read_the_state_phases_write() -> None:
+    g = offline_guard()
+    with g.step(4) as s:
+        with s.phase("data"):
+            hb = g.state.heartbeat(g.identity, dropped=3)
+            assert (hb.step, hb.phase, hb.rank, hb.host, hb.dropped) == (4, "data", 0, "h", 3)
+            g.state.comm_outstanding = 1  # what the DDP hook does while a collective runs
+            assert g.state.heartbeat(g.identity, 0).phase == "comm"
+            g.state.comm_outstanding = 0
+        assert g.state.phase == "step"
+    assert g.state.phase is None
+    g.close(timeout=0.1)
+    beats = queued(g, Heartbeat)
+    assert [b.seq for b in beats] == sorted(b.seq for b in beats) and beats[-1].seq > 2
+    assert beats[-1].phase == "closed"  # the last beat: a finished rank, not a silent one
+
+
+def test_phase_accounting_adjusts_the_report() -> None:
+    g = offline_guard()
+    g.set_phase_accounting(lambda phases: phases.update(comm=phases.pop("compute") / 2))
+    with g.step(0) as s, s.phase("compute"):
+        pass
+    g.close(timeout=0.1)
+    (report,) = queued(g, StepReport)
+    assert set(report.phases) == {"comm"}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from trainguard.schemas import Diagnosis
@@ -17,6 +18,7 @@ from trainguard.services.remediator.engine import (
     resolved_by_progress,
 )
 from trainguard.services.remediator.policy import PolicyError, load_policy, parse_policy
+from trainguard.state import NodeRecord
 
 NOW = 1_000_000.0
 POLICY = load_policy()
@@ -29,8 +31,8 @@ def diag(cause: str, hosts: list[str], ident: str = "d1", step: int = 120,
                      step=step, time=NOW, onset_at=NOW - 5)
 
 
-TWO_NODES = {"node-a": {"host": "node-a", "hosts_store": True, "nnodes_min": 1},
-             "node-b": {"host": "node-b", "hosts_store": False, "nnodes_min": 1}}
+TWO_NODES = {"node-a": NodeRecord(job="j", host="node-a", hosts_store=True, nnodes_min=1),
+             "node-b": NodeRecord(job="j", host="node-b", hosts_store=False, nnodes_min=1)}
 
 TABLE = [
     ("gpu_lost", ["node-b"], ["save_now", "isolate", "restart"]),
@@ -100,7 +102,7 @@ def test_isolation_never_breaks_the_elastic_minimum() -> None:
     assert can_isolate("node-b", JobView(hosts=dict(TWO_NODES))) == (True, "")
     ok, why = can_isolate("node-a", JobView(hosts=dict(TWO_NODES)))
     assert not ok and "rendezvous store" in why
-    strict = {h: {**v, "nnodes_min": 2} for h, v in TWO_NODES.items()}
+    strict = {h: msgspec.structs.replace(v, nnodes_min=2) for h, v in TWO_NODES.items()}
     ok, why = can_isolate("node-b", JobView(hosts=strict))
     assert not ok and "minimum 2" in why
     ok, why = can_isolate("node-c", JobView(hosts=dict(TWO_NODES)))

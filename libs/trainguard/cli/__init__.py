@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Sequence
 
-from ..errors import TrainguardError
-from . import checkpoints, demo, inject, oncall, service_cmd, up
+from .. import logs
+from ..errors import ConfigError, TrainguardError
+from . import checkpoints, credentials, demo, inject, oncall, service_cmd, up
 
-COMMANDS = (up, service_cmd, inject, oncall, checkpoints, demo)
+COMMANDS = (up, service_cmd, inject, oncall, checkpoints, demo, credentials)
 
 
 def _plugin_commands() -> list[object]:
@@ -62,8 +62,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     level = (args.log_level or "INFO").upper()
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         parser.error(f"--log-level {args.log_level!r}: use DEBUG, INFO, WARNING or ERROR")
-    logging.basicConfig(level=level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        logs.configure(level)  # the format from TRAINGUARD_LOG_FORMAT (default: text)
+    except ConfigError as exc:
+        parser.error(str(exc))
     try:
         return int(args.run(args))
     except TrainguardError as exc:

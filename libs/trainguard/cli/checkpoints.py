@@ -63,7 +63,8 @@ async def _request(args: argparse.Namespace, endpoint: Endpoint[Req, Rep], req: 
     job = check_token("job", args.job)
     subject = endpoint.subject(settings.subjects, job)
     nc = await connect_nats(settings.nats_url, name="trainguard-cli",
-                            timeout=settings.connect_timeout)
+                            timeout=settings.connect_timeout,
+                            access=settings.access.nats_options())
     try:
         reply = await call(nc, settings.subjects, job, endpoint, req, timeout)
     except nats.errors.NoRespondersError:

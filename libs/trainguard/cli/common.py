@@ -25,6 +25,9 @@ def add_connection_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis", metavar="URL", help="Redis URL (env TRAINGUARD_REDIS_URL; "
                    "default redis://127.0.0.1:6379/0)")
     p.add_argument("--prefix", help="subject and key prefix (env TRAINGUARD_PREFIX; default tg)")
+    p.add_argument("--credentials", metavar="FILE",
+                   help="this role's credentials file (env TRAINGUARD_CREDENTIALS; "
+                        "`trainguard up` writes them under <data-dir>/creds)")
 
 
 def settings_from(args: argparse.Namespace, cls: type[Settings] = Settings,
@@ -33,5 +36,6 @@ def settings_from(args: argparse.Namespace, cls: type[Settings] = Settings,
         "nats_url": getattr(args, "nats", None),
         "redis_url": getattr(args, "redis", None),
         "prefix": getattr(args, "prefix", None),
+        "credentials": getattr(args, "credentials", None),
         **extra,
     })

@@ -76,7 +76,8 @@ async def _inject(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     s = settings.subjects
     nc = await connect_nats(settings.nats_url, name="trainguard-cli",
-                            timeout=settings.connect_timeout)
+                            timeout=settings.connect_timeout,
+                            access=settings.access.nats_options())
     bus = Bus(nc, s, source="trainguard/cli")
     try:
         host = args.host

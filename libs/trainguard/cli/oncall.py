@@ -23,7 +23,7 @@ from ..codec import decode_any_durable, decode_durable
 from ..config import Settings
 from ..envelope import normalize_headers
 from ..schemas import Incident
-from ..state import Keys, decode_progress
+from ..state import Keys, decode_progress, read_blocklist_entry
 from ..store import connect_redis
 from .common import add_connection_flags, settings_from
 
@@ -79,11 +79,13 @@ def _span(a: float | None, b: float | None) -> str:
 async def _status(args: argparse.Namespace) -> int:
     settings: Settings = settings_from(args)
     keys = Keys(settings.prefix)
-    redis = await connect_redis(settings.redis_url, timeout=settings.connect_timeout)
+    redis = await connect_redis(settings.redis_url, timeout=settings.connect_timeout,
+                                access=settings.access.redis_options())
     console = _console()
     try:
-        blocklist = {str(k): str(v) for k, v in (await redis.hgetall(keys.blocklist())).items()}
-        report: dict[str, Any] = {"jobs": {}, "blocklist": blocklist}
+        blocklist = {str(host): read_blocklist_entry(raw)
+                     for host, raw in (await redis.hgetall(keys.blocklist())).items()}
+        report: dict[str, Any] = {"jobs": {}, "blocklist": msgspec.to_builtins(blocklist)}
         for job in await _jobs(redis, keys, args.job):
             raw = await redis.get(keys.progress(job))
             progress = decode_progress(raw) if raw else None
@@ -112,8 +114,9 @@ async def _status(args: argparse.Namespace) -> int:
                               f"{_ago(inc['detected_at'])}: {inc['summary']}")
         if not report["jobs"]:
             console.print("no jobs known")
-        for host, why in blocklist.items():
-            console.print(f"blocklisted: [bold]{host}[/] {why}")
+        for host, entry in blocklist.items():
+            origin = f" (job {entry.job}, {entry.cause}, {_ago(entry.time)})" if entry.job else ""
+            console.print(f"blocklisted: [bold]{host}[/] {entry.reason}{origin}")
         return 0
     finally:
         await redis.aclose()
@@ -122,7 +125,8 @@ async def _status(args: argparse.Namespace) -> int:
 async def _incidents(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     keys = Keys(settings.prefix)
-    redis = await connect_redis(settings.redis_url, timeout=settings.connect_timeout)
+    redis = await connect_redis(settings.redis_url, timeout=settings.connect_timeout,
+                                access=settings.access.redis_options())
     try:
         rows = [i for job in await _jobs(redis, keys, args.job)
                 for i in await _load_incidents(redis, keys, job)]
@@ -139,7 +143,7 @@ async def _incidents(args: argparse.Namespace) -> int:
                       _span(i.onset_at, i.detected_at), _span(i.detected_at, i.mitigated_at),
                       _span(i.detected_at, i.resolved_at),
                       "-" if i.steps_lost is None else str(i.steps_lost),
-                      " ".join(f"{a.get('action')}:{a.get('status')}" for a in i.actions))
+                      " ".join(f"{a.action}:{a.status}" for a in i.actions))
     _console().print(table)
     return 0
 
@@ -149,7 +153,8 @@ async def _events(args: argparse.Namespace) -> int:
     s = settings.subjects
     subject = s.pattern("event", job=args.job or "*", tail=args.kind or ">")
     nc = await connect_nats(settings.nats_url, name="trainguard-events",
-                            timeout=settings.connect_timeout)
+                            timeout=settings.connect_timeout,
+                            access=settings.access.nats_options())
     console = _console()
     try:
         js = nc.jetstream()

@@ -3,6 +3,12 @@
 With no ``--nats``/``--redis`` it starts embedded servers on loopback (default ports 4222
 and 6379), then every installed service in this process, prints where everything
 listens and a status line per service, and stops it all on Ctrl-C or SIGTERM.
+
+The embedded servers run with auth on: one NATS user and one Redis ACL user per role
+(``trainguard.auth``), their credentials kept under ``<data-dir>/creds`` (mode 0600) and
+reused on the next start. Each service connects as its own role; agents, ranks and on-call
+tools take theirs from there (``--credentials`` / ``TRAINGUARD_CREDENTIALS``).
+``--insecure`` starts them without auth, for a quick local try.
 """
 
 from __future__ import annotations
@@ -16,8 +22,10 @@ import sys
 from pathlib import Path
 
 from .. import registry, tracing
+from ..auth import ensure_credentials, nats_authorization, redis_acl_file, role_of_service
 from ..config import DEFAULT_NATS_PORT, DEFAULT_REDIS_PORT, Settings
 from ..embedded import NatsServer, RedisServer, ServerProcess
+from ..errors import ConfigError
 from ..service import Runtime, Service, run_service
 from .common import add_connection_flags, settings_from, tcp_port
 
@@ -34,6 +42,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help=f"port of the embedded redis-server (default {DEFAULT_REDIS_PORT})")
     p.add_argument("--data-dir", default=".trainguard",
                    help="where embedded servers keep their data (default ./.trainguard)")
+    p.add_argument("--insecure", action="store_true",
+                   help="embedded servers without authentication (a quick local try only)")
     p.add_argument("--services", default="all",
                    help="comma-separated services to run, or 'all' (default), or 'none'")
     p.set_defaults(run=run)
@@ -61,9 +71,22 @@ def run(args: argparse.Namespace) -> int:
     servers: list[ServerProcess] = []
     data = Path(args.data_dir).resolve()
     urls = {"nats_url": base.nats_url, "redis_url": base.redis_url}
+    embedded = [flag is None for flag in (args.nats, args.redis)]
+    secure = not args.insecure and any(embedded)
+    if secure and not all(embedded):
+        raise ConfigError("up: give both --nats and --redis (external servers, your own "
+                          "credentials) or neither (embedded servers, generated ones), or "
+                          "add --insecure")
+    creds_dir = data / "creds"
+    nats_auth = redis_auth = ""
+    if secure:
+        creds = ensure_credentials(creds_dir)
+        nats_auth = nats_authorization(creds, base.prefix)
+        redis_auth = redis_acl_file(creds, base.prefix)
     plan: tuple[tuple[str | None, str, ServerProcess], ...] = (
-        (args.nats, "nats_url", NatsServer(args.nats_port, data / "nats")),
-        (args.redis, "redis_url", RedisServer(args.redis_port, data / "redis")),
+        (args.nats, "nats_url", NatsServer(args.nats_port, data / "nats", auth=nats_auth)),
+        (args.redis, "redis_url", RedisServer(args.redis_port, data / "redis",
+                                              auth=redis_auth)),
     )
     try:
         for flag, key, server in plan:
@@ -75,14 +98,21 @@ def run(args: argparse.Namespace) -> int:
             servers.append(server)
             urls[key] = server.url
             _say(f"{label} {server.url} (embedded, pid {server.pid}, data {server.data_dir})")
+        if secure:
+            _say(f"creds: {creds_dir} (agents: --credentials {creds_dir / 'agent.json'} "
+                 f"--rank-credentials {creds_dir / 'rank.json'}; on-call: "
+                 f"{creds_dir / 'oncall.json'})")
+        elif any(embedded):
+            _say("auth:  off (--insecure): any local process can command the job")
         tracing.setup_tracing("trainguard-up", base.otel_exporter)
-        return asyncio.run(_serve(names, base.replace(**urls)))
+        return asyncio.run(_serve(names, base.replace(**urls),
+                                  creds_dir if secure else None))
     finally:
         for server in reversed(servers):
             server.stop()
 
 
-async def _serve(names: list[str], base: Settings) -> int:
+async def _serve(names: list[str], base: Settings, creds_dir: Path | None) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -94,8 +124,8 @@ async def _serve(names: list[str], base: Settings) -> int:
         except Exception as exc:  # a broken service must not stop the rest
             _say(f"{name}: cannot load ({exc!r}); skipped")
             continue
-        tasks.append(asyncio.create_task(_supervise(cls(_settings_for(cls, base)), stop),
-                                         name=name))
+        tasks.append(asyncio.create_task(
+            _supervise(cls(_settings_for(cls, base, creds_dir)), stop), name=name))
     if not names:
         _say("services: none installed")
     _say("trainguard up: running; Ctrl-C or SIGTERM stops everything")
@@ -105,10 +135,13 @@ async def _serve(names: list[str], base: Settings) -> int:
     return 0
 
 
-def _settings_for(cls: type[Service], base: Settings) -> Settings:
+def _settings_for(cls: type[Service], base: Settings, creds_dir: Path | None) -> Settings:
     from ..config import load_settings
 
-    shared = {k: getattr(base, k) for k in ("nats_url", "redis_url", "prefix", "otel_exporter")}
+    shared = {k: getattr(base, k) for k in ("nats_url", "redis_url", "prefix", "otel_exporter",
+                                            "credentials")}
+    if creds_dir is not None:  # each service as its own role
+        shared["credentials"] = str(creds_dir / f"{role_of_service(cls.name)}.json")
     return load_settings(cls.settings_type, overrides=shared)
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from .commands import DrillCrash
-from .guard import Guard, Phase, Step
+from .guard import Guard
+from .handle import GuardHandle
+from .steps import Phase, Step
 
-__all__ = ["DrillCrash", "Guard", "Phase", "Step"]
+__all__ = ["DrillCrash", "Guard", "GuardHandle", "Phase", "Step"]

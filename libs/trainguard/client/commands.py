@@ -15,13 +15,15 @@ or leaves ``guard.step`` (the safe points):
 
 Every command is acknowledged once (done, failed with the reason, too_late, unknown_kind,
 refused for a stale epoch); a redelivered id, or a retry of a command already run, is not
-run again.
+run again. Those admission rules are :class:`trainguard.receiver.Receiver`'s, shared with
+the node agent; what is a rank's own (scheduling at safe points) is here.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,11 +31,13 @@ from dataclasses import dataclass
 from nats.aio.msg import Msg
 
 from .. import tracing
-from ..codec import decode_durable
-from ..envelope import H_TRACEPARENT, normalize_headers
-from ..errors import DecodeError, InvalidToken
-from ..schemas import AGENT_KINDS, COLLECTIVE_KINDS, RANK_KINDS, AckOutcome, Command, CommandAck
+from ..codec import decode_as
+from ..envelope import H_TRACEPARENT, H_TYPE, normalize_headers
+from ..errors import DecodeError, InvalidToken, TrainguardError
+from ..receiver import Answer, Drop, Receiver
+from ..schemas import COLLECTIVE_KINDS, RANK_KINDS, AckOutcome, Command
 from ..subjects import Subjects
+from ..targets import for_agent
 from .identity import Identity
 from .transport import Transport
 
@@ -43,7 +47,27 @@ Handler = Callable[[Command], "str | None"]
 Agreement = Callable[[int], int]
 """All-reduce (MAX) of an int across ranks; installed when torch.distributed is running."""
 
-_SEEN_LIMIT = 10_000
+
+def _for_ranks(kind: str) -> bool:
+    """Every kind that is not the agent's: a trainer's own kinds (``guard.on``) included."""
+    return not for_agent(kind)
+
+
+def find_agreement(world_size: int) -> Agreement | None:
+    """The all-reduce ranks agree through, once torch.distributed runs; else None.
+
+    Only looked for if the trainer imported torch.distributed: the client never imports
+    torch by itself.
+    """
+    if world_size < 2 or "torch.distributed" not in sys.modules:
+        return None
+    try:
+        from ..torch.collective import side_group_agreement
+
+        return side_group_agreement()
+    except Exception:
+        log.debug("no collective agreement", exc_info=True)
+        return None
 
 
 @dataclass
@@ -54,6 +78,16 @@ class Queued:
 
 
 class CommandDesk:
+    """A rank's commands: received on the transport thread, run at the training thread's
+    safe points.
+
+    Args:
+        identity: the rank (its ``cmd.rank.<r>`` subject, ``responder``, world size).
+        subjects, transport: where commands come from and acks go.
+        sync_every: steps between collective-command agreements.
+        collective_timeout: how long a rank waits for an agreed command it has not got yet.
+    """
+
     def __init__(self, identity: Identity, subjects: Subjects, transport: Transport, *,
                  sync_every: int = 10, collective_timeout: float = 30.0) -> None:
         self.identity = identity
@@ -61,12 +95,11 @@ class CommandDesk:
         self.transport = transport
         self.sync_every = max(1, sync_every)
         self.collective_timeout = collective_timeout
+        self.receiver = Receiver("rank", str(identity.rank), _for_ranks)
         self.handlers: dict[str, Handler] = {}
         self.inbox: collections.deque[Queued] = collections.deque(maxlen=10_000)
         self.agreement: Agreement | None = None
-        self._seen: collections.OrderedDict[str, AckOutcome] = collections.OrderedDict()
-        self._max_epoch: dict[str, int] = {}
-        """Highest epoch seen per issuer: each issuer's leader has its own fencing token."""
+        self._agreement_checked = False
         self._at_step: list[Queued] = []
         self._collective: dict[int, Queued] = {}
         self._highest_seq = 0
@@ -75,23 +108,45 @@ class CommandDesk:
         self.executed: list[str] = []
         """Ids of commands run, in order (for tests and ``stats``)."""
 
+    def listen(self) -> None:
+        """Subscribe to ``cmd.all`` and ``cmd.rank.<own>`` (core NATS: no server state)."""
+        job, rank = self.identity.job, self.identity.rank
+        self.transport.subscribe(self.subjects.cmd_all(job), self.on_message)
+        self.transport.subscribe(self.subjects.cmd_rank(job, rank), self.on_message)
+
+    @property
+    def has_work(self) -> bool:
+        """Commands arrived or waiting for their ``at_step``: the next safe point has work."""
+        return bool(self.inbox or self._at_step)
+
+    @property
+    def last_completed(self) -> int | None:
+        """The last step this rank finished (None before the first)."""
+        return self._last_completed
+
     # -- transport thread ---------------------------------------------------------------
     def on_message(self, msg: Msg) -> None:
         """Decode and queue; everything else happens on the training thread."""
         headers = normalize_headers(msg.headers)
         try:
-            cmd = decode_durable(msg.data, Command)
+            cmd = decode_as(msg.data, headers.get(H_TYPE), Command)
         except DecodeError as exc:
             log.warning("ignoring malformed command on %s: %s", msg.subject, exc.reason)
             return
-        if cmd.kind in AGENT_KINDS:
-            return  # the agent's business
+        if not self.receiver.concerns(cmd):
+            return  # the agent's kind, or another rank's command
         self.inbox.append(Queued(cmd, headers.get(H_TRACEPARENT), time.time()))
 
     # -- training thread ----------------------------------------------------------------
     def safe_point(self, completed: int | None) -> None:
         """Run what is due. ``completed`` is the step this rank just finished, or None
         when entering a step."""
+        if completed is not None and not self._agreement_checked \
+                and completed % self.sync_every == 0:
+            # The first boundary: every rank gets here at the same step (new_group is a
+            # collective), and torch.distributed is up by now if the trainer uses it.
+            self._agreement_checked = True
+            self.agreement = find_agreement(self.identity.world_size)
         inbox = self.inbox
         while inbox:
             self._admit(inbox.popleft(), completed)
@@ -103,17 +158,12 @@ class CommandDesk:
 
     def _admit(self, q: Queued, completed: int | None) -> None:
         cmd = q.command
-        if cmd.id in self._seen:
-            return  # redelivered: already acknowledged
-        if cmd.retry_of is not None and cmd.retry_of in self._seen \
-                and self._seen[cmd.retry_of] == "done":
-            self._ack(q, "done", f"already done as {cmd.retry_of}")
+        verdict = self.receiver.admit(cmd)
+        if isinstance(verdict, Drop):
             return
-        highest = self._max_epoch.get(cmd.issuer, 0)
-        if cmd.epoch < highest:
-            self._ack(q, "refused", f"stale epoch {cmd.epoch} < {highest} of {cmd.issuer}")
+        if isinstance(verdict, Answer):
+            self._ack(q, verdict.outcome, verdict.detail)
             return
-        self._max_epoch[cmd.issuer] = max(highest, cmd.epoch)
         if cmd.kind not in RANK_KINDS and cmd.kind not in self.handlers:
             self._ack(q, "unknown_kind", f"ranks do not run {cmd.kind!r}")
             return
@@ -196,21 +246,17 @@ class CommandDesk:
 
     def _ack(self, q: Queued, outcome: AckOutcome, detail: str) -> None:
         cmd = q.command
-        self._seen[cmd.id] = outcome
-        while len(self._seen) > _SEEN_LIMIT:
-            self._seen.popitem(last=False)
+        ack = self.receiver.ack(cmd, outcome, detail)
         try:
             subject = self.subjects.ack(cmd.job, cmd.issuer)
         except InvalidToken:
             return
-        ack = CommandAck(command_id=cmd.id, job=cmd.job, responder=self.identity.responder,
-                         outcome=outcome, detail=detail[:2000], kind=cmd.kind, time=time.time())
         headers: dict[str, str] = {}
         tracing.inject(headers)
         self.transport.publish_durable(subject, ack,
                                        traceparent=headers.get(H_TRACEPARENT) or q.traceparent)
 
 
-class DrillCrash(RuntimeError):
+class DrillCrash(TrainguardError, RuntimeError):
     """Raised into the training loop by the ``crash`` drill: the one exception the client
     lets through on purpose."""

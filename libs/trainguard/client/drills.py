@@ -10,27 +10,37 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from .. import envnames
 from ..schemas import Command
 from .commands import DrillCrash
-
-if TYPE_CHECKING:
-    from .guard import Guard
+from .rankstate import RankState
 
 
 class Drills:
-    def __init__(self, guard: Guard) -> None:
-        self.guard = guard
+    """Runs the rank drills on the shared :class:`~.rankstate.RankState`.
+
+    Args:
+        state: what the heartbeat shows (``hang`` sets the phase, ``slow`` the factor).
+        allowed: whether drills are allowed now (read at each command).
+        model: the attached model, or None (``nan`` and ``sdc`` corrupt it).
+    """
+
+    def __init__(self, state: RankState, allowed: Callable[[], bool],
+                 model: Callable[[], Any]) -> None:
+        self.state = state
+        self.allowed = allowed
+        self.model = model
         self.nan_pending = False
         self.on_entry: list[Callable[[], str]] = []
         """Corruptions applied when the next step begins: a fault that happens *during* a
         step, so the checkpoint of the step before it is still clean, as in real life."""
 
     def handle(self, cmd: Command) -> str:
-        if not self.guard.allow_drills:
+        if not self.allowed():
             raise PermissionError("drills are disabled for this job: launch it with "
-                                  "--allow-drills (TRAINGUARD_ALLOW_DRILLS=1)")
+                                  f"--allow-drills ({envnames.ALLOW_DRILLS}=1)")
         method = getattr(self, f"_{cmd.kind}")
         return str(method(cmd.params))
 
@@ -38,25 +48,24 @@ class Drills:
         """Block the training thread (heartbeats go on, showing ``phase``)."""
         seconds = float(params.get("seconds", 3600.0))
         phase = str(params.get("phase", "data"))
-        g = self.guard
-        g._phase = phase
-        g._phase_t0 = time.monotonic()
+        state = self.state
+        state.enter(phase)
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
-        g._phase = None
+        state.phase = None
         return f"hung {seconds:.1f}s in {phase}"
 
     def _slow(self, params: dict[str, Any]) -> str:
         factor = float(params.get("factor", 2.0))
         if not 1.0 <= factor <= 100.0:
             raise ValueError(f"slow factor {factor} must be between 1 and 100")
-        self.guard._slow_factor = factor
+        self.state.slow_factor = factor
         return f"compute phase slowed {factor}x"
 
     def _nan(self, params: dict[str, Any]) -> str:
         self.nan_pending = True
-        model = self.guard.model
+        model = self.model()
         if model is not None:
             from ..torch.stats import poison_with_nan
 
@@ -65,7 +74,7 @@ class Drills:
         return "next reported loss is NaN"
 
     def _sdc(self, params: dict[str, Any]) -> str:
-        model = self.guard.model
+        model = self.model()
         if model is None:
             raise RuntimeError("the sdc drill needs guard.attach(model)")
         from ..torch.stats import flip_bit

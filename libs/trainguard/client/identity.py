@@ -2,8 +2,9 @@
 
 Defaults come from torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``TORCHELASTIC_RESTART_COUNT``) and from ``trainguard launch`` (``TRAINGUARD_JOB``,
-``TRAINGUARD_HOST``), so ``Guard()`` needs no arguments under the launcher. Invalid
-values are a ``ValueError`` at construction, never a mangled subject later.
+``TRAINGUARD_HOST``; the names are :mod:`trainguard.envnames`), so ``Guard()`` needs no
+arguments under the launcher. Invalid values are a ``ValueError`` at construction, never a
+mangled subject later.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from .. import envnames
 from ..schemas import Attempt
 from ..subjects import check_rank, check_token
 
@@ -61,23 +63,23 @@ def resolve_identity(
     env: Mapping[str, str] | None = None,
 ) -> Identity:
     env = os.environ if env is None else env
-    job = job if job is not None else env.get("TRAINGUARD_JOB")
+    job = job if job is not None else env.get(envnames.JOB)
     if job is None:
-        raise ValueError("Guard needs a job name: Guard(job='my-job') or TRAINGUARD_JOB")
+        raise ValueError(f"Guard needs a job name: Guard(job='my-job') or {envnames.JOB}")
     check_token("job", job)
-    rank = check_rank(rank if rank is not None else _int_env(env, "RANK", 0))
-    world_size = world_size if world_size is not None else _int_env(env, "WORLD_SIZE", 1)
+    rank = check_rank(rank if rank is not None else _int_env(env, envnames.RANK, 0))
+    world_size = world_size if world_size is not None else _int_env(env, envnames.WORLD_SIZE, 1)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"invalid world size {world_size!r}: must be a positive integer")
     if rank >= world_size:
         raise ValueError(f"invalid rank {rank}: must be below the world size {world_size}")
-    local_rank = _int_env(env, "LOCAL_RANK", 0)
+    local_rank = _int_env(env, envnames.LOCAL_RANK, 0)
     if host is not None:
         check_token("host", host)
     else:
-        host = env.get("TRAINGUARD_HOST") or host_token(socket.gethostname())
+        host = env.get(envnames.HOST) or host_token(socket.gethostname())
         check_token("host", host)
-    attempt = Attempt(restart_count=_int_env(env, "TORCHELASTIC_RESTART_COUNT", 0),
+    attempt = Attempt(restart_count=_int_env(env, envnames.RESTART_COUNT, 0),
                       pid=os.getpid(), started_at=time.time())
     return Identity(job, rank, world_size, local_rank, host, attempt)
 

@@ -15,7 +15,7 @@ import collections
 import contextlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +25,7 @@ from nats.aio.msg import Msg
 
 from .. import tracing
 from ..codec import encode_durable, encode_telemetry
+from ..connection import connect_options
 from ..envelope import make_headers
 from ..schemas import Durable, TelemetryMessage
 
@@ -69,6 +70,7 @@ class Transport:
         flush_interval: float = 0.05,
         connect_timeout: float = 2.0,
         pending_size: int = 2 * 1024 * 1024,
+        access: Mapping[str, Any] | None = None,
     ) -> None:
         self.url = url
         self.name = name
@@ -76,6 +78,8 @@ class Transport:
         self.flush_interval = flush_interval
         self.connect_timeout = connect_timeout
         self.pending_size = pending_size
+        self.access = dict(access or {})
+        """Credentials and TLS (:meth:`trainguard.auth.Access.nats_options`)."""
         self.stats = TransportStats()
         self.telemetry: collections.deque[tuple[str, TelemetryMessage]] = collections.deque(
             maxlen=buffer_size)
@@ -226,13 +230,11 @@ class Transport:
                 self.stats.connects += 1
 
             try:
-                options: dict[str, Any] = {
-                    "servers": self.url.split(","), "name": self.name,
-                    "max_reconnect_attempts": -1, "reconnect_time_wait": 0.5,
-                    "connect_timeout": self.connect_timeout, "pending_size": self.pending_size,
-                    "error_cb": _error_cb, "reconnected_cb": _reconnected_cb,
-                    "allow_reconnect": True,
-                }
+                options = connect_options(self.url, name=self.name,
+                                          connect_timeout=self.connect_timeout,
+                                          error_cb=_error_cb, reconnected_cb=_reconnected_cb,
+                                          pending_size=self.pending_size)
+                options.update(self.access)
                 await asyncio.wait_for(nc.connect(**options), self.connect_timeout * 2)
             except Exception:
                 with contextlib.suppress(Exception):

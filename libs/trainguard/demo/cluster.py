@@ -21,6 +21,7 @@ from typing import Any
 
 import nats
 
+from ..auth import Access, load_credentials
 from ..codec import decode_any_durable, decode_telemetry
 from ..embedded import free_port
 from ..envelope import normalize_headers
@@ -168,16 +169,27 @@ class Cluster:
                     "TRAINGUARD_PREFIX": self.prefix, "GLOO_SOCKET_IFNAME": "lo",
                     "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                     "TRAINGUARD_POLICY": str(self.workdir / "policy.toml"),
-                    "TRAINGUARD_CKPT_ROOT": str(self.workdir / "ckpt"),
+                    "TRAINGUARD_CHECKPOINT_ROOT": str(self.workdir / "ckpt"),
                     # The demo packs 4 ranks, 2 agents and the control plane onto a couple of
                     # cores: its throughput wobbles more than a real job's.
                     "TRAINGUARD_THROUGHPUT_DROP": "0.6",
                     "TRAINGUARD_OTEL_EXPORTER": f"file:{self.spans_path}"})
         return env
 
-    def _spawn(self, name: str, argv: list[str]) -> None:
+    @property
+    def creds_dir(self) -> Path:
+        """Where ``trainguard up`` keeps each role's credentials (auth is on)."""
+        return self.workdir / "plane" / "creds"
+
+    def agent_env(self) -> dict[str, str]:
+        """An agent connects as the agent role and hands its ranks the rank role."""
+        return {"TRAINGUARD_CREDENTIALS": str(self.creds_dir / "agent.json"),
+                "TRAINGUARD_RANK_CREDENTIALS": str(self.creds_dir / "rank.json")}
+
+    def _spawn(self, name: str, argv: list[str], extra: dict[str, str] | None = None) -> None:
         log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 - owned by the process
-        self.procs[name] = subprocess.Popen(argv, env=self.env(), stdout=log,
+        self.procs[name] = subprocess.Popen(argv, env={**self.env(), **(extra or {})},
+                                            stdout=log,
                                             stderr=subprocess.STDOUT, cwd=self.workdir,
                                             start_new_session=True)
         log.close()
@@ -191,10 +203,13 @@ class Cluster:
                                       "--redis-port", str(self.redis_port),
                                       "--data-dir", str(self.workdir / "plane")])
         await self._wait_log("control-plane", "trainguard up: running", timeout)
-        self._nc = await nats.connect(self.nats_url, max_reconnect_attempts=-1)
+        # The observer and the drills act as an operator would.
+        operator = load_credentials(self.creds_dir / "operator.json")
+        self._nc = await nats.connect(self.nats_url, max_reconnect_attempts=-1,
+                                      **Access(credentials=operator).nats_options())
         await self._subscribe()
         for host in HOSTS:
-            self._spawn(host, self.launch_argv(host))
+            self._spawn(host, self.launch_argv(host), self.agent_env())
             await self._until(lambda h=host: h in self.observer.node_hellos, timeout,
                               f"agent {host} to register")
         await self._until(lambda: len(self.observer.live_ranks()) == 4

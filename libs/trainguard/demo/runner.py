@@ -94,7 +94,7 @@ class Runner:
         if incident is not None:
             out.cause = incident.cause
             out.incident_status = incident.status
-            out.actions = [f"{a.get('action')}:{a.get('status')}" for a in incident.actions]
+            out.actions = [f"{a.action}:{a.status}" for a in incident.actions]
             out.steps_lost = incident.steps_lost
         self._judge(out, incident)
         if out.problems:
@@ -111,8 +111,7 @@ class Runner:
 
     def _recovered(self, fault: Fault, out: Outcome, inc: Incident) -> bool:
         if fault.recovery == "alert":
-            if any(a.startswith("alert") for a in
-                   (f"{x.get('action')}" for x in inc.actions)) and inc.status != "open":
+            if any(a.action == "alert" for a in inc.actions) and inc.status != "open":
                 out.recovered_at = inc.mitigated_at or time.time()
                 return True
             return False
@@ -142,8 +141,7 @@ class Runner:
             return
         if inc.cause not in f.causes:
             out.problems.append(f"cause {inc.cause}, expected {' or '.join(f.causes)}")
-        done = {str(a.get("action")) for a in inc.actions if a.get("status") in ("done",
-                                                                                   "skipped")}
+        done = {a.action for a in inc.actions if a.status in ("done", "skipped")}
         missing = [a for a in f.actions if a not in done]
         if missing:
             out.problems.append(f"actions missing: {', '.join(missing)}")

@@ -23,15 +23,11 @@ with ``__<its group rank>_``; ``.metadata`` is attributed to group rank 0.
 
 from __future__ import annotations
 
-import io
 import logging
 import os
-import pickle
-import random
 import re
 import threading
 import time
-import zlib
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
@@ -49,16 +45,25 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from ..client.guard import Guard
+from ..checksum import METADATA_FILE, file_digest
+from ..client.handle import GuardHandle
 from ..codec import decode_durable, encode_durable
 from ..envelope import uuid7
 from ..schemas import CheckpointReport, Command, FileDigest, ResumePoint
+from .trusted import (
+    SafeLoadPlanner,
+    check_commit,
+    confine,
+    encode_py_rng,
+    from_blob,
+    read_metadata,
+    restore_py_rng,
+    to_blob,
+)
 
 log = logging.getLogger("trainguard.checkpoint")
 
-METADATA_FILE = ".metadata"
 STEP_KEY = "trainguard"
-CRC_CHUNK = 4 * 1024 * 1024
 _STEP_DIR = re.compile(r"step-(\d+)")
 
 ExtraFn = Callable[[], Mapping[str, Any] | None]
@@ -69,15 +74,6 @@ _SAVE_ERRORS: tuple[type[BaseException], ...] = (Exception, CheckpointException)
 def step_dir(root: str | os.PathLike[str], job: str, step: int) -> Path:
     """``<root>/<job>/step-<S>``: the layout the coordinator derives LATEST's place from."""
     return Path(root) / job / f"step-{step}"
-
-
-def crc32_of(path: Path) -> int:
-    """CRC32 of a file, streamed (zlib releases the GIL on large chunks)."""
-    crc = 0
-    with open(path, "rb") as fh:
-        while chunk := fh.read(CRC_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-    return crc
 
 
 def rank_files(names: list[str] | set[str], group_rank: int) -> list[str]:
@@ -92,18 +88,8 @@ def rank_files(names: list[str] | set[str], group_rank: int) -> list[str]:
 
 def _rng_state() -> dict[str, Any]:
     """This process's RNG streams: torch (and CUDA where in use) as tensors, Python and
-    numpy as one pickled blob (DCP would flatten their tuples into hundreds of keys)."""
-    np_state: Any = None
-    try:
-        import numpy as np
-
-        np_state = np.random.get_state()
-    except ImportError:
-        pass
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "py": pickle.dumps((random.getstate(), np_state)),
-    }
+    numpy as one msgspec blob (DCP would flatten their tuples into hundreds of keys)."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "py": encode_py_rng()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         state["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
     return state
@@ -111,25 +97,10 @@ def _rng_state() -> dict[str, Any]:
 
 def _set_rng_state(state: Mapping[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
-    py_state, np_state = pickle.loads(state["py"])  # our own checkpoint: trusted
-    random.setstate(py_state)
-    if np_state is not None:
-        import numpy as np
-
-        np.random.set_state(np_state)
+    restore_py_rng(state["py"])
     cuda = state.get("cuda")
     if cuda is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(list(cuda))
-
-
-def _to_blob(obj: Any) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def _from_blob(blob: bytes) -> Any:
-    return torch.load(io.BytesIO(blob), weights_only=False)
 
 
 class Checkpointer:
@@ -153,7 +124,7 @@ class Checkpointer:
         extra_fn: returns this rank's ``extra`` for saves the coordinator asks for.
     """
 
-    def __init__(self, guard: Guard, root: str | os.PathLike[str], *,
+    def __init__(self, guard: GuardHandle, root: str | os.PathLike[str], *,
                  process_group: dist.ProcessGroup | None = None, timeout: float = 60.0,
                  use_async: bool = True, cache_staging: bool = True,
                  extra_fn: ExtraFn | None = None) -> None:
@@ -277,7 +248,7 @@ class Checkpointer:
             "rng": {me: _rng_state()},
         }
         if extra is not None:
-            state["extra"] = {me: _to_blob(dict(extra))}
+            state["extra"] = {me: to_blob(dict(extra))}
         return state
 
     def _finish(self, step: int, path: Path, upload: Future[Any], t0: float, *,
@@ -290,8 +261,7 @@ class Checkpointer:
             metadata = upload.result()
             names = _written_names(metadata, path)
             for name in rank_files(names, self.group_rank):
-                p = path / name
-                files[name] = FileDigest(bytes=p.stat().st_size, crc32=crc32_of(p))
+                files[name] = file_digest(path / name)
         except _SAVE_ERRORS as exc:
             self._fail(exc)
             error = _describe(exc)
@@ -347,11 +317,14 @@ class Checkpointer:
         grew) are left as they are, with a warning: the model and optimizer still load,
         since DCP reshards them.
         """
-        path = Path(point.path) if isinstance(point, ResumePoint) else Path(point)
+        from_bus = isinstance(point, ResumePoint)
+        path = confine(point.path if isinstance(point, ResumePoint) else point, self.root,
+                       self.guard.job)
+        check_commit(path, self.guard.job, required=from_bus)
+        keys = set(read_metadata(path).state_dict_metadata)
         self._model, self._optimizer = model, optimizer
         self.wait()
         reader = FileSystemReader(str(path))
-        keys = set(reader.read_metadata().state_dict_metadata)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         me = f"rank{self.group_rank}"
         state: dict[str, Any] = {"model": model_sd, "optim": optim_sd, STEP_KEY: {"step": -1}}
@@ -363,13 +336,13 @@ class Checkpointer:
                         path, me)
         if f"extra.{me}" in keys:
             state["extra"] = {me: b""}
-        dcp_load(state, storage_reader=reader, process_group=self.group,
-                 no_dist=not self.distributed)
+        dcp_load(state, storage_reader=reader, planner=SafeLoadPlanner(),
+                 process_group=self.group, no_dist=not self.distributed)
         set_state_dict(model, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
         if "rng" in state:
             _set_rng_state(state["rng"][me])
-        self.loaded_extra = _from_blob(state["extra"][me]) if "extra" in state else None
+        self.loaded_extra = from_blob(state["extra"][me]) if "extra" in state else None
         step = int(state[STEP_KEY]["step"])
         self._last_step = step
         return step

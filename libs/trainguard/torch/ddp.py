@@ -19,12 +19,15 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from ..client.guard import Guard
+    from ..client.handle import GuardHandle
 
 
 class CommTimer:
-    def __init__(self, guard: Guard, process_group: Any = None) -> None:
-        self.guard = guard
+    """Counts collectives into the Guard's shared :class:`~trainguard.client.rankstate.RankState`
+    (the heartbeat reads them) and keeps each step's wait per phase."""
+
+    def __init__(self, guard: GuardHandle, process_group: Any = None) -> None:
+        self.state = guard.state
         self.group = process_group
         self._lock = threading.Lock()
         self._since = 0.0
@@ -32,16 +35,16 @@ class CommTimer:
         self._waits: dict[str, float] = {}
 
     def issued(self) -> None:
-        g = self.guard
+        g = self.state
         with self._lock:
             g.coll_seq += 1
             if g.comm_outstanding == 0:
                 self._since = time.perf_counter()
-                self._phase = g._phase
+                self._phase = g.phase
             g.comm_outstanding += 1
 
     def completed(self) -> None:
-        g = self.guard
+        g = self.state
         with self._lock:
             g.coll_done += 1
             g.comm_outstanding -= 1
@@ -82,9 +85,9 @@ _allreduce_hook.__annotations__ = {"state": CommTimer, "bucket": dist.GradBucket
                                    "return": torch.futures.Future[torch.Tensor]}
 
 
-def instrument_ddp(model: Any, guard: Guard, process_group: Any = None) -> CommTimer:
+def instrument_ddp(model: Any, guard: GuardHandle, process_group: Any = None) -> CommTimer:
     """Register the timing hook on a ``DistributedDataParallel`` model (before training)."""
     timer = CommTimer(guard, process_group)
     model.register_comm_hook(timer, _allreduce_hook)
-    guard._ddp = timer
+    guard.set_phase_accounting(timer.account)
     return timer

@@ -1,0 +1,56 @@
+"""What the ``trainguard.torch`` helpers need of the Guard, as a Protocol.
+
+The Checkpointer and the DDP hook are written against this, not against the concrete
+:class:`~.guard.Guard`: they can be tested with a stand-in, and the Guard is free to change
+what it keeps privately.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from ..schemas import CheckpointReport, ResumePoint
+from .commands import Handler
+from .identity import Identity
+from .rankstate import RankState
+
+
+class GuardHandle(Protocol):
+    """The part of a Guard that the torch helpers use."""
+
+    model: Any
+    optimizer: Any
+    checkpoint_root: str | None
+    """Where ``resume_point()`` looks for ``LATEST`` without the coordinator."""
+
+    @property
+    def identity(self) -> Identity:
+        """Who the rank is, and its attempt (reports carry it)."""
+        ...
+
+    @property
+    def job(self) -> str: ...
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def state(self) -> RankState: ...
+
+    @property
+    def last_completed_step(self) -> int | None: ...
+
+    def on(self, kind: str, handler: Handler) -> None: ...
+
+    def on_close(self, fn: Callable[[], None]) -> None: ...
+
+    def set_phase_accounting(self, fn: Callable[[dict[str, float]], None]) -> None: ...
+
+    def publish_checkpoint_report(self, report: CheckpointReport) -> None: ...
+
+    def resume_point(self, root: str | None = None,
+                     timeout: float = 2.0) -> ResumePoint | None: ...

@@ -1,0 +1,200 @@
+"""What finished steps become: step reports and parameter fingerprints.
+
+No transport here: finished messages go to the two ``publish_*`` callables the Guard
+passes (tests pass lists' ``append``). Values that are device tensors are not read at once
+(that would wait for the GPU): the message waits in ``pending`` until every value is ready,
+checked at later steps without blocking, and goes out then (the value of step N may be
+published during step N+1). With ``report_every > 1`` reports are averaged over that many
+steps, except that a non-finite value goes out at once.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from ..schemas import Fingerprint, StepReport
+from .values import Deferred, is_tensor, read_number
+
+PENDING_LIMIT = 64
+"""Messages waiting for a device far behind: beyond this the oldest are dropped."""
+
+
+class FinishedStep(Protocol):
+    """What :class:`~.steps.Step` holds when it ends."""
+
+    n: int
+    phases: dict[str, float]
+    loss: Any
+    grad_norm: Any
+    tokens: int | None
+    samples: int | None
+    extra: dict[str, Any] | None
+
+
+class Pending:
+    """A message whose ``deferred`` values (by field name; ``extra.<k>`` for extras) are
+    still on the device."""
+
+    __slots__ = ("deferred", "message")
+
+    def __init__(self, message: StepReport | Fingerprint, deferred: dict[str, Deferred]):
+        self.message = message
+        self.deferred = deferred
+
+
+def read_value(name: str, raw: Any, deferred: dict[str, Deferred]) -> float | None:
+    """A float now, or None with the value parked in ``deferred`` under ``name``."""
+    if raw is None:
+        return None
+    value = read_number(raw)
+    if value is None or isinstance(value, float):
+        return value
+    deferred[name] = value
+    return None
+
+
+def aggregate(reports: list[StepReport]) -> StepReport:
+    """One report for several steps: the last one's step, loss and time; mean duration and
+    phases; the largest grad norm (a non-finite one wins); summed counts."""
+    last = reports[-1]
+    phases: dict[str, float] = {}
+    for r in reports:
+        for k, v in r.phases.items():
+            phases[k] = phases.get(k, 0.0) + v / len(reports)
+    norms = [r.grad_norm for r in reports if r.grad_norm is not None]
+    last.duration = sum(r.duration for r in reports) / len(reports)
+    last.phases = phases
+    last.grad_norm = max(norms, key=lambda v: v if math.isfinite(v) else math.inf) \
+        if norms else None
+    last.nonfinite = sum(r.nonfinite for r in reports)
+    last.tokens = sum(r.tokens or 0 for r in reports) or None
+    last.samples = sum(r.samples or 0 for r in reports) or None
+    last.steps = len(reports)
+    return last
+
+
+class Reports:
+    """Builds this rank's step reports and fingerprints and hands them on when complete.
+
+    Args:
+        job, rank, attempt: the rank's identity (``attempt`` = torchrun's restart count).
+        report_every: one report per this many steps (aggregated).
+        fingerprint_every: steps between fingerprints (0: never); needs a model.
+        model: returns the attached model, or None.
+        publish_step, publish_fingerprint: where finished messages go.
+    """
+
+    def __init__(self, job: str, rank: int, attempt: int, *, report_every: int,
+                 fingerprint_every: int, model: Callable[[], Any],
+                 publish_step: Callable[[StepReport], None],
+                 publish_fingerprint: Callable[[Fingerprint], None]) -> None:
+        if report_every < 1:
+            raise ValueError(f"report_every={report_every}: must be at least 1")
+        self.job, self.rank, self.attempt = job, rank, attempt
+        self.report_every = report_every
+        self.fingerprint_every = fingerprint_every
+        self.model = model
+        self.publish_step = publish_step
+        self.publish_fingerprint = publish_fingerprint
+        self.seq = 0
+        self.pending: list[Pending] = []
+        self.aggregated: list[StepReport] = []
+
+    def record(self, step: FinishedStep, duration: float, *, nan_loss: bool = False) -> bool:
+        """Report ``step``; ``nan_loss`` (the ``nan`` drill) reports its loss as NaN.
+        Returns whether it did (a loss still on the device cannot be replaced yet)."""
+        self.seq += 1
+        deferred: dict[str, Deferred] = {}
+        loss = read_value("loss", step.loss, deferred)
+        grad_norm = read_value("grad_norm", step.grad_norm, deferred)
+        poisoned = nan_loss and loss is not None
+        if poisoned:
+            loss = math.nan
+        extra: dict[str, float] = {}
+        if step.extra:
+            for k, v in step.extra.items():
+                val = read_value(f"extra.{k}", v, deferred)
+                if val is not None:
+                    extra[k] = val
+        report = StepReport(job=self.job, time=time.time(), seq=self.seq, rank=self.rank,
+                            step=step.n, attempt=self.attempt, duration=duration,
+                            phases=step.phases, loss=loss, grad_norm=grad_norm,
+                            tokens=step.tokens, samples=step.samples, extra=extra)
+        if deferred:
+            self.pending.append(Pending(report, deferred))
+        else:
+            self._finish(report)
+        model = self.model()
+        if self.fingerprint_every and model is not None and step.n % self.fingerprint_every == 0:
+            self._fingerprint(step.n, model)
+        if self.pending:
+            self.poll(force=False)
+        return poisoned
+
+    def poll(self, *, force: bool) -> None:
+        """Send what the device has finished (everything, read now, with ``force``)."""
+        still: list[Pending] = []
+        for p in self.pending:
+            if not (force or all(d.ready() for d in p.deferred.values())):
+                still.append(p)
+                continue
+            msg = p.message
+            for name, d in p.deferred.items():
+                value = d.value()
+                if isinstance(msg, Fingerprint):
+                    msg.checksum = int(value)
+                elif name.startswith("extra."):
+                    msg.extra[name[6:]] = value
+                else:
+                    setattr(msg, name, value)
+            if isinstance(msg, StepReport):
+                self._finish(msg)
+            else:
+                self.publish_fingerprint(msg)
+        self.pending = still[-PENDING_LIMIT:]
+
+    def flush(self) -> None:
+        """Send the reports aggregated so far (at close, or on a non-finite value)."""
+        reports, self.aggregated = self.aggregated, []
+        if reports:
+            self.publish_step(aggregate(reports))
+
+    def _finish(self, report: StepReport) -> None:
+        """Non-finite evidence, then publish (or aggregate for ``report_every``)."""
+        bad = sum(1 for v in (report.loss, report.grad_norm)
+                  if v is not None and not math.isfinite(v))
+        if bad:
+            report.nonfinite = bad
+            model = self.model()
+            if report.grad_norm is not None and not math.isfinite(report.grad_norm) \
+                    and model is not None:
+                from ..torch.stats import nonfinite_grad_names
+
+                report.nonfinite_params = nonfinite_grad_names(model)
+        if self.report_every == 1:
+            self.publish_step(report)
+            return
+        self.aggregated.append(report)
+        if len(self.aggregated) >= self.report_every or bad:
+            self.flush()
+
+    def _fingerprint(self, n: int, model: Any) -> None:
+        from ..torch.stats import fingerprint
+
+        value = fingerprint(model)
+        fp = Fingerprint(job=self.job, time=time.time(), seq=self.seq, rank=self.rank, step=n,
+                         checksum=0, attempt=self.attempt)
+        if is_tensor(value):
+            if value.device.type == "cpu":
+                fp.checksum = int(value.item())
+                self.publish_fingerprint(fp)
+            else:
+                from ..torch.values import defer_tensor
+
+                self.pending.append(Pending(fp, {"checksum": defer_tensor(value)}))
+        else:
+            fp.checksum = int(value)
+            self.publish_fingerprint(fp)

@@ -1,0 +1,96 @@
+"""``with guard.step(n) as s:`` and ``with s.phase(name):``, the training loop's handles.
+
+They only read clocks and write the shared :class:`~.rankstate.RankState`; what a finished
+step becomes (a report, commands run at the safe point) is the Guard's, reached through
+the two callbacks it hands each :class:`Step`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any, Protocol
+
+from .rankstate import RankState
+
+
+class StepEnds(Protocol):
+    def __call__(self, step: Step, duration: float, *, failed: bool) -> None: ...
+
+
+class Phase:
+    """``with s.phase("data"):`` — times one named phase and marks it as current."""
+
+    __slots__ = ("_name", "_step", "_t0")
+
+    def __init__(self, step: Step, name: str) -> None:
+        self._step = step
+        self._name = name
+        self._t0 = 0.0
+
+    def __enter__(self) -> Phase:
+        self._t0 = time.perf_counter()
+        self._step.state.enter(self._name)
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        elapsed = time.perf_counter() - self._t0
+        state = self._step.state
+        if state.slow_factor > 1.0 and self._name == "compute":
+            time.sleep(elapsed * (state.slow_factor - 1.0))  # the `slow` drill
+            elapsed *= state.slow_factor
+        phases = self._step.phases
+        phases[self._name] = phases.get(self._name, 0.0) + elapsed
+        state.enter("step")
+
+
+class Step:
+    """``with guard.step(n) as s:`` — one training step.
+
+    ``on_enter(step)`` runs as it begins; ``on_exit(step, seconds, failed=...)`` as it ends.
+    """
+
+    __slots__ = ("_on_enter", "_on_exit", "_t0", "extra", "grad_norm", "loss", "n", "phases",
+                 "samples", "state", "tokens")
+
+    def __init__(self, n: int, state: RankState, on_enter: Callable[[Step], None],
+                 on_exit: StepEnds) -> None:
+        self.n = n
+        self.state = state
+        self._on_enter = on_enter
+        self._on_exit = on_exit
+        self.phases: dict[str, float] = {}
+        self.loss: Any = None
+        self.grad_norm: Any = None
+        self.tokens: int | None = None
+        self.samples: int | None = None
+        self.extra: dict[str, Any] | None = None
+        self._t0 = 0.0
+
+    def phase(self, name: str) -> Phase:
+        return Phase(self, name)
+
+    def report(self, loss: Any = None, grad_norm: Any = None, tokens: int | None = None,
+               samples: int | None = None, **extra: Any) -> None:
+        """Attach metrics; numbers or 0-dim tensors (read later, without a host sync)."""
+        if loss is not None:
+            self.loss = loss
+        if grad_norm is not None:
+            self.grad_norm = grad_norm
+        if tokens is not None:
+            self.tokens = tokens
+        if samples is not None:
+            self.samples = samples
+        if extra:
+            self.extra = extra
+
+    def __enter__(self) -> Step:
+        self._on_enter(self)
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._on_exit(self, time.perf_counter() - self._t0, failed=et is not None)

@@ -1,0 +1,43 @@
+"""``<root>/<job>/step-<S>/COMMITTED``: the coordinator's word that a checkpoint is whole.
+
+The coordinator writes it when it commits a step (every rank's report verified), with the
+digests the ranks reported; a rank opens a resume point only where this record matches
+(:mod:`trainguard.torch.trusted`). A message on the bus can name a directory, but only the
+coordinator, which writes the checkpoint file system, can vouch for one.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import msgspec
+
+from .errors import DecodeError
+from .schemas import FileDigest
+
+COMMIT_FILE: Final = "COMMITTED"
+
+
+class CommitRecord(msgspec.Struct, kw_only=True):
+    job: str
+    step: int
+    path: str
+    checkpoint_id: str = ""
+    world_size: int = 0
+    files: dict[str, FileDigest] = {}
+    """File name -> digest, merged from every rank's report."""
+    time: float = 0.0
+
+
+_decoder = msgspec.json.Decoder(CommitRecord)
+
+
+def encode_commit(record: CommitRecord) -> bytes:
+    return msgspec.json.encode(record)
+
+
+def decode_commit(data: bytes) -> CommitRecord:
+    try:
+        return _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise DecodeError(f"invalid commit record: {exc}") from None

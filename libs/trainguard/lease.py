@@ -1,0 +1,109 @@
+"""Leases in Redis: a key that names its holder and expires unless the holder renews it.
+
+Two services hold them: the detector, one lease per job it owns (so several detectors split
+the jobs), and the remediator, one leader lock whose holder alone acts. A lease is taken
+with ``SET NX PX``; it is renewed and released only while it still names the holder
+(compare and act in one Lua script, so a lease that expired and went to someone else is
+never extended or deleted by its old holder). Writes to shared state can be fenced by a
+lease: the script checks the lease and writes in one step, so a holder that lost it writes
+nothing. What to hold and what follows from holding it (which jobs; a new fencing epoch for
+a leader) is each service's own policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import redis.asyncio as aioredis
+
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+_FENCED_HSET = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
+return 1
+"""
+
+_FENCED_HSET_TRACK = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
+if ARGV[5] == '1' then redis.call('SADD', KEYS[3], ARGV[4])
+else redis.call('SREM', KEYS[3], ARGV[4]) end
+return 1
+"""
+
+
+class LeaseHolder:
+    """The leases one holder takes, renews and releases, and the writes they fence.
+
+    ``holder`` is the value stored under each lease key (an instance name or a random
+    token): whoever reads the key learns the owner. Operations on several leases are
+    pipelined, one round trip each.
+    """
+
+    def __init__(self, redis: aioredis.Redis, holder: str, ttl: float) -> None:
+        self.redis = redis
+        self.holder = holder
+        self.ttl = ttl
+        self.ttl_ms = max(1, int(ttl * 1000))
+
+    async def acquire(self, key: str) -> bool:
+        """Take the lease on ``key`` if nobody holds it."""
+        return bool(await self.redis.set(key, self.holder, nx=True, px=self.ttl_ms))
+
+    async def renew(self, keys: Iterable[str]) -> set[str]:
+        """Extend the leases on ``keys``; returns those this holder no longer has."""
+        keys = list(keys)
+        if not keys:
+            return set()
+        pipe = self.redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.eval(_RENEW, 1, key, self.holder, self.ttl_ms)
+        results = await pipe.execute()
+        return {key for key, ok in zip(keys, results, strict=True) if not ok}
+
+    async def release(self, keys: Iterable[str]) -> None:
+        """Give the leases on ``keys`` up at once (those still ours), so others need not
+        wait for them to expire."""
+        keys = list(keys)
+        if not keys:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.eval(_RELEASE, 1, key, self.holder)
+        await pipe.execute()
+
+    async def owners(self, keys: Iterable[str]) -> dict[str, str | None]:
+        """Who holds each lease (None: free)."""
+        keys = list(keys)
+        if not keys:
+            return {}
+        values = await self.redis.mget(keys)
+        return {key: v.decode() if isinstance(v, bytes) else v
+                for key, v in zip(keys, values, strict=True)}
+
+    async def hset(self, lease: str, key: str, field: str, value: str | bytes) -> bool:
+        """``HSET key field value`` only while ``lease`` is ours; False: nothing written."""
+        written = await self.redis.eval(_FENCED_HSET, 2, lease, key, self.holder, field, value)
+        return bool(written == 1)
+
+    async def hset_tracked(self, lease: str, key: str, field: str, value: str | bytes,
+                           members: str, member: str, present: bool) -> bool:
+        """Like :meth:`hset`, and in the same step add ``member`` to the set ``members``
+        (``present``) or remove it, so an index never disagrees with the hash."""
+        written = await self.redis.eval(_FENCED_HSET_TRACK, 3, lease, key, members,
+                                        self.holder, field, value, member,
+                                        "1" if present else "0")
+        return bool(written == 1)

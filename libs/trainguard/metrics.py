@@ -1,0 +1,43 @@
+"""The Prometheus series every service exposes, on a registry of its own."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+ErrorReason = Literal[
+    "malformed", "wrong_type", "oversized", "rejected", "handler_error", "publish_too_large",
+    "transient", "dead_letter_failed", "callback_error", "internal",
+]
+"""Why a message raised on its way through a consumer (``trainguard_message_errors``):
+what it was (``malformed``, ``wrong_type``, ``oversized``), what its handler did
+(``rejected``, ``handler_error``, ``publish_too_large``, ``transient``, ``callback_error``
+for a core subscription), or what went wrong settling it (``dead_letter_failed``,
+``internal``: a bug in the settle path). A fixed vocabulary keeps the series few."""
+
+
+class Metrics:
+    def __init__(self, service: str) -> None:
+        self.registry = CollectorRegistry()
+        self.service = service
+        self.messages = Counter("trainguard_messages", "Durable messages settled, by outcome",
+                                ["service", "consumer", "outcome"], registry=self.registry)
+        self.dead = Counter("trainguard_dead_letters", "Messages sent to the dead-letter subject",
+                            ["service", "reason"], registry=self.registry)
+        self.errors = Counter("trainguard_message_errors",
+                              "Exceptions caught per message, so the consumer went on",
+                              ["service", "consumer", "reason"], registry=self.registry)
+        self.latency = Histogram("trainguard_handler_seconds", "Handler latency",
+                                 ["service", "consumer"], registry=self.registry,
+                                 buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5))
+        self.telemetry = Counter("trainguard_telemetry", "Telemetry messages received",
+                                 ["service", "outcome"], registry=self.registry)
+        self.slow_consumer = Counter("trainguard_slow_consumer_errors",
+                                     "NATS slow-consumer errors (telemetry dropped by the client)",
+                                     ["service"], registry=self.registry)
+
+    def error(self, consumer: str, reason: ErrorReason) -> None:
+        """Count one exception a consumer (durable or core) caught and went on from."""
+        self.errors.labels(self.service, consumer, reason).inc()
+

@@ -1,0 +1,163 @@
+"""What a rank may open when it loads a checkpoint, and how it reads it without running code.
+
+A resume point arrives over the bus, and DCP unpickles a checkpoint's ``.metadata`` and
+its non-tensor values. So before DCP reads anything:
+
+* the directory must be a step directory under this Checkpointer's own ``<root>/<job>``
+  (symlinks resolved), so an answer cannot point a rank at a file it planted elsewhere;
+* the coordinator's commit record (:mod:`trainguard.commit_record`) must be there for a
+  resume point, and match: its job and path, and the CRC32 of ``.metadata``;
+* ``.metadata`` is first read by an unpickler that admits only DCP's metadata classes,
+  torch sizes and dtypes, and every non-tensor value is first read with
+  ``torch.load(weights_only=True)``: a crafted pickle raises instead of executing.
+
+trainguard's own per-rank state avoids pickle altogether: Python's and numpy's RNG states
+are msgspec-encoded, ``extra`` must be tensors and plain containers.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import random
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import ReadItem
+
+from ..checksum import METADATA_FILE, crc32_of
+from ..commit_record import COMMIT_FILE, decode_commit
+from ..errors import TrainguardError
+
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+_ALLOWED: frozenset[tuple[str, str]] = frozenset({
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+})
+
+
+class CheckpointRefused(TrainguardError):
+    """A checkpoint this rank will not open: outside its root, uncommitted, or crafted."""
+
+
+def confine(path: str | os.PathLike[str], root: str | os.PathLike[str], job: str) -> Path:
+    """``path`` resolved, if it lies under ``<root>/<job>``; else :class:`CheckpointRefused`."""
+    base = (Path(root) / job).resolve()
+    resolved = Path(path).resolve()
+    if resolved == base or not resolved.is_relative_to(base):
+        raise CheckpointRefused(f"checkpoint {path} is not under {base}: refusing to open it "
+                                "(a resume point names this job's own checkpoints only)")
+    return resolved
+
+
+def check_commit(path: Path, job: str, *, required: bool) -> None:
+    """Match ``path`` against the coordinator's commit record. ``required`` for resume
+    points (they come over the bus); a path the user's own code names may have none."""
+    record_path = path / COMMIT_FILE
+    try:
+        record = decode_commit(record_path.read_bytes())
+    except FileNotFoundError:
+        if required:
+            raise CheckpointRefused(f"{path} has no commit record ({COMMIT_FILE}): the "
+                                    "coordinator never committed it") from None
+        return
+    except (OSError, TrainguardError) as exc:
+        raise CheckpointRefused(f"unreadable commit record {record_path}: {exc}") from None
+    if record.job != job or Path(record.path).resolve() != path:
+        raise CheckpointRefused(f"commit record {record_path} is for {record.job} at "
+                                f"{record.path}, not {job} at {path}")
+    want = record.files.get(METADATA_FILE)
+    if want is not None and want.crc32 is not None:
+        got = crc32_of(path / METADATA_FILE)
+        if got != want.crc32:
+            raise CheckpointRefused(f"{path / METADATA_FILE} has CRC32 {got:#x}, the commit "
+                                    f"record says {want.crc32:#x}: the file changed")
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module == _METADATA_MODULE or (module, name) in _ALLOWED or (
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise CheckpointRefused(f"checkpoint metadata references {module}.{name}, which "
+                                "DCP metadata never holds: refusing to load it")
+
+
+def read_metadata(path: Path) -> Metadata:
+    """DCP's ``.metadata`` of ``path``, read without admitting arbitrary classes."""
+    try:
+        with open(path / METADATA_FILE, "rb") as fh:
+            metadata = _MetadataUnpickler(fh).load()
+    except CheckpointRefused:
+        raise
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError) as exc:
+        raise CheckpointRefused(f"unreadable checkpoint metadata in {path}: {exc}") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointRefused(f"{path / METADATA_FILE} holds no DCP metadata")
+    return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner, except that a non-tensor value must load with
+    ``weights_only=True`` (tensors, numbers, strings, plain containers) before it is set."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        try:
+            torch.load(value, weights_only=True)
+        except Exception as exc:
+            raise CheckpointRefused(f"checkpoint value {read_item.dest_index.fqn} is not "
+                                    f"plain data: {exc}") from None
+        value.seek(0)
+        super().load_bytes(read_item, value)
+
+
+def encode_py_rng() -> bytes:
+    """Python's and numpy's RNG states as msgspec JSON (no pickle)."""
+    np_state: list[Any] | None = None
+    try:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        np_state = [kind, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)]
+    except ImportError:
+        pass
+    version, internal, gauss = random.getstate()
+    return msgspec.json.encode({"py": [version, list(internal), gauss], "np": np_state})
+
+
+def restore_py_rng(blob: bytes) -> None:
+    """Set what :func:`encode_py_rng` saved; raises :class:`CheckpointRefused` if malformed."""
+    try:
+        state = msgspec.json.decode(blob)
+        version, internal, gauss = state["py"]
+        random.setstate((int(version), tuple(int(x) for x in internal), gauss))
+        np_state = state.get("np")
+    except (msgspec.DecodeError, KeyError, TypeError, ValueError) as exc:
+        raise CheckpointRefused(f"malformed RNG state in checkpoint: {exc}") from None
+    if np_state is not None:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = np_state
+        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def to_blob(obj: Any) -> bytes:
+    """``extra`` as bytes: tensors and plain containers only (loaded with weights_only)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def from_blob(blob: bytes) -> Any:
+    try:
+        return torch.load(io.BytesIO(blob), weights_only=True)
+    except Exception as exc:
+        raise CheckpointRefused(f"checkpoint extra state is not plain data: {exc}") from None

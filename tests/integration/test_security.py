@@ -1,0 +1,161 @@
+"""Access control on real servers: what a client with the wrong role (or none) cannot do.
+
+The control plane here runs with auth on, as ``trainguard up`` does by default: every role
+has its own NATS user and Redis ACL user, rendered from ``trainguard.auth``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+import redis.asyncio as aioredis
+from nats.aio.client import Client as NATS
+from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
+
+from tests.conftest import wait_until
+from trainguard.auth import Role, load_credentials
+from trainguard.codec import encode_durable
+from trainguard.embedded import EmbeddedControlPlane
+from trainguard.subjects import Subjects
+from trainguard.targets import addressed
+
+S = Subjects()
+
+
+@pytest.fixture(scope="module")
+def secure_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedControlPlane]:
+    plane = EmbeddedControlPlane(tmp_path_factory.mktemp("secure"), secure=True)
+    plane.start()
+    try:
+        yield plane
+    finally:
+        plane.stop()
+
+
+class Client:
+    """A NATS connection as one role, recording the server's permission errors."""
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+        self.nc: Any = None
+
+    async def connect(self, plane: EmbeddedControlPlane, role: Role) -> Client:
+        creds = load_credentials(plane.credentials[role])
+        assert creds.nats is not None
+
+        async def on_error(exc: Exception) -> None:
+            self.errors.append(str(exc))
+
+        self.nc = await nats.connect(plane.nats.url, user=creds.nats.user,
+                                     password=creds.nats.password, error_cb=on_error,
+                                     max_reconnect_attempts=0)
+        return self
+
+
+@pytest.fixture
+async def connect(secure_plane: EmbeddedControlPlane) -> AsyncIterator[Any]:
+    clients: list[Client] = []
+
+    async def _connect(role: Role) -> Client:
+        client = await Client().connect(secure_plane, role)
+        clients.append(client)
+        return client
+
+    yield _connect
+    for c in clients:
+        await c.nc.close()
+
+
+def _redis(plane: EmbeddedControlPlane, role: Role | None) -> aioredis.Redis:
+    if role is None:
+        return aioredis.Redis(host="127.0.0.1", port=plane.redis.port)
+    creds = load_credentials(plane.credentials[role])
+    assert creds.redis is not None
+    return aioredis.Redis(host="127.0.0.1", port=plane.redis.port, username=creds.redis.user,
+                          password=creds.redis.password)
+
+
+async def test_a_forged_command_never_reaches_a_receiver(connect: Any, job: str) -> None:
+    agent = await connect("agent")
+    got: list[str] = []
+
+    async def on_cmd(msg: Any) -> None:
+        got.append(msg.subject)
+
+    await agent.nc.subscribe(S.pattern("cmd", job=job, tail=">"), cb=on_cmd)
+    await agent.nc.flush()
+    for forger in ("rank", "oncall", "agent", "detector", "diagnoser"):
+        client = await connect(forger)
+        subject, cmd = addressed(S, job, "restart", issuer="remediator", everyone=True,
+                                 epoch=2**53)
+        await client.nc.publish(subject, encode_durable(cmd))
+        await client.nc.flush()
+        await wait_until(lambda c=client: any("permissions violation" in e.lower()
+                                              for e in c.errors),
+                         what=f"the server refusing {forger}'s command")
+    leader = await connect("remediator")
+    subject, cmd = addressed(S, job, "restart", issuer="remediator", everyone=True)
+    await leader.nc.publish(subject, encode_durable(cmd))
+    await wait_until(lambda: got, what="the remediator's command")
+    assert got == [subject]  # the forged ones were dropped by the server
+
+
+@pytest.mark.parametrize("forger", ["rank", "agent", "oncall"])
+async def test_no_client_but_the_coordinator_answers_or_rolls_back(connect: Any, job: str,
+                                                                   forger: Role) -> None:
+    client = await connect(forger)
+    # A fake coordinator: subscribing to the endpoints is refused.
+    await client.nc.subscribe(S.rpc_resume(job))
+    await client.nc.flush()
+    await wait_until(lambda: any("subscription" in e.lower() for e in client.errors),
+                     what="the server refusing the fake coordinator")
+    # Rolling back the resume pointer is not theirs to ask for.
+    with pytest.raises((nats.errors.NoRespondersError, nats.errors.TimeoutError)):
+        await client.nc.request(S.rpc_rollback(job), b'{"below_step": 1}', timeout=0.5)
+    await wait_until(lambda: any("publish" in e.lower() for e in client.errors),
+                     what="the server refusing the rollback request")
+
+
+async def test_anonymous_clients_are_refused(secure_plane: EmbeddedControlPlane) -> None:
+    nc = NATS()
+    try:
+        with pytest.raises(nats.errors.Error, match=r"(?i)authorization"):
+            await nc.connect(secure_plane.nats.url, allow_reconnect=False, connect_timeout=2)
+    finally:
+        await nc.close()
+    anonymous = _redis(secure_plane, None)
+    try:
+        with pytest.raises((AuthenticationError, ResponseError)):
+            await anonymous.hset("tg:blocklist", "node-a", "{}")
+    finally:
+        await anonymous.aclose()
+
+
+@pytest.mark.parametrize("role", ["agent", "oncall"])
+async def test_only_the_remediator_writes_the_blocklist(secure_plane: EmbeddedControlPlane,
+                                                        role: Role) -> None:
+    client = _redis(secure_plane, role)
+    try:
+        with pytest.raises(NoPermissionError):
+            await client.hset("tg:blocklist", "node-a", '{"reason": "forged"}')
+        assert await client.hget("tg:blocklist", "node-a") is None  # reading is allowed
+    finally:
+        await client.aclose()
+    remediator = _redis(secure_plane, "remediator")
+    try:
+        assert await remediator.hset("tg:blocklist", "node-z", "{}") == 1
+        await remediator.hdel("tg:blocklist", "node-z")
+    finally:
+        await remediator.aclose()
+
+
+async def test_credentials_stay_private(secure_plane: EmbeddedControlPlane) -> None:
+    for path in (*secure_plane.credentials.values(), secure_plane.nats.auth_path,
+                 secure_plane.redis.auth_path):
+        assert Path(path).stat().st_mode & 0o077 == 0, path
+    await asyncio.sleep(0)

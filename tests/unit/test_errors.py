@@ -1,0 +1,38 @@
+"""Every exception class trainguard defines derives from the library's error base."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+
+import trainguard
+import trainguard.services
+from trainguard.errors import TrainguardError
+
+SKIP = {"trainguard.__main__"}  # runs the CLI when imported
+OPTIONAL = {"torch", "numpy", "pynvml"}  # extras a CPU-only install may lack
+
+
+def _modules() -> list[str]:
+    """The library's modules and the services' (installed apart, as trainguard.services)."""
+    names = [m.name for m in pkgutil.walk_packages(trainguard.__path__, "trainguard.")]
+    names += [m.name for m in pkgutil.walk_packages(trainguard.services.__path__,
+                                                    "trainguard.services.")]
+    return sorted(set(names) - SKIP)
+
+
+def test_every_exception_class_is_a_trainguard_error() -> None:
+    defined = []
+    for name in _modules():
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name in OPTIONAL:
+                continue
+            raise
+        defined += [cls for _, cls in inspect.getmembers(module, inspect.isclass)
+                    if cls.__module__ == name and issubclass(cls, BaseException)]
+    assert len(defined) >= 8, defined  # the walk found the library's and services' errors
+    assert {c.__module__.split(".")[1] for c in defined} >= {"errors", "bus", "services"}
+    assert [c for c in defined if not issubclass(c, TrainguardError)] == []

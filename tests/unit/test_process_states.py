@@ -1,0 +1,52 @@
+"""Process states: one vocabulary from the agent's /proc read to the detector and progress."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import msgspec
+import pytest
+
+from trainguard.codec import decode_telemetry, encode_telemetry
+from trainguard.errors import DecodeError
+from trainguard.schemas import NodeHeartbeat, is_gone, is_stopped
+from trainguard.services.agent import procs
+from trainguard.state import Progress, RankProgress, decode_progress, encode_progress
+
+STATES = [
+    # letter, stopped (cannot progress, ignores SIGTERM), gone
+    ("R", False, False), ("S", False, False), ("I", False, False), ("P", False, False),
+    ("T", True, False), ("t", True, False), ("D", True, False),
+    ("Z", False, True), ("X", False, True), ("x", False, True),
+    (None, False, False),
+]
+
+
+@pytest.mark.parametrize(("letter", "stopped", "gone"), STATES,
+                         ids=[str(s[0]) for s in STATES])
+def test_what_each_state_means(letter: str | None, stopped: bool, gone: bool) -> None:
+    assert (is_stopped(letter), is_gone(letter)) == (stopped, gone)
+
+
+def test_the_agent_reads_its_own_and_a_dead_process() -> None:
+    assert procs.state_of(os.getpid()) in ("R", "S")
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert procs.state_of(child.pid) == "X" and not procs.alive(child.pid)
+
+
+def test_states_travel_in_node_heartbeats_and_progress() -> None:
+    beat = NodeHeartbeat(job="j", time=1.0, host="h", ranks={0: "R", 1: "T", 2: "D"})
+    assert decode_telemetry(encode_telemetry(beat)) == beat
+    progress = Progress(job="j", time=1.0, ranks={1: RankProgress(rank=1, process_state="T",
+                                                                  state="stopped")})
+    assert decode_progress(encode_progress(progress)).ranks[1].process_state == "T"
+
+
+def test_a_letter_no_kernel_uses_is_rejected_on_the_wire() -> None:
+    data = msgspec.msgpack.encode({"t": "node.v1", "job": "j", "time": 1.0, "host": "h",
+                                   "ranks": {0: "Q"}})
+    with pytest.raises(DecodeError, match="ranks"):
+        decode_telemetry(data)

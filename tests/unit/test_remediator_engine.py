@@ -1,0 +1,300 @@
+"""The remediator's step, ack and resolution rules: pure tables, no bus (the plans are in
+test_remediator_policy.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainguard.rpc import RollbackReply, SaveReply
+from trainguard.schemas import AckOutcome, CommandAck, Diagnosis, Incident, IncidentStep
+from trainguard.services.remediator import engine
+from trainguard.services.remediator.engine import JobView
+from trainguard.services.remediator.policy import load_policy
+
+NOW = 1_000_000.0
+POLICY = load_policy()
+
+
+def incident(*steps: tuple[str, str], **kw: object) -> Incident:
+    """An incident whose plan is ``(action, status)`` pairs."""
+    fields: dict[str, object] = {"id": "i1", "job": "j", "cause": "process_crash",
+                                 "status": "mitigating", "detected_at": NOW - 30,
+                                 "failure_step": 100, **kw}
+    return Incident(actions=[IncidentStep(action=a, status=s) for a, s in steps],  # type: ignore[arg-type]
+                    **fields)  # type: ignore[arg-type]
+
+
+def ack(host: str, outcome: AckOutcome, detail: str = "") -> CommandAck:
+    return CommandAck(command_id="c1", job="j", responder=f"host-{host}", outcome=outcome,
+                      detail=detail)
+
+
+NEXT = [
+    ((), None),
+    ((("restart", "pending"),), 0),
+    ((("save_now", "skipped"), ("restart", "sent")), 1),  # sent, not acked: re-sent
+    ((("alert", "done"), ("restart", "failed"), ("rollback", "pending")), 2),
+    ((("alert", "done"), ("restart", "done")), None),
+]
+
+
+@pytest.mark.parametrize(("steps", "index"), NEXT)
+def test_next_step(steps: tuple[tuple[str, str], ...], index: int | None) -> None:
+    assert engine.next_step(incident(*steps)) == index
+
+
+CONCLUDE = [
+    # steps, escalation, mitigated before: changed, status after
+    ((("restart", "done"),), "", None, True, "mitigating"),
+    ((("alert", "done"),), "", None, True, "mitigating"),
+    ((("escalate", "done"),), "cause unknown", None, True, "escalated"),
+    ((("escalate", "done"), ("restart", "done")), "cannot isolate", None, True, "mitigating"),
+    ((("escalate", "done"), ("restart", "skipped")), "cannot isolate", None, True,
+     "mitigating"),  # the launcher restarted it: still recovering
+    ((("restart", "done"),), "", NOW - 5, False, "mitigating"),  # concluded before
+    ((), "", None, False, "mitigating"),  # nothing was planned
+]
+
+
+@pytest.mark.parametrize(("steps", "escalation", "mitigated", "changed", "status"), CONCLUDE)
+def test_conclude(steps: tuple[tuple[str, str], ...], escalation: str, mitigated: float | None,
+                  changed: bool, status: str) -> None:
+    inc = incident(*steps, escalation=escalation, mitigated_at=mitigated)
+    assert engine.conclude(inc, NOW) is changed
+    assert inc.status == status
+    assert inc.mitigated_at == (NOW if changed else mitigated)
+
+
+FINISH = [
+    # action, status, detail: incident status, escalation
+    ("restart", "done", "ok", "mitigating", ""),
+    ("save_now", "skipped", "no checkpoint", "mitigating", ""),
+    ("escalate", "done", "node-a runs the store", "mitigating", "node-a runs the store"),
+    ("isolate", "failed", "no ack", "escalated", "isolate failed: no ack"),
+]
+
+
+@pytest.mark.parametrize(("action", "status", "detail", "after", "escalation"), FINISH)
+def test_finish_step(action: str, status: str, detail: str, after: str,
+                     escalation: str) -> None:
+    inc = incident((action, status))
+    inc.actions[0].detail = detail
+    engine.finish_step(inc, inc.actions[0])
+    assert (inc.status, inc.escalation) == (after, escalation)
+
+
+def test_the_first_step_starts_mitigation_once() -> None:
+    inc = incident(("save_now", "pending"), ("restart", "pending"), status="open")
+    engine.start_step(inc, inc.actions[0], NOW)
+    engine.start_step(inc, inc.actions[1], NOW + 3)
+    assert inc.status == "mitigating" and inc.first_action_at == NOW
+    assert [s.at for s in inc.actions] == [NOW, NOW + 3]
+
+
+GRACE = [
+    ("escalate", {"grace": 10.0}, 10.0),
+    ("escalate", {"grace": 10.0, "waited": True}, 0.0),
+    ("escalate", {"reason": "budget spent"}, 0.0),
+    ("restart", {"grace": 10.0}, 0.0),
+]
+
+
+@pytest.mark.parametrize(("action", "params", "seconds"), GRACE)
+def test_grace_to_wait(action: str, params: dict[str, object], seconds: float) -> None:
+    assert engine.grace_to_wait(IncidentStep(action=action, params=params)) == seconds
+
+
+def test_a_replan_keeps_done_steps_and_drops_their_repeats() -> None:
+    current = [IncidentStep(action="save_now", params={"deadline": 60}, status="done"),
+               IncidentStep(action="restart", status="sent", command_ids=["c1"])]
+    planned = [IncidentStep(action="save_now", params={"deadline": 60}),
+               IncidentStep(action="save_now", params={"deadline": 30}),
+               IncidentStep(action="isolate", params={"host": "node-b"}),
+               IncidentStep(action="restart")]
+    merged = engine.merge_plan(current, planned)
+    assert [(s.action, s.params, s.status) for s in merged] == [
+        ("save_now", {"deadline": 60}, "done"), ("save_now", {"deadline": 30}, "pending"),
+        ("isolate", {"host": "node-b"}, "pending"), ("restart", {}, "pending")]
+
+
+def test_replan_notes_why_the_plan_differs() -> None:
+    d = Diagnosis(id="d2", job="j", anomaly_ids=["a"], cause="rank_hang", confidence=0.9,
+                  hosts=["node-b"], ranks=[3], time=NOW)
+    inc = incident(("alert", "done"), cause="rank_hang", hosts=["node-b"], ranks=[3],
+                   summary="rank 3 hung")
+    policy = load_policy()
+    engine.replan(inc, d, policy, JobView(), NOW)
+    assert [s.action for s in inc.actions] == ["alert", "dump", "restart"]
+    assert inc.actions[1].params == {"host": "node-b", "ranks": [3]}
+    assert inc.summary == "rank 3 hung"  # the policy's plan, unchanged: no notes
+
+
+ACKS = [
+    # acks, expected hosts: status, retry, detail contains
+    ([], ["node-a"], "failed", True, "no acknowledgement of restart from node-a"),
+    ([ack("node-a", "done")], ["node-a"], "done", False, "host-node-a: done"),
+    ([ack("node-a", "failed", "boom"), ack("node-b", "done")], ["node-a", "node-b"], "done",
+     False, "host-node-a: failed boom"),
+    ([ack("node-a", "failed", "boom")], ["node-a"], "failed", True, "boom"),
+    ([ack("node-a", "refused", "stale epoch")], ["node-a"], "failed", False, "stale epoch"),
+    ([ack("node-a", "too_late")], ["node-a"], "failed", True, "too_late"),
+]
+
+
+@pytest.mark.parametrize(("acks", "hosts", "status", "retry", "detail"), ACKS)
+def test_ack_verdict(acks: list[CommandAck], hosts: list[str], status: str, retry: bool,
+                     detail: str) -> None:
+    verdict = engine.ack_verdict(acks, hosts, "restart")
+    assert (verdict.status, verdict.retry) == (status, retry)
+    assert detail in verdict.detail
+
+
+def test_a_silent_retry_keeps_what_the_first_send_heard() -> None:
+    first = engine.ack_verdict([ack("node-a", "failed", "disk full")], ["node-a"], "dump")
+    second = engine.ack_verdict([], ["node-a"], "dump", first.detail)
+    assert second.status == "failed" and "disk full" in second.detail
+
+
+COMPLETE = [
+    ([], [], False),
+    ([ack("node-a", "done")], [], True),  # nobody named: any answer will do
+    ([ack("node-a", "done")], ["node-a", "node-b"], False),
+    ([ack("node-a", "done"), ack("node-b", "failed")], ["node-a", "node-b"], True),
+]
+
+
+@pytest.mark.parametrize(("acks", "hosts", "complete"), COMPLETE)
+def test_acks_complete(acks: list[CommandAck], hosts: list[str], complete: bool) -> None:
+    assert engine.acks_complete(acks, hosts) is complete
+
+
+LAUNCHER = [
+    # cause, failure attempt, attempt now: waits, already restarted
+    ("process_crash", 0, 0, True, False),
+    ("process_crash", 0, 1, True, True),
+    ("oom", 2, None, True, False),
+    ("process_crash", None, 3, False, False),  # failure attempt unknown: cannot tell
+    ("network", 0, 1, False, True),  # a hang: the launcher does not restart, but it did
+]
+
+
+@pytest.mark.parametrize(("cause", "failed_in", "attempt", "waits", "restarted"), LAUNCHER)
+def test_launcher_restart(cause: str, failed_in: int | None, attempt: int | None, waits: bool,
+                          restarted: bool) -> None:
+    inc = incident(("restart", "pending"), cause=cause, failure_attempt=failed_in)
+    assert engine.waits_for_launcher(inc) is waits
+    assert engine.launcher_restarted(inc, JobView(attempt=attempt)) is restarted
+
+
+def test_a_restart_the_launcher_did_is_skipped() -> None:
+    inc = incident(("restart", "pending"), failure_attempt=0)
+    engine.skip_restart(inc, inc.actions[0], JobView(attempt=1))
+    assert inc.actions[0].status == "skipped" and "attempt 1" in inc.actions[0].detail
+    assert inc.restarted_attempt == 0  # resolution needs an attempt after the failed one
+
+
+SAVES = [
+    (SaveReply(ok=True, job="j", status="committed", step=80), "", "done", "committed step 80"),
+    (SaveReply(ok=False, job="j", status="timeout", reason="ranks 2 missing"), "", "skipped",
+     "ranks 2 missing"),
+    (SaveReply(ok=False, job="j", status="failed"), "", "skipped", "save failed"),
+    (None, "", "skipped", "the coordinator has no checkpoint"),
+    (None, "no answer from the checkpoint coordinator (NoRespondersError())", "skipped",
+     "no answer from the checkpoint coordinator (NoRespondersError())"),
+]
+
+
+@pytest.mark.parametrize(("reply", "error", "status", "detail"), SAVES)
+def test_save_outcome(reply: SaveReply | None, error: str, status: str, detail: str) -> None:
+    assert engine.save_outcome(reply, error) == (status, detail)
+
+
+ROLLBACKS = [
+    (RollbackReply(ok=True, job="j", step=60), "", "done", "resume pointer at step 60"),
+    (RollbackReply(ok=False, job="j", reason="nothing below step 10"), "", "failed",
+     "nothing below step 10"),
+    (RollbackReply(ok=False, job="j"), "", "failed", "no checkpoint"),
+    (None, "", "failed", "the coordinator has no checkpoint"),
+    (None, "no answer from the checkpoint coordinator (TimeoutError())", "failed",
+     "no answer from the checkpoint coordinator (TimeoutError())"),
+]
+
+
+@pytest.mark.parametrize(("reply", "error", "status", "detail"), ROLLBACKS)
+def test_rollback_outcome(reply: RollbackReply | None, error: str, status: str,
+                          detail: str) -> None:
+    assert engine.rollback_outcome(reply, error) == (status, detail)
+
+
+@pytest.mark.parametrize(("step_status", "action_status"), [
+    ("done", "acked"), ("failed", "failed"), ("skipped", "skipped"), ("sent", "sent"),
+    ("pending", "sent")])
+def test_action_events_carry_the_step(step_status: str, action_status: str) -> None:
+    inc = incident(("restart", step_status), diagnosis_ids=["d1", "d2"])
+    inc.actions[0].command_ids.append("c7")
+    event = engine.action_event(inc, inc.actions[0], NOW)
+    assert (event.status, event.action, event.incident_id, event.diagnosis_id,
+            event.command_ids, event.time) == (action_status, "restart", "i1", "d2", ["c7"],
+                                               NOW)
+
+
+RESOLVE = [
+    # steps, restarted attempt, anomalies, view, resolved anomalies, now: verdict
+    ((("restart", "done"),), 0, ["a1"], JobView(attempt=1, last_step=101), set(), NOW,
+     "progress"),
+    ((("restart", "done"),), 0, ["a1"], JobView(attempt=0, last_step=150), set(), NOW, None),
+    ((("restart", "done"),), 0, ["a1"], JobView(attempt=1, last_step=99), {"a1"}, NOW, None),
+    ((("alert", "done"),), None, ["a1", "a2"], JobView(), {"a1", "a2"}, NOW, "anomalies"),
+    ((("alert", "done"),), None, ["a1", "a2"], JobView(), {"a1"}, NOW, None),
+    ((("alert", "done"),), None, ["a1"], JobView(), set(), NOW + 600, "timeout"),
+    ((("restart", "done"),), 0, ["a1"], JobView(attempt=0), set(), NOW + 600, "timeout"),
+]
+
+
+@pytest.mark.parametrize(("steps", "restarted", "anomalies", "view", "resolved", "now",
+                          "verdict"), RESOLVE)
+def test_resolution(steps: tuple[tuple[str, str], ...], restarted: int | None,
+                    anomalies: list[str], view: JobView, resolved: set[str], now: float,
+                    verdict: str | None) -> None:
+    inc = incident(*steps, restarted_attempt=restarted, anomaly_ids=anomalies)
+    assert engine.resolution(inc, view, resolved, POLICY, now) == verdict
+
+
+def test_an_alert_only_incident_without_anomalies_resolves_once_mitigated() -> None:
+    inc = incident(("alert", "done"), anomaly_ids=[])
+    assert engine.resolution(inc, JobView(), set(), POLICY, NOW) == "anomalies"
+
+
+SETTLE = [
+    # verdict, restarted attempt, resume step: status, steps lost, resume step needed
+    ("progress", 0, 80, "resolved", 20, True),
+    ("progress", None, None, "resolved", None, False),
+    ("anomalies", None, None, "resolved", None, False),
+    ("timeout", 0, None, "escalated", None, False),
+]
+
+
+@pytest.mark.parametrize(("why", "restarted", "resume", "status", "lost", "needed"), SETTLE)
+def test_settle(why: engine.Resolution, restarted: int | None, resume: int | None,
+                status: str, lost: int | None, needed: bool) -> None:
+    inc = incident(("restart", "done"), restarted_attempt=restarted)
+    assert engine.needs_resume_step(inc, why) is needed
+    engine.settle(inc, why, POLICY, NOW, resume)
+    assert (inc.status, inc.steps_lost, inc.resume_step) == (status, lost, resume)
+    assert inc.resolved_at == (None if why == "timeout" else NOW)
+    assert ("not resolved within" in inc.escalation) is (why == "timeout")
+
+
+def test_the_blocklist_entry_names_the_incident() -> None:
+    inc = incident(("isolate", "pending"), cause="hbm_ecc", summary="")
+    entry = engine.blocklist_entry(inc, NOW)
+    assert (entry.reason, entry.cause, entry.job, entry.incident, entry.time) == (
+        "hbm_ecc", "hbm_ecc", "j", "i1", NOW)
+
+
+@pytest.mark.parametrize(("rev", "sent", "detected"), [(1, NOW - 4, NOW - 4), (2, NOW - 4, NOW),
+                                                        (1, 0.0, NOW)])
+def test_detected_at(rev: int, sent: float, detected: float) -> None:
+    d = Diagnosis(id="d", job="j", anomaly_ids=[], cause="oom", confidence=0.5, rev=rev,
+                  time=sent)
+    assert engine.detected_at(d, NOW) == detected
