@@ -104,7 +104,7 @@ def redis_acl(role: Role, password: str, prefix: str = "tg") -> str | None:
             return None
         case "agent":
             keys = f"~{prefix}:blocklist ~{prefix}:node:* ~{prefix}:epoch:*"
-            cmds = "+ping +hget +set +get +client|setinfo +client|setname"
+            cmds = "+ping +hget +set +get +del +client|setinfo +client|setname"
         case "oncall":
             keys = f"~{prefix}:*"
             cmds = "+@read +ping +scan +client|setinfo +client|setname"

@@ -1,8 +1,10 @@
 """``/livez``, ``/readyz`` and ``/metrics`` on a small asyncio HTTP server.
 
-Liveness only proves the event loop answers (it never depends on NATS or Redis, or a
-Redis blip would get every pod restarted); readiness is whatever the service's check
-says (NATS connected, consumers bound, Redis answers).
+Liveness proves the event loop answers and the process can still do its work: it fails
+(503 with the reason) once the live check names one, such as a consumer's task that died,
+since only a restart brings that back. It never depends on NATS or Redis, or a Redis blip
+would get every pod restarted. Readiness is whatever the service's check says (NATS
+connected, consumers bound, Redis answers).
 """
 
 from __future__ import annotations
@@ -16,12 +18,16 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from .errors import NotStarted
 
 ReadyCheck = Callable[[], Awaitable[tuple[bool, str]]]
+LiveCheck = Callable[[], str | None]
+"""Why the process is not alive, or None: synchronous, so a busy loop cannot time it out."""
 
 
 class HealthServer:
-    def __init__(self, registry: CollectorRegistry, ready: ReadyCheck) -> None:
+    def __init__(self, registry: CollectorRegistry, ready: ReadyCheck,
+                 live: LiveCheck | None = None) -> None:
         self._registry = registry
         self._ready = ready
+        self._live = live
         self._server: asyncio.Server | None = None
 
     @property
@@ -61,6 +67,9 @@ class HealthServer:
 
     async def _route(self, path: str) -> tuple[str, str, bytes]:
         if path == "/livez":
+            why = self._live() if self._live else None
+            if why:
+                return "503 Service Unavailable", "text/plain", f"{why}\n".encode()
             return "200 OK", "text/plain", b"ok\n"
         if path == "/readyz":
             try:

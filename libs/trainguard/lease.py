@@ -16,6 +16,18 @@ from collections.abc import Iterable
 
 import redis.asyncio as aioredis
 
+_TAKE = """
+local holder = redis.call('GET', KEYS[1])
+if holder == false then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 1
+end
+if holder == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+
 _RENEW = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
@@ -62,6 +74,16 @@ class LeaseHolder:
     async def acquire(self, key: str) -> bool:
         """Take the lease on ``key`` if nobody holds it."""
         return bool(await self.redis.set(key, self.holder, nx=True, px=self.ttl_ms))
+
+    async def take(self, key: str) -> bool:
+        """Take the lease on ``key`` if nobody holds it *or it already names this holder*.
+
+        For holders with a stable name: a holder that restarted (its old process died
+        still holding the lease) takes its own lease back at once instead of waiting for
+        it to expire. A holder whose name is a fresh token per process gains nothing over
+        :meth:`acquire`; one whose name two live processes share must not use it.
+        """
+        return bool(await self.redis.eval(_TAKE, 1, key, self.holder, self.ttl_ms))
 
     async def renew(self, keys: Iterable[str]) -> set[str]:
         """Extend the leases on ``keys``; returns those this holder no longer has."""

@@ -136,12 +136,20 @@ def is_gone(state: str | None) -> bool:
 
 
 class NodeHeartbeat(Telemetry, tag="node.v1"):
-    """The agent's view of its local ranks: process state letter by rank."""
+    """The agent's view of its local ranks: process state letter by rank.
+
+    ``restarting``: the worker group is being restarted (a worker failed, or a ``restart``
+    command came) and the new one has not started yet, since ``restarting_since`` (the
+    agent's clock): the detector reads the ranks' silence then as the restart, not as
+    failing ranks. Both default to "not restarting", so old agents and readers interoperate.
+    """
 
     host: str
     ranks: dict[int, ProcessState] = {}
     pids: dict[int, int] = {}
     attempt: int = 0
+    restarting: bool = False
+    restarting_since: float | None = None
 
 
 TelemetryMessage = Heartbeat | StepReport | Fingerprint | GpuSample | NodeHeartbeat
@@ -182,7 +190,7 @@ Severity = Literal["info", "warning", "critical"]
 # ...)``) must decode too.
 AgentDrill = Literal["kill", "freeze", "thaw", "ecc", "xid", "throttle"]
 """Faults the agent plays on its ranks' processes and (scripted) GPUs."""
-AgentKind = Literal["restart", "isolate", "stop", "dump", AgentDrill]
+AgentKind = Literal["restart", "isolate", "stop", "hold", "dump", AgentDrill]
 RankDrill = Literal["hang", "slow", "nan", "sdc", "crash"]
 """Faults a rank plays on itself (:mod:`trainguard.client.drills`)."""
 CollectiveKind = Literal["save_now", "set_interval"]
@@ -364,7 +372,8 @@ class Incident(Durable, kw_only=True):
     id: str
     job: str
     cause: Cause
-    status: Literal["open", "mitigating", "resolved", "escalated"] = "open"
+    status: Literal["open", "mitigating", "resolved", "escalated", "failed"] = "open"
+    """``failed``: the job was held, or every launcher of it exited, before it recovered."""
     rev: int = 1
     ranks: list[int] = []
     hosts: list[str] = []
@@ -385,6 +394,9 @@ class Incident(Durable, kw_only=True):
     actions: list[IncidentStep] = []
     summary: str = ""
     escalation: str = ""
+    signature: str = ""
+    """The failure as on-call reads it: cause, culprit rank(s) and host(s), and the exit's
+    last stderr line, from the newest diagnosis that had one."""
 
 
 class CheckpointCommitted(Durable, kw_only=True):

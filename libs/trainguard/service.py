@@ -6,14 +6,15 @@ for every service:
 
 * connects (bounded first connect, endless reconnects), provisions the topology,
   creates each durable pull consumer explicitly, then binds it;
-* settles every message at least once: ack after the handler returns;
-  :class:`Retry` or a transient Redis/NATS error -> delayed redelivery (never dead-lettered,
-  so a dependency outage delays work instead of losing it); :class:`Reject`, an
-  undecodable message or a handler that failed ``max_deliver`` times -> the dead-letter
-  subject with the reason (published *before* the ``term``), counted, and the service
+* settles every message at least once (:mod:`.settle`): one message's failure, whatever
+  it is, is that message's; it is counted, dead-lettered or terminated, and the consumer
   goes on;
+* isolates core-NATS callbacks the same way (:meth:`Runtime.subscribe`,
+  :meth:`Runtime.isolate`);
 * runs each handler inside a CONSUMER span whose parent is the producer's trace context;
-* serves ``/livez``, ``/readyz`` and ``/metrics``; stops on SIGTERM/SIGINT by draining.
+* serves ``/livez`` (fails once a vital task, a consumer or a timer, has ended before
+  stop: an orchestrator then restarts the pod), ``/readyz`` and ``/metrics``; stops on
+  SIGTERM/SIGINT by draining.
 
 :class:`Service` is generic over its settings type (``Service[DetectorSettings]`` types
 ``self.settings``) and owns its runtime: :attr:`Service.runtime` is the running
@@ -25,102 +26,54 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import signal
-import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from typing import Any, ClassVar, Generic
+from typing import Any, ClassVar, Final, Generic
 
 import nats.errors
 import redis.asyncio as aioredis
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js.errors import Error as JetStreamError
 from opentelemetry import trace
 from opentelemetry.context import Context
-from prometheus_client import CollectorRegistry, Counter, Histogram
 from typing_extensions import TypeVar
 
 from . import tracing
 from .bus import Bus, connect_nats
-from .codec import decode_any_durable, decode_telemetry
+from .codec import decode_telemetry
 from .config import Settings
-from .envelope import H_TYPE, normalize_headers
-from .errors import DecodeError, NotStarted, Reject, Retry
+from .errors import DecodeError, NotStarted
 from .health import HealthServer
 from .logs import Log, get_logger
+from .metrics import ErrorReason, Metrics
 from .schemas import Durable, TelemetryMessage
-from .store import TRANSIENT_REDIS_ERRORS, connect_redis
-from .topology import ConsumerSpec, ensure_consumer, provision, streams
+from .settle import (
+    TRANSIENT_ERRORS,
+    Consumer,
+    Delivery,
+    DurableHandler,
+    Settler,
+    decode_reason,
+    redelivery_delay,
+)
+from .store import connect_redis
+from .topology import ensure_consumer, provision, streams
+
+__all__ = [
+    "TRANSIENT_ERRORS", "Consumer", "CoreCallback", "Delivery", "DurableHandler", "Metrics",
+    "Runtime", "Service", "TelemetryHandler", "redelivery_delay", "run_service",
+]
 
 log = get_logger("trainguard.service")
 
 S = TypeVar("S", bound=Settings, default=Settings)
 """A service's settings type; the default keeps plain ``Service`` subclasses typed."""
 
-TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
-    *TRANSIENT_REDIS_ERRORS, nats.errors.TimeoutError, nats.errors.ConnectionClosedError,
-    nats.errors.NoRespondersError, TimeoutError,
-)
-
-DEAD_LETTER_ERRORS: tuple[type[BaseException], ...] = (JetStreamError, *TRANSIENT_ERRORS)
-
-
-def redelivery_delay(deliveries: int) -> float:
-    """Backoff for the n-th failed delivery: 0.2 s doubling to a 10 s cap."""
-    return float(min(10.0, 0.2 * 2 ** max(0, deliveries - 1)))
-
-
-@dataclasses.dataclass(frozen=True)
-class Delivery:
-    """What a handler knows about the message besides its body."""
-
-    subject: str
-    headers: dict[str, str]
-    deliveries: int
-    ctx: Context
-    msg: Msg
-
-    async def in_progress(self) -> None:
-        """Extend the ack deadline during long work."""
-        await self.msg.in_progress()
-
-
-DurableHandler = Callable[[Any, Delivery], Awaitable[None]]
 TelemetryHandler = Callable[[TelemetryMessage, str], None]
-
-
-@dataclasses.dataclass(frozen=True)
-class Consumer:
-    """A durable consumer and the handler its messages go to.
-
-    ``accepts`` lists the message types this consumer handles; anything else that arrives
-    on its subjects is dead-lettered as a wrong type.
-    """
-
-    spec: ConsumerSpec
-    handler: DurableHandler
-    accepts: tuple[type[Durable], ...]
-
-
-class Metrics:
-    """The Prometheus series every service exposes, on a registry of its own."""
-
-    def __init__(self, service: str) -> None:
-        self.registry = CollectorRegistry()
-        self.service = service
-        self.messages = Counter("trainguard_messages", "Durable messages settled, by outcome",
-                                ["service", "consumer", "outcome"], registry=self.registry)
-        self.dead = Counter("trainguard_dead_letters", "Messages sent to the dead-letter subject",
-                            ["service", "reason"], registry=self.registry)
-        self.latency = Histogram("trainguard_handler_seconds", "Handler latency",
-                                 ["service", "consumer"], registry=self.registry,
-                                 buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5))
-        self.telemetry = Counter("trainguard_telemetry", "Telemetry messages received",
-                                 ["service", "outcome"], registry=self.registry)
-        self.slow_consumer = Counter("trainguard_slow_consumer_errors",
-                                     "NATS slow-consumer errors (telemetry dropped by the client)",
-                                     ["service"], registry=self.registry)
+CoreCallback = Callable[[Msg], Awaitable[None]]
+DEAD_QUEUE: Final = 1000
+"""Dead letters from core subscriptions waiting for the pump; beyond, they are dropped
+(counted as ``dead_letter_failed``): a flood of junk must not grow memory."""
 
 
 class Runtime:
@@ -135,7 +88,10 @@ class Runtime:
         self._redis: aioredis.Redis | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._bound: set[str] = set()
-        self._dead_queue: asyncio.Queue[tuple[str, bytes, str]] = asyncio.Queue(maxsize=1000)
+        self._dead_queue: asyncio.Queue[tuple[str, bytes, str, str, ErrorReason]] = \
+            asyncio.Queue(maxsize=DEAD_QUEUE)
+        self._ended: list[str] = []
+        self._settler: Settler | None = None
         self.health: HealthServer | None = None
         self.stopping = asyncio.Event()
 
@@ -155,19 +111,40 @@ class Runtime:
         """The service log with the job of ``subject`` bound (none if it names no job)."""
         return log.bind(job=self.settings.subjects.job_of(subject))
 
-    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
-        """Run ``coro`` until the service stops; a crash is logged, never silent."""
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str, *,
+              vital: bool = False) -> asyncio.Task[Any]:
+        """Run ``coro`` until the service stops; a crash is logged, never silent.
+
+        ``vital``: a loop meant to run until stop (a consumer, a timer, a pump). Ending
+        before stop, whether by a crash, a cancel or a return, fails ``/livez`` from then
+        on: the service cannot do its work, and only a restart brings the loop back. A
+        task of one request or one incident is not vital: its crash is logged.
+        """
         task = asyncio.create_task(coro, name=f"{self.service.name}:{name}")
         self._tasks.add(task)
 
         def _done(t: asyncio.Task[Any]) -> None:
             self._tasks.discard(t)
-            if not t.cancelled() and t.exception() is not None and not self.stopping.is_set():
-                log.error("task %s crashed: %r", t.get_name(), t.exception(),
-                          exc_info=t.exception())
+            if self.stopping.is_set():
+                return
+            exc = None if t.cancelled() else t.exception()
+            if exc is not None:
+                log.error("task %s crashed: %r", t.get_name(), exc, exc_info=exc)
+            if vital:
+                why = "was cancelled" if t.cancelled() else \
+                    f"crashed: {exc!r}" if exc is not None else "returned"
+                self._ended.append(f"task {t.get_name()} {why}")
+                log.error("vital task %s %s before stop: /livez fails", t.get_name(), why)
 
         task.add_done_callback(_done)
         return task
+
+    def live(self) -> str | None:
+        """Why the service is not alive (a vital task ended before stop), or None."""
+        if not self._ended:
+            return None
+        more = len(self._ended) - 3
+        return "; ".join(self._ended[:3]) + (f"; and {more} more" if more > 0 else "")
 
     def every(self, seconds: float, fn: Callable[[], Awaitable[None]], name: str) -> None:
         """Call ``fn`` every ``seconds`` until stop; a failing tick is logged, not fatal."""
@@ -181,7 +158,7 @@ class Runtime:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.stopping.wait(), seconds)
 
-        self.spawn(_loop(), name)
+        self.spawn(_loop(), name, vital=True)
 
     async def subscribe_telemetry(self, subject: str, handler: TelemetryHandler,
                                   *, queue: str = "") -> Subscription:
@@ -200,14 +177,16 @@ class Runtime:
                 decoded = decode_telemetry(msg.data)
             except DecodeError as exc:
                 malformed.inc()
-                with contextlib.suppress(asyncio.QueueFull):
-                    self._dead_queue.put_nowait((msg.subject, msg.data, exc.reason))
+                reason = decode_reason(exc)
+                self.metrics.error("telemetry", reason)
+                self._queue_dead(msg, exc.reason, "telemetry", reason)
                 return
             ok.inc()
             try:
                 handler(decoded, msg.subject)
             except Exception:  # one bad message must not stop the stream
                 failed.inc()
+                self.metrics.error("telemetry", "callback_error")
                 self.log_for(msg.subject).exception("telemetry handler failed on %s",
                                                     msg.subject)
 
@@ -217,6 +196,44 @@ class Runtime:
         # The server knows the subscription once this returns: "ready" means listening.
         await self.bus.nc.flush()
         return sub
+
+    def isolate(self, cb: CoreCallback, consumer: str) -> CoreCallback:
+        """``cb`` with each message isolated, for a core-NATS subscription.
+
+        A :class:`DecodeError` (the callback's to raise for what it cannot read)
+        dead-letters the message; any other exception is counted and logged. Either way
+        the next message is served: ``consumer`` names the subscription in the metrics
+        (``trainguard_message_errors``) and in the dead letter.
+        """
+
+        async def _isolated(msg: Msg) -> None:
+            try:
+                await cb(msg)
+            except DecodeError as exc:
+                reason = decode_reason(exc)
+                self.metrics.error(consumer, reason)
+                self._queue_dead(msg, exc.reason, consumer, reason)
+            except Exception:
+                self.metrics.error(consumer, "callback_error")
+                self.log_for(msg.subject).exception("%s: callback failed on %s", consumer,
+                                                    msg.subject)
+
+        return _isolated
+
+    async def subscribe(self, subject: str, cb: CoreCallback, *, consumer: str,
+                        queue: str = "") -> Subscription:
+        """A core-NATS subscription, each message isolated (:meth:`isolate`); the server
+        knows it once this returns."""
+        sub = await self.bus.nc.subscribe(subject, queue=queue, cb=self.isolate(cb, consumer))
+        await self.bus.nc.flush()
+        return sub
+
+    def _queue_dead(self, msg: Msg, reason: str, consumer: str, kind: ErrorReason) -> None:
+        """Hand a core message to the dead-letter pump: a callback must not wait on it."""
+        try:
+            self._dead_queue.put_nowait((msg.subject, msg.data, reason, consumer, kind))
+        except asyncio.QueueFull:  # a flood: the message goes unrecorded, but counted
+            self.metrics.error(consumer, "dead_letter_failed")
 
     async def publish_event(self, subject: str, msg: Durable, ctx: Context | None = None) -> None:
         """Publish a durable message inside a PRODUCER span (the trace goes on downstream)."""
@@ -244,12 +261,15 @@ class Runtime:
         self._bus = Bus(nc, s.subjects, source=f"trainguard/{service.name}")
         self._redis = await connect_redis(s.redis_url, timeout=s.connect_timeout,
                                           access=access.redis_options())
+        self._settler = Settler(service=service.name, bus=self._bus, metrics=self.metrics,
+                                tracer=self.tracer, max_deliver=s.max_deliver,
+                                log_for=self.log_for)
         service._runtime = self  # from here on its handlers may run
         await provision(self.bus.js, streams(s.prefix))
         for consumer in service.consumers():
-            self.spawn(self._consume(consumer), f"consume:{consumer.spec.durable}")
-        self.spawn(self._dead_letter_pump(), "dead-letters")
-        self.health = HealthServer(self.metrics.registry, self.ready)
+            self.spawn(self._consume(consumer), f"consume:{consumer.spec.durable}", vital=True)
+        self.spawn(self._dead_letter_pump(), "dead-letters", vital=True)
+        self.health = HealthServer(self.metrics.registry, self.ready, self.live)
         await self.health.start(s.health_host, s.health_port)
         await service.start(self)
         log.info("service %s ready (health on %s:%d)", service.name, s.health_host,
@@ -289,6 +309,8 @@ class Runtime:
     # -- consuming ---------------------------------------------------------------------
     async def _consume(self, consumer: Consumer) -> None:
         spec = consumer.spec
+        assert self._settler is not None  # set in start(), before any consumer
+        settle = self._settler.settle
         while not self.stopping.is_set():
             try:
                 stream = await ensure_consumer(self.bus.js, self.settings.prefix, spec)
@@ -313,104 +335,28 @@ class Runtime:
                         await asyncio.wait_for(self.stopping.wait(), 0.5)
                     continue
                 for msg in msgs:
-                    await self._settle(consumer, msg)
+                    await settle(consumer, msg)  # never raises: one message stops nothing
         finally:
             self._bound.discard(spec.durable)
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
 
-    async def _settle(self, consumer: Consumer, msg: Msg) -> None:
-        name = consumer.spec.durable
-        headers = normalize_headers(msg.headers)
-        try:
-            deliveries = msg.metadata.num_delivered
-        except Exception:
-            deliveries = 1
-        try:
-            body = decode_any_durable(msg.data, headers.get(H_TYPE))
-            if not isinstance(body, consumer.accepts):
-                raise DecodeError(
-                    f"{type(body).__name__} is not accepted on consumer {name} "
-                    f"(expects {', '.join(t.__name__ for t in consumer.accepts)})"
-                )
-        except DecodeError as exc:
-            await self._dead(consumer, msg, headers, deliveries, exc.reason, "malformed")
-            return
-        ctx = tracing.extract(headers)
-        delivery = Delivery(msg.subject, headers, deliveries, ctx, msg)
-        started = time.perf_counter()
-        with self.tracer.start_as_current_span(
-            f"process {msg.subject}", context=ctx, kind=trace.SpanKind.CONSUMER,
-            attributes={"messaging.system": "nats", "messaging.destination.name": msg.subject,
-                        "messaging.consumer.group.name": name},
-        ) as span:
-            try:
-                await consumer.handler(body, delivery)
-            except Retry as exc:
-                span.set_attribute("trainguard.outcome", "retry")
-                await self._nak(consumer, msg, exc.delay, "retry")
-            except Reject as exc:
-                await self._dead(consumer, msg, headers, deliveries, exc.reason, "rejected")
-            except TRANSIENT_ERRORS as exc:
-                self.log_for(msg.subject).warning(
-                    "%s: transient failure on %s (%r); redelivering", name, msg.subject, exc)
-                await self._nak(consumer, msg, redelivery_delay(deliveries), "transient")
-            except Exception as exc:
-                span.record_exception(exc)
-                if deliveries >= self.settings.max_deliver:
-                    reason = f"handler failed {deliveries} times, last: {exc!r}"
-                    await self._dead(consumer, msg, headers, deliveries, reason, "handler_failed")
-                else:
-                    self.log_for(msg.subject).warning(
-                        "%s: handler failed on %s (delivery %d): %r", name, msg.subject,
-                        deliveries, exc)
-                    await self._nak(consumer, msg, redelivery_delay(deliveries), "failed")
-            else:
-                with contextlib.suppress(Exception):
-                    await msg.ack()
-                self.metrics.messages.labels(self.service.name, name, "ack").inc()
-            finally:
-                self.metrics.latency.labels(self.service.name, name).observe(
-                    time.perf_counter() - started)
-
-    async def _nak(self, consumer: Consumer, msg: Msg, delay: float, outcome: str) -> None:
-        with contextlib.suppress(Exception):
-            await msg.nak(delay=delay)
-        self.metrics.messages.labels(self.service.name, consumer.spec.durable, outcome).inc()
-
-    async def _dead(self, consumer: Consumer, msg: Msg, headers: dict[str, str],
-                    deliveries: int, reason: str, kind: str) -> None:
-        """Dead-letter first, then ``term``: in an interest stream a terminated message
-        may be gone by the time anyone looks for it."""
-        try:
-            await self.bus.dead_letter(subject=msg.subject, payload=msg.data, reason=reason,
-                                       service=self.service.name, headers=headers,
-                                       deliveries=deliveries)
-        except DEAD_LETTER_ERRORS as exc:
-            self.log_for(msg.subject).warning("dead-lettering failed (%r); will redeliver", exc)
-            await self._nak(consumer, msg, 1.0, "dead_letter_failed")
-            return
-        with contextlib.suppress(Exception):
-            await msg.term()
-        self.log_for(msg.subject).warning("dead-lettered %s from %s: %s", msg.subject,
-                                          consumer.spec.durable, reason)
-        self.metrics.dead.labels(self.service.name, kind).inc()
-        self.metrics.messages.labels(self.service.name, consumer.spec.durable, "dead").inc()
-
     async def _dead_letter_pump(self) -> None:
-        """Publishes dead letters for malformed telemetry off the subscription callback."""
+        """Publishes dead letters for core messages off their subscriptions' callbacks."""
         while not self.stopping.is_set():
             try:
-                subject, data, reason = await asyncio.wait_for(self._dead_queue.get(), 1.0)
+                subject, data, reason, consumer, kind = await asyncio.wait_for(
+                    self._dead_queue.get(), 1.0)
             except TimeoutError:
                 continue
             try:
                 await self.bus.dead_letter(subject=subject, payload=data, reason=reason,
-                                           service=self.service.name)
-                self.metrics.dead.labels(self.service.name, "malformed").inc()
+                                           service=self.service.name, consumer=consumer)
+                self.metrics.dead.labels(self.service.name, kind).inc()
             except Exception as exc:
-                self.log_for(subject).warning("could not dead-letter telemetry from %s: %r",
-                                              subject, exc)
+                self.metrics.error(consumer, "dead_letter_failed")
+                self.log_for(subject).warning("could not dead-letter %s from %s: %r",
+                                              subject, consumer, exc)
 
 
 class Service(Generic[S]):

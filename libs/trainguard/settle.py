@@ -33,10 +33,11 @@ from opentelemetry.context import Context
 from . import tracing
 from .bus import Bus
 from .codec import decode_any_durable
+from .deadletter import MAX_REASON, clip
 from .envelope import H_TYPE, normalize_headers
 from .errors import DecodeError, MessageTooLarge, Reject, Retry
 from .logs import Log
-from .metrics import Metrics
+from .metrics import ErrorReason, Metrics
 from .schemas import Durable
 from .store import TRANSIENT_REDIS_ERRORS
 from .topology import ConsumerSpec
@@ -86,7 +87,12 @@ class Consumer:
     accepts: tuple[type[Durable], ...]
 
 
-def _facts(msg: Msg) -> tuple[dict[str, str], int]:
+def decode_reason(exc: DecodeError) -> ErrorReason:
+    """How a message that does not decode is counted: over its size limit, or not ours."""
+    return "oversized" if isinstance(exc, MessageTooLarge) else "malformed"
+
+
+def delivery_facts(msg: Msg) -> tuple[dict[str, str], int]:
     """Headers (normalised) and the delivery count, whatever shape the message has."""
     try:
         headers = normalize_headers(msg.headers)
@@ -120,17 +126,17 @@ class Settler:
             self.metrics.error(name, "internal")
             self.log_for(msg.subject).exception("%s: settling a message on %s failed",
                                                 name, msg.subject)
-            headers, deliveries = _facts(msg)
+            headers, deliveries = delivery_facts(msg)
             await self._dead(consumer, msg, headers, deliveries,
                              f"settling failed: {exc!r}", "internal")
 
     async def _settle(self, consumer: Consumer, msg: Msg) -> None:
         name = consumer.spec.durable
-        headers, deliveries = _facts(msg)
+        headers, deliveries = delivery_facts(msg)
         try:
             body = decode_any_durable(msg.data, headers.get(H_TYPE))
         except DecodeError as exc:
-            kind = "oversized" if isinstance(exc, MessageTooLarge) else "malformed"
+            kind = decode_reason(exc)
             self.metrics.error(name, kind)
             await self._dead(consumer, msg, headers, deliveries, exc.reason, kind)
             return
@@ -210,13 +216,14 @@ class Settler:
                 await self._nak(consumer, msg, 1.0, "dead_letter_failed")
                 return
             log.error("dead-lettering %s from %s failed (%r); terminated without a letter: "
-                      "%s", msg.subject, name, exc, reason)
+                      "%s", msg.subject, name, exc, clip(reason, MAX_REASON))
             with contextlib.suppress(Exception):
                 await msg.term()
             self._count(consumer, "term")
             return
         with contextlib.suppress(Exception):
             await msg.term()
-        log.warning("dead-lettered %s from %s: %s", msg.subject, name, reason)
+        log.warning("dead-lettered %s from %s: %s", msg.subject, name,
+                    clip(reason, MAX_REASON))
         self.metrics.dead.labels(self.service, kind).inc()
         self._count(consumer, "dead")

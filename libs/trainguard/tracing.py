@@ -22,6 +22,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from .envnames import setting
 from .errors import ConfigError
 
 _propagator = TraceContextTextMapPropagator()
@@ -59,7 +60,7 @@ def setup_tracing(service_name: str, exporter: str | None = None) -> None:
             SpanExporter,
         )
 
-        spec = exporter or os.environ.get("TRAINGUARD_OTEL_EXPORTER", "")
+        spec = exporter or os.environ.get(setting("otel_exporter"), "")
         if not spec and os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
             spec = "otlp"
         provider = TracerProvider(resource=Resource.create({"service.name": service_name}))

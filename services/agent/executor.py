@@ -4,6 +4,9 @@ Kept free of I/O so the rules are testable without a bus or torch. Admission (wh
 and targets are ours, duplicate ids, retries, epochs) is the library's
 :class:`~trainguard.receiver.Receiver`, shared with the ranks; what is the agent's own is
 here: drills gated, isolation refused on the rendezvous-store host, ranks that must be local.
+``hold`` is the control plane ending a job that cannot recover (a crash loop past its
+budget): the workers stop and ``trainguard launch`` exits 76, on every host (the store
+host's too: unlike an isolation, the whole job is meant to end).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ class Node(Protocol):
     def isolate(self, command_id: str) -> str: ...
 
     def stop(self, command_id: str) -> str: ...
+
+    def hold(self, command_id: str) -> str: ...
 
     def dump(self, ranks: list[int]) -> str: ...
 
@@ -84,6 +89,8 @@ class CommandExecutor:
                 return node.restart(cmd.id)
             case "stop":
                 return node.stop(cmd.id)
+            case "hold":
+                return node.hold(cmd.id)
             case "isolate":
                 if node.hosts_store:
                     raise Refused(f"host {node.host} runs the rendezvous store; isolating it "

@@ -14,7 +14,9 @@ stock behaviour breaks recovery:
 * each worker's stderr tee'd to a file, so exits carry their last lines.
 
 Exit codes: the job's (0, or 1 when workers failed), 75 when this host was isolated
-(schedulers must not retry on this node), 143 after a SIGTERM.
+(schedulers must not retry on this node), 76 when the control plane held the job (a crash
+loop past its restart budget: do not retry blindly), 143 after a SIGTERM. On its way out
+the launcher removes its node record, so the remediator knows it is no longer in the job.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ from .settings import AgentSettings
 log = logging.getLogger("trainguard.agent")
 
 EXIT_ISOLATED = 75
+EXIT_HELD = 76
+"""Held by the control plane (a ``hold``: the job failed past its restart budget)."""
 EXIT_SIGTERM = 128 + signal.SIGTERM
 
 RDZV_DEFAULTS = {"last_call_timeout": "2", "keep_alive_interval": "1",
@@ -209,11 +213,11 @@ def launch(settings: AgentSettings, torchrun_argv: list[str]) -> int:
     if reason:
         print(f"trainguard launch: host {settings.host} is on the blocklist ({reason}); "
               f"not joining (exit {EXIT_ISOLATED}: do not retry on this node)", flush=True)
-        link.close()
+        _leave(link)
         return EXIT_ISOLATED
 
     def on_sigterm(signum: int, frame: Any) -> None:
-        if node.isolating is None and node.stopping is None:
+        if node.ended_by is None:
             # Preemption: try to save within the grace period, then stop like torchrun.
             answer = link.request_save(settings.preempt_grace)
             log.warning("SIGTERM: save-now before stopping: %s", answer)
@@ -234,19 +238,25 @@ def launch(settings: AgentSettings, torchrun_argv: list[str]) -> int:
     except ChildFailedError:
         code = 1
     except SignalException:
-        by = node.isolating or node.stopping
+        by = node.ended_by
         if by is not None:
             node.workers_stopped(by)
-        if node.isolating is not None:
-            code = EXIT_ISOLATED
-        elif node.stopping is not None:
-            code = 0
-        else:
-            code = EXIT_SIGTERM
+        code = EXIT_ISOLATED if node.isolating else 0 if node.stopping else EXIT_SIGTERM
     finally:
         launcher_api.LocalElasticAgent = original
-        link.close()
+        _leave(link)
+    if node.holding is not None and code != EXIT_ISOLATED:
+        code = EXIT_HELD  # also when the hold landed as torchrun gave up by itself
+        print(f"trainguard launch: job {settings.job} held by the control plane; exit "
+              f"{EXIT_HELD} (do not retry blindly: see the incident)", flush=True)
     if code == EXIT_ISOLATED:
         print(f"trainguard launch: host {settings.host} isolated; exit {EXIT_ISOLATED} "
               "(do not retry on this node)", flush=True)
     return code
+
+
+def _leave(link: AgentLink) -> None:
+    """A launcher that exited is no longer in the job: the remediator ends the incidents of
+    a job none of whose launchers is left (torchrun gave up) as failed instead of waiting."""
+    link.deregister()
+    link.close()

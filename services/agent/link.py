@@ -9,6 +9,7 @@ command stream has interest retention and drops commands nobody is bound to yet.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import queue
@@ -22,8 +23,10 @@ import nats.errors
 from trainguard import tracing
 from trainguard.bus import Bus, BusUnavailable, connect_nats
 from trainguard.codec import decode_as
+from trainguard.deadletter import MAX_REASON, clip
 from trainguard.envelope import H_TYPE, normalize_headers
 from trainguard.errors import DecodeError, InvalidToken
+from trainguard.metrics import ErrorReason
 from trainguard.rpc import SAVE, SaveReply, SaveRequest, call
 from trainguard.schemas import (
     Command,
@@ -34,6 +37,7 @@ from trainguard.schemas import (
     NodeHello,
     TelemetryMessage,
 )
+from trainguard.settle import TRANSIENT_ERRORS, decode_reason, delivery_facts
 from trainguard.state import Keys, encode_node_record, read_blocklist_entry
 from trainguard.store import redis_client
 from trainguard.topology import ConsumerSpec, ensure_consumer, provision, streams
@@ -67,6 +71,8 @@ class AgentLink:
         self.ready = threading.Event()
         self._gpu_seq = 0
         self._hb_seq = 0
+        self.command_errors: collections.Counter[ErrorReason] = collections.Counter()
+        """Exceptions the command loop caught and went on from, by reason."""
 
     # -- any thread ---------------------------------------------------------------------
     def publish(self, subject: str, msg: Durable) -> None:
@@ -181,6 +187,22 @@ class AgentLink:
             await asyncio.gather(*tasks, return_exceptions=True)
             await bus.close()
 
+    def deregister(self, timeout: float = 3.0) -> None:
+        """Remove this host's node record (bounded; a Redis outage only delays the end)."""
+
+        async def _delete() -> None:
+            client = redis_client(self.settings.redis_url, retries=1,
+                                  access=self.settings.access.redis_options())
+            try:
+                key = Keys(self.settings.prefix).node(self.settings.job, self.settings.host)
+                await asyncio.wait_for(client.delete(key), timeout)
+            except Exception as exc:
+                log.warning("could not remove the node record from Redis: %r", exc)
+            finally:
+                await client.aclose()
+
+        self.call(_delete, timeout + 1.0)
+
     async def _write_node_record(self) -> None:
         client = redis_client(self.settings.redis_url, retries=1,
                               access=self.settings.access.redis_options())
@@ -226,7 +248,9 @@ class AgentLink:
         self._hb_seq += 1
         await self._telemetry(s.subjects.node(s.job, s.host), NodeHeartbeat(
             job=s.job, time=time.time(), seq=self._hb_seq, host=s.host, ranks=states,
-            pids=pids, attempt=self.node.restart_count))
+            pids=pids, attempt=self.node.restart_count,
+            restarting=self.node.restarting_since is not None,
+            restarting_since=self.node.restarting_since))
 
     async def _gpu_sample(self) -> None:
         s = self.settings
@@ -241,6 +265,9 @@ class AgentLink:
             source=source))
 
     async def _commands(self, sub: Any) -> None:
+        """Fetch and run commands, each isolated: whatever one raises is counted
+        (:attr:`command_errors`), the command redelivered if the trouble may pass, else
+        dead-lettered and terminated, and the loop goes on to the next."""
         while True:
             try:
                 msgs = await sub.fetch(8, timeout=1.0)
@@ -251,19 +278,29 @@ class AgentLink:
                 await asyncio.sleep(0.5)
                 continue
             for msg in msgs:
-                await self._command(msg)
+                try:
+                    await self._command(msg)
+                except TRANSIENT_ERRORS as exc:  # NATS away mid-command: it comes back
+                    self.command_errors["transient"] += 1
+                    if delivery_facts(msg)[1] >= self.settings.max_deliver:
+                        await self._refuse(msg, f"interrupted on every delivery, last: {exc!r}")
+                        continue
+                    log.warning("command on %s interrupted (%r); redelivering", msg.subject,
+                                exc)
+                    with contextlib.suppress(Exception):
+                        await msg.nak(delay=2.0)
+                except Exception as exc:
+                    self.command_errors["handler_error"] += 1
+                    log.exception("command on %s failed", msg.subject)
+                    await self._refuse(msg, f"the agent failed on it: {exc!r}")
 
     async def _command(self, msg: Any) -> None:
         headers = normalize_headers(msg.headers)
         try:
             cmd = decode_as(msg.data, headers.get(H_TYPE), Command)
         except DecodeError as exc:
-            assert self._bus is not None
-            with contextlib.suppress(Exception):
-                await self._bus.dead_letter(subject=msg.subject, payload=msg.data,
-                                            reason=exc.reason, service="agent",
-                                            headers=headers)
-            await msg.term()
+            self.command_errors[decode_reason(exc)] += 1
+            await self._refuse(msg, exc.reason)
             return
         ctx = tracing.extract(headers)
         with tracing.tracer("trainguard.agent").start_as_current_span(
@@ -279,6 +316,23 @@ class AgentLink:
                 await self._ack(cmd, ack)
         with contextlib.suppress(Exception):
             await msg.ack()
+
+    async def _refuse(self, msg: Any, reason: str) -> None:
+        """Dead-letter a command (bounded: :mod:`trainguard.deadletter`), then ``term`` it;
+        never raises (a letter that cannot be sent is logged and counted)."""
+        assert self._bus is not None
+        headers, deliveries = delivery_facts(msg)
+        try:
+            await self._bus.dead_letter(subject=msg.subject, payload=msg.data, reason=reason,
+                                        service="agent",
+                                        consumer=consumer_spec(self.settings).durable,
+                                        headers=headers, deliveries=deliveries)
+        except Exception as exc:
+            self.command_errors["dead_letter_failed"] += 1
+            log.error("dead-lettering the command on %s failed (%r); terminating it: %s",
+                      msg.subject, exc, clip(reason, MAX_REASON))
+        with contextlib.suppress(Exception):
+            await msg.term()
 
     async def _epoch_ceiling(self, cmd: Command) -> int | None:
         """The issuers' current fencing epoch, which only the remediator's leader raises (the

@@ -68,6 +68,12 @@ class LocalNode:
         self.restart_count = 0
         self.isolating: str | None = None
         self.stopping: str | None = None
+        self.holding: str | None = None
+        """The id of the ``hold`` that ends this launcher (exit 76), once one came."""
+        self.restarting_since: float | None = None
+        """Since when the worker group is restarting (a failure seen or a ``restart``
+        command), until the new group started: the node heartbeat says so, so the detector
+        reads the restart's silence as a restart and not as failing ranks."""
 
     # -- from the elastic agent (main thread) -----------------------------------------
     def workers_started(self, workers: list[Worker], restart_count: int) -> None:
@@ -75,6 +81,7 @@ class LocalNode:
             self.workers = {w.rank: w for w in workers}
             self.initiated = {}
             self.restart_count = restart_count
+            self.restarting_since = None
         log.info("workers started on %s (attempt %d): %s", self.host, restart_count,
                  {w.rank: w.pid for w in workers})
 
@@ -88,6 +95,8 @@ class LocalNode:
             for w in workers.values():
                 self._publish_exit(self._exit(w, 0, None, "", now))
             return
+        if self.ended_by is None:
+            self.restart_began(now)  # torchrun restarts the group (or gives up and exits)
         independent = [f for f in failures.values()
                        if f.pid not in initiated and f.exitcode != -signal.SIGTERM]
         for f in failures.values():
@@ -145,22 +154,43 @@ class LocalNode:
                 self.initiated[pid] = command_id
         return pids
 
+    def restart_began(self, now: float | None = None) -> None:
+        """The worker group is going down to be started again (idempotent per restart)."""
+        with self._lock:
+            if self.restarting_since is None:
+                self.restarting_since = time.time() if now is None else now
+
     def restart(self, command_id: str) -> str:
+        self.restart_began()
         pids = self._mark(command_id)
         procs.terminate(pids, self.settings.stop_grace)
         return f"stopped {len(pids)} local worker(s); the elastic launcher restarts the group"
 
     def isolate(self, command_id: str) -> str:
         self.isolating = command_id
-        self._mark(command_id)
-        os.kill(os.getpid(), signal.SIGTERM)  # torch's agent stops workers, keeps the rdzv open
+        self._end_launcher(command_id)
         return f"host {self.host} leaves the job (trainguard launch exits 75)"
 
     def stop(self, command_id: str) -> str:
         self.stopping = command_id
-        self._mark(command_id)
-        os.kill(os.getpid(), signal.SIGTERM)
+        self._end_launcher(command_id)
         return f"stopping the workers on {self.host}"
+
+    def hold(self, command_id: str) -> str:
+        """Stop the workers and end the launcher with 76: the control plane gave up on the
+        job (a crash loop past its budget), so torchrun must not restart it again."""
+        self.holding = command_id
+        self._end_launcher(command_id)
+        return f"holding the job on {self.host}: stopping the workers, trainguard launch exits 76"
+
+    def _end_launcher(self, command_id: str) -> None:
+        self._mark(command_id)
+        os.kill(os.getpid(), signal.SIGTERM)  # torch's agent stops workers, keeps the rdzv open
+
+    @property
+    def ended_by(self) -> str | None:
+        """The command that is ending this launcher (isolate, hold or stop), if any."""
+        return self.isolating or self.holding or self.stopping
 
     def dump(self, ranks: list[int], timeout: float = 3.0) -> str:
         pids = self.rank_pids()

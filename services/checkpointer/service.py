@@ -366,7 +366,9 @@ class CheckpointerService(Service[CheckpointerSettings]):
     def _endpoint(self, name: str, fn: Callable[[str, Msg], Awaitable[bytes]]
                   ) -> Callable[[Msg], Awaitable[None]]:
         """Each request runs in a task of its own: a save-now waits up to its deadline and
-        must not hold up other requests (callbacks of one subscription run one at a time)."""
+        must not hold up other requests (callbacks of one subscription run one at a time).
+        A request that fails is answered with the error and counted; the endpoint goes on."""
+        consumer = f"rpc:{name}"
 
         async def _serve(msg: Msg) -> None:
             job = self.settings.subjects.job_of(msg.subject)
@@ -375,6 +377,7 @@ class CheckpointerService(Service[CheckpointerSettings]):
             try:
                 data = await fn(job, msg)
             except Exception as exc:
+                self.runtime.metrics.error(consumer, "callback_error")
                 log.bind(job=job).exception("rpc %s for %s failed", name, job)
                 reason = f"coordinator error: {type(exc).__name__}: {exc}"
                 data = b"" if name == RESUME.name else SAVE.encode_reply(
@@ -384,9 +387,9 @@ class CheckpointerService(Service[CheckpointerSettings]):
                     await msg.respond(data)
 
         async def _cb(msg: Msg) -> None:
-            self.runtime.spawn(_serve(msg), f"rpc:{name}")
+            self.runtime.spawn(_serve(msg), consumer)
 
-        return _cb
+        return self.runtime.isolate(_cb, consumer)
 
     async def _rpc_resume(self, job: str, msg: Msg) -> bytes:
         point = await self.catalogue.pointer(job)

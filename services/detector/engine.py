@@ -95,8 +95,9 @@ class Detector:
     def grace(self, now: float, jobs: Iterable[str] | None = None) -> None:
         """No silence or hang judgement for one ``hb_timeout``: we have not heard yet.
 
-        Called after the detector's own (re)connect to NATS (every job) and when it takes
-        a job over (that job).
+        Called while the detector's own view of the bus is stale and on the tick it is
+        current again (every job: see :mod:`.busview`), and when it takes a job over (that
+        job).
         """
         for name in self.jobs if jobs is None else jobs:
             job = self.jobs.get(name)

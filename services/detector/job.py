@@ -126,6 +126,9 @@ class JobState:
         self.rejected_overrides: list[str] = []
         self.census: Census | None = None
         self.pending_long: list[tuple[str, float, int, float]] = []
+        self.restarting: dict[str, float] = {}
+        """Hosts whose agent reports its worker group restarting -> since when (agent's
+        clock): see :mod:`.liveness`."""
         self.odd_procs: set[int] = set()
         """Ranks the agent reports stopped or gone (``STOPPED_STATES``, ``GONE_STATES``):
         checked every tick, others never."""

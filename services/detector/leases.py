@@ -7,6 +7,15 @@ one that stops move at once (it releases them). Detectors register themselves in
 sorted set scored by expiry; a free job goes first to the live detector that rendezvous
 hashing prefers (spreading jobs evenly without coordination), and to anyone once it has
 been free for a whole TTL (so a preferred detector that is slow to act cannot strand it).
+
+A detector's name is stable across its restarts (:mod:`.identity`), so taking a lease that
+already names this detector succeeds at once: a restarted detector takes its jobs back
+without waiting out the leases of the process it replaces.
+
+While Redis does not answer, no lease can be renewed, and none can be taken either: a
+detector keeps judging the jobs it owns for as long as their leases are valid **by its own
+clock** (a monotonic deadline, counted from before the request that last extended them, so
+it ends no later than Redis's own expiry), then stops judging them until Redis is back.
 """
 
 from __future__ import annotations
@@ -48,20 +57,41 @@ class Leases:
         self.ttl = ttl
         self.registry_key = registry_key
         self._held = LeaseHolder(redis, instance, ttl)
+        self.valid_until: dict[str, float] = {}
+        """Job -> monotonic time until which our lease on it is certainly still ours."""
 
     def key(self, job: str) -> str:
         return self.keys.lease(ROLE, job)
 
     async def acquire(self, job: str) -> bool:
-        return await self._held.acquire(self.key(job))
+        """Take the job's lease if it is free or already ours (a restarted us)."""
+        started = time.monotonic()
+        taken = await self._held.take(self.key(job))
+        if taken:
+            self.valid_until[job] = started + self.ttl
+        return taken
 
     async def renew(self, jobs: Iterable[str]) -> set[str]:
         """Extend our leases; returns the jobs whose lease we no longer hold."""
+        started = time.monotonic()
         by_key = {self.key(job): job for job in jobs}
-        return {by_key[key] for key in await self._held.renew(by_key)}
+        lost = {by_key[key] for key in await self._held.renew(by_key)}
+        for job in by_key.values():
+            if job in lost:
+                self.valid_until.pop(job, None)
+            else:
+                self.valid_until[job] = started + self.ttl
+        return lost
 
     async def release(self, jobs: Iterable[str]) -> None:
+        jobs = list(jobs)
+        for job in jobs:
+            self.valid_until.pop(job, None)
         await self._held.release(self.key(job) for job in jobs)
+
+    def lapsed(self, jobs: Iterable[str], now: float) -> list[str]:
+        """Of ``jobs``, those whose lease may have expired by ``now`` (``time.monotonic``)."""
+        return [job for job in jobs if self.valid_until.get(job, 0.0) <= now]
 
     async def owners(self, jobs: Iterable[str]) -> dict[str, str | None]:
         by_key = {self.key(job): job for job in jobs}

@@ -14,6 +14,12 @@
   the rest wait in ``comm``), else, when all wait in ``comm``, those behind in issued
   collectives. A rank the agent reports stopped (T) is a hang at once; one stuck in D is
   after ``dstate_grace``. One hang per job at a time; it resolves when progress resumes.
+
+A host whose agent says its worker group is restarting (``NodeHeartbeat.restarting``) has
+its ranks' silence explained: none of them is ``unresponsive``, no process state of theirs
+is judged, and the job (a torchrun group restarts as a whole) has no hang, until the agent's
+beat says the restart is over and the detector hears that host's ranks in the new attempt,
+or for at most ``restart_timeout`` (a restart that takes longer is stuck, and judged).
 """
 
 from __future__ import annotations
@@ -68,6 +74,7 @@ class Liveness:
 
     # -- agent's process states -----------------------------------------------------------
     def on_node(self, job: JobState, node: NodeHeartbeat, now: float) -> None:
+        self._restart_mark(job, node)
         for rank, letter in node.ranks.items():
             r = job.ranks.get(rank)
             if r is None:
@@ -86,12 +93,34 @@ class Liveness:
                     job.odd_procs.discard(rank)
         self.judge_process_states(job, now)
 
+    @staticmethod
+    def _restart_mark(job: JobState, node: NodeHeartbeat) -> None:
+        """Note a host's restart, and its end once its ranks are heard in the new attempt."""
+        if node.restarting:
+            if node.restarting_since is not None:
+                job.restarting[node.host] = node.restarting_since
+            else:
+                job.restarting.setdefault(node.host, node.time)
+        elif node.host in job.restarting:
+            ranks = [job.ranks.get(i) for i in node.ranks]
+            if all(r is not None and r.attempt >= node.attempt for r in ranks):
+                del job.restarting[node.host]
+
+    @staticmethod
+    def restarting_hosts(job: JobState, now: float) -> frozenset[str]:
+        """Hosts whose restart explains their ranks' silence now (within ``restart_timeout``)."""
+        if not job.restarting:
+            return frozenset()
+        limit = job.th.restart_timeout
+        return frozenset(h for h, since in job.restarting.items() if now - since <= limit)
+
     def judge_process_states(self, job: JobState, now: float) -> None:
         if not job.odd_procs:
             return
         th = job.th
+        excused = self.restarting_hosts(job, now)
         odd = [r for r in (job.ranks[i] for i in sorted(job.odd_procs))
-               if r.attempt == job.attempt and not r.exited]
+               if r.attempt == job.attempt and not r.exited and r.host not in excused]
         # T (SIGSTOP) lasts: a hang at once. t and D are often brief: only when they last.
         stopped = [r for r in odd if r.proc_state == "T"
                    or (is_stopped(r.proc_state) and now - r.proc_since >= th.dstate_grace)]
@@ -112,14 +141,16 @@ class Liveness:
                     source="node_heartbeat", process_state=r.proc_state, confirmed_gone=True))
 
     # -- silence ------------------------------------------------------------------------
-    def judge_silence(self, job: JobState, census: Census | None, now: float) -> None:
+    def judge_silence(self, job: JobState, census: Census | None, now: float,
+                      excused: frozenset[str] = frozenset()) -> None:
         th = job.th
         silent = census.silent if census is not None else [
             r for r in job.in_attempt()
             if r.proc_state not in ODD_STATES and job.is_silent(r, now)]
         by_host: dict[str, list[RankInfo]] = {}
         for r in silent:
-            by_host.setdefault(r.host or "-", []).append(r)
+            if r.host not in excused:
+                by_host.setdefault(r.host or "-", []).append(r)
         for host, ranks in by_host.items():
             shown = ranks[:th.evidence_max_ranks]
             job.book.raise_(
@@ -132,7 +163,8 @@ class Liveness:
                     silent_for={str(r.rank): round(now - r.last_hb, 3) for r in shown},
                     last_step={str(r.rank): r.last_step for r in shown}))
         for key in job.book.keys("unresponsive:"):
-            if key.split(":", 1)[1] not in by_host:
+            host = key.split(":", 1)[1]
+            if host not in by_host and host not in excused:
                 job.book.clear(key, now)
 
     # -- hang ---------------------------------------------------------------------------
@@ -166,8 +198,9 @@ class Liveness:
         census = None
         if stalled > min(base, job.th.checkpoint_slow_floor):
             census = job.take_census(now)
-        self.judge_silence(job, census, now)
-        if census is None or stalled <= base or not census.live:
+        excused = self.restarting_hosts(job, now)
+        self.judge_silence(job, census, now, excused)
+        if census is None or stalled <= base or not census.live or excused:
             return
         limit = base
         if census.majority in job.long_phases:

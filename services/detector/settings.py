@@ -29,6 +29,17 @@ class DetectorSettings(Settings, Thresholds):
     job_idle_expiry: float = 3600.0
     """A job silent this long is let go (state dropped, lease released)."""
     instance_id: str = ""
-    """This instance's name in leases; empty: host-pid-random."""
+    """This instance's name in leases, stable across its restarts so that a restarted
+    detector takes its jobs back at once; empty: the host name (``<host>:<health_port>``
+    when the health port is fixed). Two live detectors never share one (see
+    :mod:`.identity`)."""
+    bus_probe_interval: float = 0.5
+    """How often the detector times a PING/PONG round trip to its NATS server."""
+    bus_stale_after: float = 2.0
+    """No answered probe sent within this long: the bus is stalled, and silence proves
+    nothing (keep it under ``hb_timeout`` minus the ranks' beat period)."""
+    redis_wait: float = 0.5
+    """How long an anomaly change waits to be stored in Redis before it is published
+    anyway (detection never waits longer for Redis)."""
     retry_delay: float = 0.5
     """Redelivery delay for a durable message of a job another detector owns."""

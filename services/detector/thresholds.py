@@ -47,6 +47,8 @@ class Thresholds:
     """Phases that are collective wait, i.e. not a rank's own compute."""
     dstate_grace: float = 5.0
     """A rank must stay in D or t (traced) this long to be a hang; T counts at once."""
+    restart_timeout: float = 60.0
+    """An agent's "restarting" explains its ranks' silence for at most this long."""
     exit_max_age: float = 600.0
     """Worker exits older than this (replayed after an outage) update state, never alert."""
 

@@ -2,13 +2,13 @@
 time (no I/O; :mod:`.service` is the shell that loads, sends, waits and saves).
 
 An incident is opened once per root cause: a diagnosis joins an open incident when it is
-an update of one already linked, when it supersedes one (its anomalies overlap), or when
-it names the same cause on overlapping hosts within the cooldown. A new incident gets a
+an update of one already linked, when it supersedes one (its anomalies overlap), when it
+names the same cause on overlapping hosts within the cooldown, or when it is the same
+crash again (a crash loop, see :func:`find_incident`). A new incident gets a
 plan: the policy's actions for its cause, adapted to what the job can take right now; a
 changed root cause re-plans, keeping the steps already done. The steps then run in order
-(:func:`next_step`, :func:`finish_step`) until none is left (:func:`conclude`), and the
-incident is resolved once training passes the failure step, or its anomalies resolve
-(:func:`resolution`).
+(:func:`next_step`, :func:`finish_step`) until none is left (:func:`conclude`). How an
+incident ends (resolved, escalated, or failed: held) is :mod:`.endings`.
 """
 
 from __future__ import annotations
@@ -39,11 +39,8 @@ RESTARTING: Final = frozenset({"restart", "rollback", "isolate"})
 CRASHING: Final = frozenset({"process_crash", "oom", "hbm_ecc"})
 """Causes whose evidence is a dead worker (the launcher restarts those by itself)."""
 OPEN: Final = frozenset({"open", "mitigating"})
-
-Resolution = Literal["progress", "anomalies", "timeout"]
-"""Why an incident ends: training passed the failure step, its anomalies resolved (for
-incidents without a restart), or it was not resolved in time (escalated)."""
-
+AGENT_ACTIONS: Final = frozenset({"restart", "isolate", "dump", "hold"})
+"""Steps the node agents carry out (a done one proves the job runs under ``launch``)."""
 
 @dataclass
 class JobView:
@@ -52,6 +49,10 @@ class JobView:
     hosts: dict[str, NodeRecord] = field(default_factory=dict)
     """host -> its agent's record, for hosts still in the job (not blocklisted)."""
     restarts_last_hour: int = 0
+    """Attempts of the job that ended (a failure the launcher restarted, or a restart or
+    isolation the remediator sent) in the last hour."""
+    ended_attempts: frozenset[int] = frozenset()
+    """Which attempt numbers among those (one failure seen on several hosts counts once)."""
     cause_count_last_hour: int = 0
     first_seen_at: float | None = None
     """When this cause was first seen on these hosts (for "isolate if sustained")."""
@@ -65,21 +66,41 @@ def is_open(inc: Incident) -> bool:
     return inc.status in OPEN
 
 
-def find_incident(open_incidents: list[Incident], d: Diagnosis, cooldown_s: float,
+def find_incident(incidents: list[Incident], d: Diagnosis, cooldown_s: float,
                   now: float) -> Incident | None:
-    """The open incident ``d`` belongs to, if any."""
-    for inc in open_incidents:
+    """The incident ``d`` belongs to, if any, among the job's ``incidents``: an open one, or
+    one that failed within the cooldown (a late crash of the loop its hold ended).
+
+    Besides updates and superseding diagnoses, the same cause on overlapping hosts joins
+    within the cooldown, and a crash that did not get past the incident's failure step
+    joins at any time: torchrun restarted the group into the same failure (a crash loop is
+    one incident, and on-call hears of it once)."""
+    found = [i for i in incidents
+             if is_open(i) or (i.status == "failed" and now - closed_at(i) <= cooldown_s)]
+    for inc in found:
         if d.id in inc.diagnosis_ids:
             return inc
-    for inc in open_incidents:
+    for inc in found:
         if set(d.anomaly_ids) & set(inc.anomaly_ids):
             return inc
-    for inc in open_incidents:
+    for inc in found:
         recent = inc.detected_at is None or now - (inc.detected_at or now) <= cooldown_s
-        if inc.cause == d.cause and recent and (not d.hosts or not inc.hosts
-                                                 or set(d.hosts) & set(inc.hosts)):
+        same = inc.cause == d.cause and (not d.hosts or not inc.hosts
+                                         or bool(set(d.hosts) & set(inc.hosts)))
+        if same and (recent or not is_open(inc) or crashes_again(inc, d)):
             return inc
     return None
+
+
+def crashes_again(inc: Incident, d: Diagnosis) -> bool:
+    """``d`` is the launcher's restart of ``inc``'s job dying the same way, no further on."""
+    return inc.cause in CRASHING and (d.step is None or (
+        inc.failure_step is not None and d.step <= inc.failure_step))
+
+
+def closed_at(inc: Incident) -> float:
+    """When ``inc``'s last step started (its end, for a closed one)."""
+    return max((s.at for s in inc.actions if s.at is not None), default=inc.detected_at or 0.0)
 
 
 def detected_at(d: Diagnosis, now: float) -> float:
@@ -131,17 +152,13 @@ def plan(inc: Incident, d: Diagnosis, policy: Policy, view: JobView,
         return [_step("escalate", reason="cause unknown", grace=policy.unknown_grace_s)], \
             ["unknown cause: a human decides"]
     if cp.escalate_after and view.cause_count_last_hour >= cp.escalate_after:
-        return [_step("escalate", reason=f"{inc.cause} {view.cause_count_last_hour} times "
-                                         "in the last hour")], ["repeating cause"]
+        return hold_steps(inc, repeating(inc, view, cp.escalate_after)), ["repeating cause"]
     if cp.isolate_if_sustained_s and view.first_seen_at is not None \
             and now - view.first_seen_at >= cp.isolate_if_sustained_s and "isolate" not in actions:
         actions.append("isolate")
         notes.append(f"sustained {now - view.first_seen_at:.0f}s: isolating")
-    if any(a in RESTARTING for a in actions) \
-            and view.restarts_last_hour >= policy.restart_budget_per_hour:
-        return [_step("escalate", reason=f"restart budget spent ({view.restarts_last_hour}/"
-                                         f"{policy.restart_budget_per_hour} in the last "
-                                         "hour)")], ["budget spent"]
+    if any(a in RESTARTING for a in actions) and over_budget(inc, view, policy):
+        return hold_steps(inc, budget_spent(view, policy)), ["budget spent"]
     steps: list[IncidentStep] = []
     for action in actions:
         if action == "none":
@@ -176,6 +193,36 @@ def plan(inc: Incident, d: Diagnosis, policy: Policy, view: JobView,
             s.action == "restart" for s in steps) and any(a in RESTARTING for a in actions):
         steps.append(_step("restart"))
     return steps, notes
+
+
+def restarts_after(inc: Incident, view: JobView) -> int:
+    """The job's restarts in the last hour once ``inc``'s failed attempt is counted (its
+    exit may not have been yet; an unknown attempt counts as one more)."""
+    known = inc.failure_attempt is not None and inc.failure_attempt in view.ended_attempts
+    return view.restarts_last_hour + (0 if known else 1)
+
+
+def over_budget(inc: Incident, view: JobView, policy: Policy) -> bool:
+    """More restarts than the hourly budget allows, counting the one ``inc`` needs."""
+    return restarts_after(inc, view) > policy.restart_budget_per_hour
+
+
+def budget_spent(view: JobView, policy: Policy) -> str:
+    return (f"restart budget spent ({view.restarts_last_hour} restarts in the last hour, "
+            f"budget {policy.restart_budget_per_hour})")
+
+
+def repeating(inc: Incident, view: JobView, escalate_after: int) -> str:
+    return (f"{inc.cause} {view.cause_count_last_hour} times in the last hour "
+            f"(escalate_after {escalate_after})")
+
+
+def hold_steps(inc: Incident, reason: str) -> list[IncidentStep]:
+    """The end of a job that cannot recover: on-call is told once, with the failure's
+    signature, then every agent stops its workers (``trainguard launch`` exits 76)."""
+    failure = inc.signature or inc.summary or inc.cause
+    return [_step("escalate", reason=f"holding the job: {reason}; failure: {failure}"),
+            _step("hold", reason=reason)]
 
 
 def can_isolate(host: str, view: JobView) -> tuple[bool, str]:
@@ -239,6 +286,9 @@ def finish_step(inc: Incident, step: IncidentStep) -> None:
     """What a finished step means for its incident."""
     if step.action == "escalate":
         inc.escalation = step.detail  # a human is told; steps that can still help go on
+    elif step.action == "hold" and step.status in ("done", "skipped"):
+        inc.status = "failed"  # held, or nothing was left to hold: the job has ended
+        inc.escalation = inc.escalation or step.detail
     elif step.status == "failed":
         inc.status = "escalated"
         inc.escalation = f"{step.action} failed: {step.detail}"
@@ -342,48 +392,3 @@ def action_event(inc: Incident, step: IncidentStep, now: float) -> Action:
                   diagnosis_id=inc.diagnosis_ids[-1] if inc.diagnosis_ids else "",
                   command_ids=list(step.command_ids), detail=step.detail, time=now,
                   status=ACTION_STATUS[step.status])
-
-
-# -- resolution --------------------------------------------------------------------------
-
-def resolved_by_progress(inc: Incident, view: JobView, restarted_attempt: int | None) -> bool:
-    """Training passed the failure step again (in an attempt after the restart, if any)."""
-    if view.last_step is None or inc.failure_step is None:
-        return False
-    if restarted_attempt is not None and (view.attempt is None or view.attempt <=
-                                          restarted_attempt):
-        return False
-    return view.last_step > inc.failure_step
-
-
-def resolution(inc: Incident, view: JobView, resolved_anomalies: Collection[str],
-               policy: Policy, now: float) -> Resolution | None:
-    """Whether an incident whose steps have run ends now, and why."""
-    restarting = any(s.action in RESTARTING for s in inc.actions)
-    if restarting and resolved_by_progress(inc, view, inc.restarted_attempt):
-        return "progress"
-    if not restarting and (set(inc.anomaly_ids) <= set(resolved_anomalies)
-                           or (inc.mitigated_at is not None and not inc.anomaly_ids)):
-        return "anomalies"
-    if now - (inc.detected_at or now) > policy.resolve_timeout_s:
-        return "timeout"
-    return None
-
-
-def needs_resume_step(inc: Incident, why: Resolution) -> bool:
-    """Steps lost are counted for a job the remediator restarted: from where it resumed."""
-    return why == "progress" and inc.restarted_attempt is not None
-
-
-def settle(inc: Incident, why: Resolution, policy: Policy, now: float,
-           resume_step: int | None = None) -> None:
-    """End ``inc`` as :func:`resolution` decided; ``resume_step``: where training resumed."""
-    if why == "timeout":
-        inc.status = "escalated"
-        inc.escalation = f"not resolved within {policy.resolve_timeout_s:.0f}s of detection"
-        return
-    inc.status, inc.resolved_at = "resolved", now
-    if why == "progress" and resume_step is not None:
-        inc.resume_step = resume_step
-        if inc.failure_step is not None:
-            inc.steps_lost = max(0, inc.failure_step - resume_step)

@@ -14,7 +14,7 @@ from trainguard.errors import ConfigError
 from trainguard.schemas import Cause
 
 ACTIONS: Final = frozenset({"save_now", "dump", "isolate", "restart", "rollback", "alert",
-                            "escalate", "none"})
+                            "escalate", "hold", "none"})
 CAUSES: Final = frozenset(get_args(Cause))
 DEFAULT_POLICY: Final = Path(__file__).with_name("default_policy.toml")
 
@@ -23,7 +23,8 @@ DEFAULT_POLICY: Final = Path(__file__).with_name("default_policy.toml")
 class CausePolicy:
     actions: tuple[str, ...]
     escalate_after: int = 0
-    """Escalate instead of acting when this cause recurred this often within an hour."""
+    """Escalate and hold the job instead of restarting it when this cause was diagnosed this
+    often within an hour (each diagnosis counts: the crashes of one crash loop too)."""
     isolate_if_sustained_s: float = 0.0
 
 
@@ -32,6 +33,8 @@ class Policy:
     causes: dict[str, CausePolicy]
     cooldown_s: float = 60.0
     restart_budget_per_hour: int = 6
+    """Attempts of a job that may end in an hour (failures torchrun restarted, restarts and
+    isolations sent); past it the job is held."""
     ack_timeout_s: float = 20.0
     save_deadline_s: float = 60.0
     resolve_timeout_s: float = 600.0

@@ -1,8 +1,9 @@
 """The remediator's async shell: diagnoses in; commands, incidents and actions out.
 
 Every decision (which incident a diagnosis joins, its plan, the next step, what the acks
-mean, whether the launcher already restarted, when an incident ends) is a pure function
-in :mod:`.engine`; this module loads and saves incidents, sends commands
+mean, whether the launcher already restarted) is a pure function in :mod:`.engine`, and
+when an incident ends or its job must be held in :mod:`.endings`; this module counts the
+launcher's attempts from worker exits, loads and saves incidents, sends commands
 (:func:`trainguard.targets.addressed`), calls the checkpoint coordinator
 (:mod:`trainguard.rpc`) and waits.
 
@@ -10,7 +11,9 @@ Only the leader acts (:mod:`.leader`); other replicas ``nak`` diagnoses with a d
 Incidents and their plans live in Redis (fenced writes), so a new leader resumes open
 incidents where the old one stopped: steps already acknowledged are not run again, and a
 step that was sent but not acknowledged is re-sent as a retry (``retry_of``), which agents
-answer without running it twice.
+answer without running it twice. One writer at a time per incident (a lock around each
+load, change and save): a diagnosis that would join an incident while one of its steps
+runs is redelivered after the step, so neither overwrites the other.
 """
 
 from __future__ import annotations
@@ -18,19 +21,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from trainguard.codec import decode_durable
-from trainguard.errors import DecodeError, Retry
-from trainguard.schemas import Anomaly, CommandAck, Diagnosis, Incident, IncidentStep
+from opentelemetry.context import Context
+
+from trainguard.codec import decode_as
+from trainguard.envelope import H_TYPE, normalize_headers
+from trainguard.errors import Retry
+from trainguard.logs import get_logger
+from trainguard.schemas import Anomaly, CommandAck, Diagnosis, Incident, IncidentStep, WorkerExit
 from trainguard.service import Consumer, Delivery, Runtime, Service
 from trainguard.state import Keys
 from trainguard.targets import addressed
 from trainguard.topology import ConsumerSpec
 
+from . import endings
 from . import engine as rules
 from .acks import AckBox
 from .coordinator import Coordinator
@@ -39,27 +46,26 @@ from .policy import Policy, load_policy
 from .settings import RemediatorSettings
 from .store import Store
 
-log = logging.getLogger("trainguard.remediator")
+log = get_logger("trainguard.remediator")
 
 Persist = Callable[[], Awaitable[None]]
 """Saves the incident before a command goes out: a successor must know it was sent."""
 
 
-class RemediatorService(Service):
+class RemediatorService(Service[RemediatorSettings]):
     name = "remediator"
     settings_type = RemediatorSettings
 
     def __init__(self, settings: RemediatorSettings) -> None:
         super().__init__(settings)
-        self.cfg = settings
         self.policy: Policy = load_policy(settings.policy or None)
         self.keys = Keys(settings.prefix)
-        self.rt: Runtime | None = None
         self.leader: Leadership | None = None
         self._store: Store | None = None
         self._coordinator: Coordinator | None = None
         self._acks = AckBox()
         self._running: dict[str, asyncio.Task[None]] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
         self._resolved_anomalies: set[str] = set()
 
     # -- wiring ---------------------------------------------------------------------------
@@ -72,16 +78,17 @@ class RemediatorService(Service):
             Consumer(ConsumerSpec("events", "remediator-anomalies",
                                   (s.pattern("event", tail="anomaly"),)),
                      self.on_anomaly, (Anomaly,)),
+            Consumer(ConsumerSpec("reports", "remediator-exits", (s.pattern("exit"),)),
+                     self.on_exit, (WorkerExit,)),
         ]
 
     async def start(self, rt: Runtime) -> None:
-        self.rt = rt
-        self.leader = Leadership(rt.redis, self.keys, ttl=self.cfg.lease_ttl)
+        self.leader = Leadership(rt.redis, self.keys, ttl=self.settings.lease_ttl)
         self._store = Store(rt.redis, self.keys, self.leader)
         self._coordinator = Coordinator(rt.bus.nc, self.settings.subjects)
-        await rt.bus.nc.subscribe(self.settings.subjects.pattern("ack", tail="remediator"),
-                                  cb=self._on_ack)
-        rt.every(self.cfg.lease_ttl / 4, self._lead, "leadership")
+        await rt.subscribe(self.settings.subjects.pattern("ack", tail="remediator"),
+                           self._on_ack, consumer="acks")
+        rt.every(self.settings.lease_ttl / 4, self._lead, "leadership")
         rt.every(1.0, self._watch, "resolution")
 
     async def stop(self) -> None:
@@ -111,43 +118,66 @@ class RemediatorService(Service):
         if await self.leader.tick() and not was:
             log.info("remediator: leading with epoch %d", self.leader.epoch)
             for inc in await self.store.open_all():
-                log.info("resuming incident %s of %s", inc.id, inc.job)
+                log.bind(job=inc.job, incident=inc.id).info("resuming incident %s of %s",
+                                                            inc.id, inc.job)
                 self._run(inc)
 
     # -- inputs ---------------------------------------------------------------------------
     async def _on_ack(self, msg: Any) -> None:
-        try:
-            ack = decode_durable(msg.data, CommandAck)
-        except DecodeError:  # malformed acks are the sender's problem; ignore
-            return
-        self._acks.add(ack)
+        """A malformed ack raises DecodeError: the runtime dead-letters and counts it."""
+        self._acks.add(decode_as(msg.data, normalize_headers(msg.headers).get(H_TYPE),
+                                 CommandAck))
 
     async def on_anomaly(self, a: Anomaly, delivery: Delivery) -> None:
         if a.status == "resolved":
             self._resolved_anomalies.add(a.id)
 
+    async def on_exit(self, ex: WorkerExit, delivery: Delivery) -> None:
+        """Count the launcher's own restarts against the budget (any replica: the count is
+        idempotent); :meth:`_watch` holds the job once they pass it."""
+        attempt = endings.ended_attempt(ex, time.time())
+        if attempt is not None:
+            await self.store.note_attempt(ex.job, attempt, ex.time or time.time())
+
     async def on_diagnosis(self, d: Diagnosis, delivery: Delivery) -> None:
-        assert self.rt is not None and self.leader is not None
+        assert self.leader is not None
         if not self.leader.leading:
             raise Retry(delay=1.0, reason="not the leader")
         now = time.time()
-        incidents = await self.store.open_of(d.job)
-        with self.rt.tracer.start_as_current_span(
-            f"decide {d.cause}", context=delivery.ctx,
-            attributes={"trainguard.job": d.job, "trainguard.cause": d.cause,
-                        "trainguard.hosts": ",".join(d.hosts),
-                        "trainguard.ranks": ",".join(map(str, d.ranks))},
+        found = rules.find_incident(await self.store.of(d.job), d, self.policy.cooldown_s, now)
+        if found is None:
+            await self._decide(d, None, now, delivery.ctx)
+            return
+        lock = self._lock(found.id)
+        if lock.locked():
+            raise Retry(delay=1.0, reason=f"incident {found.id} is running a step")
+        async with lock:  # join what its last step saved, if it still takes this diagnosis
+            fresh = await self.store.load(d.job, found.id)
+            joins = rules.find_incident([fresh] if fresh else [], d, self.policy.cooldown_s,
+                                        now)
+            await self._decide(d, joins, now, delivery.ctx)
+
+    async def _decide(self, d: Diagnosis, inc: Incident | None, now: float,
+                      ctx: Context | None) -> None:
+        """Open an incident for ``d``, or join ``d`` to ``inc`` (re-planning it if its root
+        cause changed); then run its steps. ``ctx``: the diagnosis' trace."""
+        with self.runtime.tracer.start_as_current_span(
+            f"decide {d.cause}", context=ctx, attributes={
+                "trainguard.job": d.job, "trainguard.cause": d.cause,
+                "trainguard.hosts": ",".join(d.hosts),
+                "trainguard.ranks": ",".join(map(str, d.ranks))},
         ):
-            inc = rules.find_incident(incidents, d, self.policy.cooldown_s, now)
             if inc is None:
                 if d.status == "superseded":
                     return  # its successor carries the story
                 inc = rules.open_incident(d, rules.detected_at(d, now), now)
                 inc.failure_attempt = (await self.store.view(d.job, d.cause)).attempt
-                await self.store.note_cause(inc, now)
                 replan = True
             else:
                 replan = rules.join(inc, d) and rules.is_open(inc)
+            if d.status == "open":
+                await self.store.note_cause(d, now)  # once per diagnosis: a recurrence
+            endings.sign(inc, d)
             if replan:
                 rules.replan(inc, d, self.policy, await self.store.view(d.job, inc.cause), now)
             await self._save(inc)
@@ -156,54 +186,58 @@ class RemediatorService(Service):
     # -- incidents ------------------------------------------------------------------------
     async def _save(self, inc: Incident, *, publish: bool = True) -> None:
         """Persist ``inc`` (fenced); ``publish``: a new revision for the event stream."""
-        assert self.rt is not None
         if publish:
             inc.rev += 1
         await self.store.save(inc)
         if publish:
-            await self.rt.publish_event(self.settings.subjects.event(inc.job, "incident"), inc)
+            await self.runtime.publish_event(self.settings.subjects.event(inc.job, "incident"), inc)
+
+    def _lock(self, ident: str) -> asyncio.Lock:
+        return self._locks.setdefault(ident, asyncio.Lock())
 
     def _run(self, inc: Incident) -> None:
-        assert self.rt is not None
         task = self._running.get(inc.id)
         if task is not None and not task.done():
             return
-        self._running[inc.id] = self.rt.spawn(self._execute(inc.id, inc.job),
+        self._running[inc.id] = self.runtime.spawn(self._execute(inc.id, inc.job),
                                               f"incident:{inc.id}")
 
     async def _execute(self, ident: str, job: str) -> None:
         """Run the incident's pending steps in order, persisting after each."""
-        assert self.rt is not None and self.leader is not None
+        assert self.leader is not None
         try:
             while self.leader.leading:
-                inc = await self.store.load(job, ident)
-                if inc is None or not rules.is_open(inc):
-                    return
-                index = rules.next_step(inc)
-                if index is None:
-                    if rules.conclude(inc, time.time()):
+                async with self._lock(ident):
+                    inc = await self.store.load(job, ident)
+                    if inc is None or not rules.is_open(inc):
+                        return
+                    index = rules.next_step(inc)
+                    if index is None:
+                        if rules.conclude(inc, time.time()):
+                            await self._save(inc)
+                        return
+                    step = inc.actions[index]
+                    grace = rules.grace_to_wait(step)
+                    if not grace:
+                        rules.start_step(inc, step, time.time())
+                        await self._do(inc, step,
+                                       functools.partial(self._save, inc, publish=False))
+                        rules.finish_step(inc, step)
                         await self._save(inc)
-                    return
-                step = inc.actions[index]
-                grace = rules.grace_to_wait(step)
-                if grace:
-                    # Give a better diagnosis (superseding this guess) a moment to arrive.
-                    await asyncio.sleep(grace)
+                        continue
+                # Unlocked: a better diagnosis (superseding this guess) may re-plan meanwhile.
+                await asyncio.sleep(grace)
+                async with self._lock(ident):
                     fresh = await self.store.load(job, ident)
                     if fresh is not None and fresh.actions == inc.actions:
                         fresh.actions[index].params["waited"] = True
                         await self._save(fresh, publish=False)
-                    continue  # re-planned meanwhile, or waited: run what is planned now
-                rules.start_step(inc, step, time.time())
-                await self._do(inc, step, functools.partial(self._save, inc, publish=False))
-                rules.finish_step(inc, step)
-                await self._save(inc)
+                # re-planned meanwhile, or waited: the loop runs what is planned now
         except NotLeader:
             log.warning("lost leadership during incident %s", ident)
 
     async def _do(self, inc: Incident, step: IncidentStep, persist: Persist) -> None:
-        assert self.rt is not None
-        with self.rt.tracer.start_as_current_span(
+        with self.runtime.tracer.start_as_current_span(
             f"act {step.action}", attributes={"trainguard.job": inc.job,
                                               "trainguard.incident": inc.id,
                                               "trainguard.cause": inc.cause,
@@ -216,7 +250,7 @@ class RemediatorService(Service):
             except Exception as exc:  # any failure of a step escalates its incident
                 step.status, step.detail = "failed", f"{type(exc).__name__}: {exc}"
             span.set_attribute("trainguard.outcome", step.status)
-        await self.rt.publish_event(self.settings.subjects.event(inc.job, "action"),
+        await self.runtime.publish_event(self.settings.subjects.event(inc.job, "action"),
                                     rules.action_event(inc, step, time.time()))
 
     async def _dispatch(self, inc: Incident, step: IncidentStep, persist: Persist) -> None:
@@ -241,9 +275,17 @@ class RemediatorService(Service):
                 host = str(step.params["host"])
                 await self.store.block(host, rules.blocklist_entry(inc, time.time()))
                 await self._command(inc, step, "isolate", [host], persist, host=host)
-                await self.store.note_restart(inc.job)
+                await self.store.note_attempt(inc.job, None, time.time())
             case "restart":
                 await self._restart(inc, step, persist)
+            case "hold":
+                view = await self.store.view(inc.job, inc.cause)
+                moot = endings.moot(inc, view, "hold")
+                if moot is not None:
+                    step.status, step.detail = moot
+                else:
+                    await self._command(inc, step, "hold", sorted(view.hosts), persist,
+                                        everyone=True)
             case _:
                 step.status, step.detail = "skipped", f"unknown action {step.action}"
 
@@ -257,16 +299,20 @@ class RemediatorService(Service):
         if rules.launcher_restarted(inc, view):
             rules.skip_restart(inc, step, view)
             return
+        moot = endings.moot(inc, view, "restart")
+        if moot is not None:
+            step.status, step.detail = moot
+            return
         inc.restarted_attempt = view.attempt
         await self._command(inc, step, "restart", sorted(view.hosts), persist, everyone=True)
-        await self.store.note_restart(inc.job)
+        await self.store.note_attempt(inc.job, view.attempt, time.time())  # the one it ends
 
     async def _command(self, inc: Incident, step: IncidentStep, kind: str, hosts: list[str],
                        persist: Persist, *, params: dict[str, Any] | None = None,
                        host: str | None = None, everyone: bool = False) -> None:
         """Send, await acks from ``hosts``; send again once as a retry (the verdict says
         when), then the step has failed."""
-        assert self.rt is not None and self.leader is not None
+        assert self.leader is not None
         retry_of = step.command_ids[-1] if step.command_ids else None
         given = {k: v for k, v in (params or {}).items() if v is not None}
         for _ in range(2):
@@ -277,7 +323,7 @@ class RemediatorService(Service):
             step.command_ids.append(cmd.id)
             step.status = "sent"
             await persist()
-            await self.rt.publish_event(subject, cmd)
+            await self.runtime.publish_event(subject, cmd)
             acks = await self._acks.collect(cmd.id, hosts, self.policy.ack_timeout_s)
             verdict = rules.ack_verdict(acks, hosts, kind, step.detail)
             step.status, step.detail = verdict.status, verdict.detail
@@ -287,24 +333,41 @@ class RemediatorService(Service):
 
     # -- resolution ------------------------------------------------------------------------
     async def _watch(self) -> None:
-        """End the incidents whose steps have run, as :func:`.engine.resolution` decides."""
-        assert self.rt is not None and self.leader is not None
+        """End the incidents whose steps have run, as :func:`.endings.resolution` decides,
+        and hold the jobs that cannot recover (:func:`.endings.hold_reason`)."""
+        assert self.leader is not None
         if not self.leader.leading:
             return
         now = time.time()
-        for inc in await self.store.open_all():
-            task = self._running.get(inc.id)
-            if task is not None and not task.done():
+        for listed in await self.store.open_all():
+            task, lock = self._running.get(listed.id), self._lock(listed.id)
+            if (task is not None and not task.done()) or lock.locked():
                 continue
-            view = await self.store.view(inc.job, inc.cause)
-            why = rules.resolution(inc, view, self._resolved_anomalies, self.policy, now)
-            if why is None:
-                continue
-            resume = await self.coordinator.resume_step(inc.job) \
-                if rules.needs_resume_step(inc, why) else None
-            rules.settle(inc, why, self.policy, now, resume)
             try:
-                await self._save(inc)
+                async with lock:
+                    inc = await self.store.load(listed.job, listed.id)
+                    if inc is not None and rules.is_open(inc) and await self._end(inc, now):
+                        self._run(inc)
             except NotLeader:
                 return
+
+    async def _end(self, inc: Incident, now: float) -> bool:
+        """Settle ``inc`` if it is over, or give it the steps that hold its job (True: run
+        them)."""
+        view = await self.store.view(inc.job, inc.cause)
+        why = endings.resolution(inc, view, self._resolved_anomalies, self.policy, now)
+        if why is not None:
+            resume = await self.coordinator.resume_step(inc.job) \
+                if endings.needs_resume_step(inc, why) else None
+            endings.settle(inc, why, self.policy, now, resume)
+            await self._save(inc)
+            return False
+        reason = endings.hold_reason(inc, view, self.policy)
+        if reason is None:
+            return False
+        log.bind(job=inc.job, incident=inc.id).warning("holding job %s (incident %s): %s",
+                                                       inc.job, inc.id, reason)
+        inc.actions.extend(rules.hold_steps(inc, reason))
+        await self._save(inc)
+        return True
 

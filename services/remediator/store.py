@@ -2,7 +2,8 @@
 
 Writes that other replicas could race (incidents, the blocklist) go through the leader's
 fenced scripts (:mod:`.leader`), so a deposed leader writes nothing; the counters behind
-the restart budget and the cause history are plain sorted sets of times.
+the restart budget and the cause history are plain sorted sets of times, written by any
+replica (each entry is added once: ``ZADD NX`` by attempt number or diagnosis id).
 """
 
 from __future__ import annotations
@@ -14,9 +15,8 @@ import msgspec
 import redis.asyncio as aioredis
 
 from trainguard.codec import decode_durable, encode_durable
-from trainguard.envelope import uuid7
 from trainguard.errors import DecodeError
-from trainguard.schemas import Incident
+from trainguard.schemas import Diagnosis, Incident
 from trainguard.state import (
     BlocklistEntry,
     Keys,
@@ -25,10 +25,9 @@ from trainguard.state import (
     encode_blocklist_entry,
 )
 
+from .endings import HOUR, attempt_member, attempt_of
 from .engine import JobView, is_open
 from .leader import Leadership
-
-HOUR = 3600.0
 
 
 def _incident(raw: str | bytes) -> Incident:
@@ -46,10 +45,10 @@ class Store:
         raw = await self.redis.hget(self.keys.incidents(job), ident)
         return _incident(raw) if raw else None
 
-    async def open_of(self, job: str) -> list[Incident]:
-        """The open incidents of ``job``."""
+    async def of(self, job: str) -> list[Incident]:
+        """Every incident of ``job``, open or not."""
         raw = await self.redis.hgetall(self.keys.incidents(job))
-        return [inc for inc in map(_incident, raw.values()) if is_open(inc)]
+        return [_incident(value) for value in raw.values()]
 
     async def open_all(self) -> list[Incident]:
         """Every open incident of every job (from the open set)."""
@@ -67,13 +66,14 @@ class Store:
                                         encode_durable(inc), self.keys.open_incidents(),
                                         f"{inc.job}|{inc.id}", is_open(inc))
 
-    async def note_cause(self, inc: Incident, now: float) -> None:
-        """Count a new incident of its cause (for "escalate after N in an hour")."""
-        await self.redis.zadd(self.keys.cause_times(inc.job, inc.cause), {inc.id: now})
+    async def note_cause(self, d: Diagnosis, now: float) -> None:
+        """Count an occurrence of ``d``'s cause (for "escalate after N in an hour")."""
+        await self.redis.zadd(self.keys.cause_times(d.job, d.cause), {d.id: now}, nx=True)
 
-    async def note_restart(self, job: str) -> None:
-        """Count a restart against the job's hourly budget."""
-        await self.redis.zadd(self.keys.restarts(job), {uuid7(): time.time()})
+    async def note_attempt(self, job: str, attempt: int | None, at: float) -> None:
+        """Count an ended attempt of ``job`` against its hourly restart budget, once per
+        attempt number (its failure, seen on several hosts, then restarted by us)."""
+        await self.redis.zadd(self.keys.restarts(job), {attempt_member(attempt): at}, nx=True)
 
     async def block(self, host: str, entry: BlocklistEntry) -> None:
         await self.leader.hset(self.keys.blocklist(), host, encode_blocklist_entry(entry))
@@ -92,7 +92,9 @@ class Store:
                 if record is not None and record.host not in blocked:
                     view.hosts[record.host] = record
         await redis.zremrangebyscore(self.keys.restarts(job), 0, now - HOUR)
-        view.restarts_last_hour = int(await redis.zcard(self.keys.restarts(job)))
+        ended = [str(m) for m in await redis.zrange(self.keys.restarts(job), 0, -1)]
+        view.restarts_last_hour = len(ended)
+        view.ended_attempts = frozenset(a for a in map(attempt_of, ended) if a is not None)
         times = await redis.zrangebyscore(self.keys.cause_times(job, cause), now - HOUR, now,
                                           withscores=True)
         view.cause_count_last_hour = len(times)

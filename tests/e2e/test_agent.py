@@ -92,7 +92,7 @@ async def test_restart_replaces_the_workers_twice_and_the_job_finishes(
                 r.attempt == n - 1 and r.step >= 3 for r in tap.of(StepReport)),
                 timeout=90, what=f"attempt {n - 1} training")
             await bus.publish_durable(s.cmd_all(job), Command(
-                id=f"restart-{n}", job=job, kind="restart", issuer="test"))
+                id=f"restart-{n}", job=job, kind="restart", issuer="cli"))
             await wait_until(lambda n=n: any(a.command_id == f"restart-{n}" for a in tap.acks),
                              timeout=60, what=f"restart {n} acked")
         assert await exit_code(procs[0]) == 0, log.read_text()[-3000:]
@@ -117,7 +117,7 @@ async def test_freeze_is_a_true_hang_and_kill_is_a_sigkill_exit(
         await wait_until(lambda: any(r.rank == 1 and r.step >= 3 for r in tap.of(StepReport)),
                          timeout=90, what="training")
         await bus.publish_durable(s.cmd_host(job, "node-a"), Command(
-            id="freeze", job=job, kind="freeze", issuer="test", params={"rank": 1}))
+            id="freeze", job=job, kind="freeze", issuer="cli", params={"rank": 1}))
         await wait_until(lambda: any(hb.ranks.get(1) == "T" for hb in tap.of(NodeHeartbeat)),
                          timeout=30, what="rank 1 stopped (T)")
         frozen_at = len(tap.of(NodeHeartbeat))
@@ -128,11 +128,11 @@ async def test_freeze_is_a_true_hang_and_kill_is_a_sigkill_exit(
         assert max(h.seq for h in tap.of(Heartbeat) if h.rank == 1 and h.attempt == 0) \
             <= last_beat + 1
         await bus.publish_durable(s.cmd_host(job, "node-a"), Command(
-            id="kill", job=job, kind="kill", issuer="test", params={"rank": 1}))
+            id="kill", job=job, kind="kill", issuer="cli", params={"rank": 1}))
         await wait_until(lambda: any(e.rank == 1 and e.signal == "SIGKILL" for e in tap.exits),
                          timeout=60, what="SIGKILL exit of rank 1")
         await bus.publish_durable(s.cmd_host(job, "node-a"), Command(
-            id="stop", job=job, kind="stop", issuer="test"))
+            id="stop", job=job, kind="stop", issuer="cli"))
         assert await exit_code(procs[0]) == 0, log.read_text()[-3000:]
     killed = next(e for e in tap.exits if e.rank == 1 and e.signal == "SIGKILL")
     assert killed.initiated_by is None and killed.exit_code == -9
@@ -184,9 +184,9 @@ async def test_isolating_one_of_two_hosts_shrinks_the_job(
         await wait_until(lambda: {r.rank for r in tap.of(StepReport) if r.step >= 2} ==
                          {0, 1, 2, 3}, timeout=120, what="four ranks training")
         await bus.publish_durable(s.cmd_host(job, "node-a"), Command(
-            id="iso-a", job=job, kind="isolate", issuer="test"))
+            id="iso-a", job=job, kind="isolate", issuer="cli"))
         await bus.publish_durable(s.cmd_host(job, "node-b"), Command(
-            id="iso-b", job=job, kind="isolate", issuer="test"))
+            id="iso-b", job=job, kind="isolate", issuer="cli"))
         assert await exit_code(procs[1], 90) == 75
         await wait_until(lambda: any(h.world_size == 2 and h.attempt.restart_count > 0
                                      for h in tap.of(RankHello)),
@@ -206,3 +206,43 @@ async def test_isolating_one_of_two_hosts_shrinks_the_job(
     assert acks["iso-a"].outcome == "refused" and "rendezvous store" in acks["iso-a"].detail
     assert acks["iso-b"].outcome == "done"
     assert procs[0].poll() is None  # node-a still training
+
+
+async def test_forged_commands_fence_nothing_and_stop_nothing(
+        nats_url: str, redis_url: str, prefix: str, job: str, tmp_path: Path,
+        procs: list[Any]) -> None:
+    """What one message from anyone on the bus must not do: raise the agent's fencing mark
+    above the leader's (every real command refused afterwards), or stop the job."""
+    log = tmp_path / "launch.log"
+    s = Subjects(prefix)
+    redis = aioredis.Redis.from_url(redis_url)
+    await redis.set(Keys(prefix).epoch("remediator"), 3)  # the leader's current epoch
+    try:
+        async with tapped(nats_url, prefix, job) as (tap, bus):
+            procs.append(launch(job, "node-a", env_for(nats_url, redis_url, prefix), log,
+                                trainer=["--steps", "100000", "--step-time", "0.02"]))
+            await wait_until(lambda: any(r.step >= 3 for r in tap.of(StepReport)),
+                             timeout=90, what="training")
+            forged = {
+                "epoch": Command(id="forged-epoch", job=job, kind="dump", issuer="remediator",
+                                 epoch=2**53, target="host.node-a"),
+                "issuer": Command(id="forged-stop", job=job, kind="stop", issuer="mallory",
+                                  target="host.node-a"),
+            }
+            for cmd in forged.values():
+                await bus.publish_durable(s.cmd_host(job, "node-a"), cmd)
+            await wait_until(lambda: {a.command_id for a in tap.acks} >= {"forged-epoch",
+                                                                         "forged-stop"},
+                             timeout=60, what="the forged commands answered")
+            real = Command(id="real", job=job, kind="dump", issuer="remediator", epoch=3,
+                           target="host.node-a")
+            await bus.publish_durable(s.cmd_host(job, "node-a"), real)
+            await wait_until(lambda: any(a.command_id == "real" for a in tap.acks),
+                             timeout=60, what="the leader's command answered")
+            assert procs[0].poll() is None, log.read_text()[-3000:]  # the job runs on
+    finally:
+        await redis.aclose()
+    acks = {a.command_id: a for a in tap.acks}
+    assert acks["forged-epoch"].outcome == "refused" and "above" in acks["forged-epoch"].detail
+    assert acks["forged-stop"].outcome == "refused" and "issuer" in acks["forged-stop"].detail
+    assert acks["real"].outcome == "done", acks["real"].detail

@@ -41,7 +41,7 @@ def settings(nats_url: str, redis_url: str, prefix: str, **extra: object) -> Det
         "nats_url": nats_url, "redis_url": redis_url, "prefix": prefix,
         "tick_interval": 0.1, "progress_interval": 0.2, "lease_interval": 0.2,
         "lease_ttl": 1.5, "hb_timeout": 2.0, "hang_floor": 2.0, "retry_delay": 0.2,
-        **extra})
+        "bus_probe_interval": 0.1, "bus_stale_after": 0.8, **extra})
 
 
 class FakeJob:
@@ -146,37 +146,45 @@ def of(seen: list[Anomaly], kind: str, status: str = "open") -> list[Anomaly]:
     return [a for a in seen if a.kind == kind and a.status == status]
 
 
-async def test_hang_arrives_on_the_event_subject_naming_the_culprit_then_resolves(
-        nats_url: str, redis_url: str, prefix: str, job: str, nc: Any) -> None:
-    svc = DetectorService(settings(nats_url, redis_url, prefix))
-    subjects = Subjects(prefix)
+@contextlib.asynccontextmanager
+async def detecting(svc: DetectorService, nc: Any,
+                    job: str) -> AsyncIterator[tuple[FakeJob, list[Anomaly]]]:
+    """``svc`` running and owning ``job``, whose ranks (on ``nc``) have said hello; and
+    every anomaly it publishes from now on."""
+    subjects = svc.settings.subjects
     seen = await anomalies(nc, subjects, job)
     async with running(svc):
         ranks = FakeJob(Bus(nc, subjects, source="test"), job)
         await ranks.hello()
         await until(lambda: job in svc.owned, what="the detector to take the job")
-        async with ranks.beating_in_background():
-            await ranks.steps(30)
-            p = await until(lambda: progress_of(redis_url, prefix, job), what="progress")
-            assert p.world_size == 4 and set(p.ranks) == {0, 1, 2, 3}
-            await until(lambda: _progress_step(redis_url, prefix, job, 29),
-                        what="progress to reach step 29")
-            # Rank 2 stops in its data loader; the others wait for it in the collective.
-            for r in ranks.ranks:
-                ranks.set_phase(r, "data" if r == 2 else "comm")
-            await until(lambda: of(seen, "hang"), what="a hang anomaly")
-            [hang] = of(seen, "hang")
-            assert hang.job == job and hang.ranks == [2] and hang.hosts == ["host-1"]
-            assert hang.evidence.culprits == [2] and hang.evidence.majority_phase == "comm"
-            assert hang.evidence.phases["2"].phase == "data"
-            assert hang.step == 29 and hang.schema == "io.trainguard.anomaly.v1"
-            p = await until(lambda: _progress_state(redis_url, prefix, job, 2, "hung"),
-                            what="progress to show rank 2 hung")
-            for r in ranks.ranks:
-                ranks.set_phase(r, "compute")
-            await ranks.steps(3)
-            await until(lambda: of(seen, "hang", "resolved"),
-                        what="the hang to resolve")
+        yield ranks, seen
+
+
+async def test_hang_arrives_on_the_event_subject_naming_the_culprit_then_resolves(
+        nats_url: str, redis_url: str, prefix: str, job: str, nc: Any) -> None:
+    svc = DetectorService(settings(nats_url, redis_url, prefix))
+    async with detecting(svc, nc, job) as (ranks, seen), ranks.beating_in_background():
+        await ranks.steps(30)
+        p = await until(lambda: progress_of(redis_url, prefix, job), what="progress")
+        assert p.world_size == 4 and set(p.ranks) == {0, 1, 2, 3}
+        await until(lambda: _progress_step(redis_url, prefix, job, 29),
+                    what="progress to reach step 29")
+        # Rank 2 stops in its data loader; the others wait for it in the collective.
+        for r in ranks.ranks:
+            ranks.set_phase(r, "data" if r == 2 else "comm")
+        await until(lambda: of(seen, "hang"), what="a hang anomaly")
+        [hang] = of(seen, "hang")
+        assert hang.job == job and hang.ranks == [2] and hang.hosts == ["host-1"]
+        assert hang.evidence.culprits == [2] and hang.evidence.majority_phase == "comm"
+        assert hang.evidence.phases["2"].phase == "data"
+        assert hang.step == 29 and hang.schema == "io.trainguard.anomaly.v1"
+        p = await until(lambda: _progress_state(redis_url, prefix, job, 2, "hung"),
+                        what="progress to show rank 2 hung")
+        for r in ranks.ranks:
+            ranks.set_phase(r, "compute")
+        await ranks.steps(3)
+        await until(lambda: of(seen, "hang", "resolved"),
+                    what="the hang to resolve")
     [resolved] = of(seen, "hang", "resolved")
     assert (resolved.id, resolved.rev) == (hang.id, 2)
     assert len(of(seen, "hang")) == 1, "one anomaly per onset"
@@ -220,23 +228,17 @@ async def test_worker_exit_is_a_crash_unless_a_command_initiated_it(
 async def test_heartbeat_silence_is_unresponsive_naming_the_rank(
         nats_url: str, redis_url: str, prefix: str, job: str, nc: Any) -> None:
     svc = DetectorService(settings(nats_url, redis_url, prefix))
-    subjects = Subjects(prefix)
-    seen = await anomalies(nc, subjects, job)
-    async with running(svc):
-        ranks = FakeJob(Bus(nc, subjects, source="test"), job)
-        await ranks.hello()
-        await until(lambda: job in svc.owned, what="the detector to take the job")
-        async with ranks.beating_in_background():
-            await ranks.steps(10)
-            ranks.beating.discard(1)
-            await until(lambda: of(seen, "unresponsive"),
-                        what="an unresponsive anomaly")
-            [alert] = of(seen, "unresponsive")
-            assert alert.ranks == [1] and alert.hosts == ["host-0"]
-            assert not of(seen, "crash"), "silence alone is never a crash"
-            ranks.beating.add(1)
-            await until(lambda: of(seen, "unresponsive", "resolved"),
-                        what="beats to resolve it")
+    async with detecting(svc, nc, job) as (ranks, seen), ranks.beating_in_background():
+        await ranks.steps(10)
+        ranks.beating.discard(1)
+        await until(lambda: of(seen, "unresponsive"),
+                    what="an unresponsive anomaly")
+        [alert] = of(seen, "unresponsive")
+        assert alert.ranks == [1] and alert.hosts == ["host-0"]
+        assert not of(seen, "crash"), "silence alone is never a crash"
+        ranks.beating.add(1)
+        await until(lambda: of(seen, "unresponsive", "resolved"),
+                    what="beats to resolve it")
 
 
 async def test_a_restarted_detector_does_not_alert_again_and_resolves_the_same_anomaly(
@@ -278,6 +280,16 @@ async def _progress_after(redis_url: str, prefix: str, job: str, after: float) -
     return p is not None and p.time > after
 
 
+async def every_rank_ok_after_the_grace(redis_url: str, prefix: str, job: str,
+                                        hb_timeout: float) -> None:
+    """Once past the grace that follows a bus outage, the detector judges every rank alive."""
+    back = time.time()
+    await until(lambda: _progress_after(redis_url, prefix, job, back + hb_timeout + 1.0),
+                what="progress written after the grace")
+    p = await progress_of(redis_url, prefix, job)
+    assert {r.state for r in p.ranks.values()} == {"ok"}
+
+
 async def stored_anomalies(js: Any, subject: str) -> list[Anomaly]:
     """Every anomaly the events stream holds on ``subject`` (a late subscriber misses none)."""
     sub = await js.pull_subscribe(subject, durable=None)
@@ -315,13 +327,7 @@ async def test_no_silence_judgement_right_after_the_detectors_reconnect(
                 private_nats.start()
                 await until(lambda: rt.bus.nc.stats["reconnects"] > reconnects
                             and pub.is_connected, what="both to reconnect")
-                back = time.time()
-                # Past the grace: the detector has judged every rank alive again.
-                await until(lambda: _progress_after(redis_url, prefix, job,
-                                                    back + svc.cfg.hb_timeout + 1.0),
-                            what="progress written after the grace")
-                p = await progress_of(redis_url, prefix, job)
-                assert {r.state for r in p.ranks.values()} == {"ok"}
+                await every_rank_ok_after_the_grace(redis_url, prefix, job, svc.cfg.hb_timeout)
         stored = await stored_anomalies(pub.jetstream(), subjects.event(job, "anomaly"))
         assert [a.kind for a in stored] == []
     finally:

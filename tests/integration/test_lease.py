@@ -28,6 +28,20 @@ async def test_only_the_holder_renews_or_releases(redis: aioredis.Redis, prefix:
     assert await a.owners([one, two]) == {one: None, two: "b"}
 
 
+async def test_a_holder_with_a_stable_name_takes_its_own_lease_back(
+        redis: aioredis.Redis, prefix: str) -> None:
+    key = f"{prefix}:lease:job"
+    before = LeaseHolder(redis, "det-a", ttl=30.0)
+    assert await before.acquire(key)
+    await redis.pexpire(key, 1000)  # most of its TTL has run out since
+    restarted = LeaseHolder(redis, "det-a", ttl=30.0)  # same name, a new process
+    assert not await restarted.acquire(key), "acquire alone would wait out the old lease"
+    assert await restarted.take(key) and await redis.pttl(key) > 20_000
+    assert not await LeaseHolder(redis, "det-b", ttl=30.0).take(key)
+    await redis.delete(key)
+    assert await LeaseHolder(redis, "det-b", ttl=30.0).take(key)
+
+
 async def test_an_expired_lease_goes_to_the_next_holder(redis: aioredis.Redis,
                                                         prefix: str) -> None:
     a, b = LeaseHolder(redis, "a", ttl=0.2), LeaseHolder(redis, "b", ttl=5.0)

@@ -4,11 +4,13 @@ the agent's own command rules (CommandExecutor) and acknowledges like an agent."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,16 @@ from trainguard.codec import decode_durable, encode_durable
 from trainguard.config import load_settings
 from trainguard.embedded import free_port
 from trainguard.rpc import RESUME, SAVE, SaveReply, SaveRequest
-from trainguard.schemas import Action, Command, CommandAck, Diagnosis, Incident, ResumePoint
+from trainguard.schemas import (
+    Action,
+    Command,
+    CommandAck,
+    Diagnosis,
+    EvidenceItem,
+    Incident,
+    ResumePoint,
+    WorkerExit,
+)
 from trainguard.services.agent.executor import CommandExecutor
 from trainguard.services.remediator.service import RemediatorService
 from trainguard.services.remediator.settings import RemediatorSettings
@@ -116,6 +127,21 @@ def settings_for(nats_url: str, redis_url: str, prefix: str, **kw: Any) -> Remed
         "nats_url": nats_url, "redis_url": redis_url, "prefix": prefix, "lease_ttl": 1.0, **kw})
 
 
+@contextlib.asynccontextmanager
+async def leading(nats_url: str, redis_url: str, prefix: str, tmp_path: Path | None = None,
+                  defaults: str = "") -> AsyncIterator[RemediatorService]:
+    """A remediator running and leading: the shipped policy, overlaid by ``defaults`` (lines
+    of a ``[defaults]`` section, in a file under ``tmp_path``)."""
+    policy = ""
+    if tmp_path is not None:
+        (tmp_path / "policy.toml").write_text(f"[defaults]\n{defaults}\n")
+        policy = str(tmp_path / "policy.toml")
+    svc = RemediatorService(settings_for(nats_url, redis_url, prefix, policy=policy))
+    async with running(svc):
+        await wait_until(lambda: svc.leader is not None and svc.leader.leading, what="leading")
+        yield svc
+
+
 async def test_crash_to_restart_to_resolved(nats_url: str, redis_url: str, prefix: str,
                                             job: str, nc: Any, tmp_path: Path) -> None:
     agents, seen = await stage(nc, redis_url, prefix, job)
@@ -125,11 +151,8 @@ async def test_crash_to_restart_to_resolved(nats_url: str, redis_url: str, prefi
         actions.append(decode_durable(msg.data, Action))
 
     await nc.subscribe(Subjects(prefix).event(job, "action"), cb=on_action)
-    policy = tmp_path / "policy.toml"
-    policy.write_text("[defaults]\nlauncher_grace_s = 0\n")  # the launcher never restarts
-    svc = RemediatorService(settings_for(nats_url, redis_url, prefix, policy=str(policy)))
-    async with running(svc):
-        await wait_until(lambda: svc.leader is not None and svc.leader.leading, what="leading")
+    # The launcher never restarts here.
+    async with leading(nats_url, redis_url, prefix, tmp_path, "launcher_grace_s = 0"):
         bus = Bus(nc, Subjects(prefix), source="test")
         await bus.publish_durable(Subjects(prefix).event(job, "diagnosis"),
                                   diagnosis(job, "d1"))
@@ -155,9 +178,7 @@ async def test_crash_to_restart_to_resolved(nats_url: str, redis_url: str, prefi
 async def test_no_second_restart_when_the_launcher_already_restarted(
         nats_url: str, redis_url: str, prefix: str, job: str, nc: Any) -> None:
     agents, seen = await stage(nc, redis_url, prefix, job)
-    svc = RemediatorService(settings_for(nats_url, redis_url, prefix))
-    async with running(svc):
-        await wait_until(lambda: svc.leader is not None and svc.leader.leading, what="leading")
+    async with leading(nats_url, redis_url, prefix):
         bus = Bus(nc, Subjects(prefix), source="test")
         await bus.publish_durable(Subjects(prefix).event(job, "diagnosis"), diagnosis(job, "d1"))
         await wait_until(lambda: seen, what="incident open")
@@ -173,11 +194,7 @@ async def test_no_second_restart_when_the_launcher_already_restarted(
 async def test_a_sick_host_is_blocklisted_isolated_and_the_rest_restarted(
         nats_url: str, redis_url: str, prefix: str, job: str, nc: Any, tmp_path: Path) -> None:
     agents, seen = await stage(nc, redis_url, prefix, job)
-    policy = tmp_path / "policy.toml"
-    policy.write_text("[defaults]\nlauncher_grace_s = 0\n")
-    svc = RemediatorService(settings_for(nats_url, redis_url, prefix, policy=str(policy)))
-    async with running(svc):
-        await wait_until(lambda: svc.leader is not None and svc.leader.leading, what="leading")
+    async with leading(nats_url, redis_url, prefix, tmp_path, "launcher_grace_s = 0"):
         bus = Bus(nc, Subjects(prefix), source="test")
         await bus.publish_durable(Subjects(prefix).event(job, "diagnosis"),
                                   diagnosis(job, "d1", cause="hbm_ecc"))
@@ -217,11 +234,7 @@ async def test_save_rollback_and_resume_go_through_the_coordinator_endpoints(
 
     await nc.subscribe(SAVE.subject(s, job), cb=save)
     await nc.subscribe(RESUME.subject(s, job), cb=resume)
-    policy = tmp_path / "policy.toml"
-    policy.write_text("[defaults]\nsave_deadline_s = 7\n")
-    svc = RemediatorService(settings_for(nats_url, redis_url, prefix, policy=str(policy)))
-    async with running(svc):
-        await wait_until(lambda: svc.leader is not None and svc.leader.leading, what="leading")
+    async with leading(nats_url, redis_url, prefix, tmp_path, "save_deadline_s = 7"):
         bus = Bus(nc, s, source="test")
         await bus.publish_durable(s.event(job, "diagnosis"), diagnosis(job, "d1", "gpu_lost"))
         await wait_until(lambda: any(i.mitigated_at for i in seen), what="mitigated")
@@ -244,29 +257,30 @@ async def test_save_rollback_and_resume_go_through_the_coordinator_endpoints(
     assert len(agents.executed("restart")) == 1  # a failed rollback is not followed by one
 
 
-async def test_a_fault_beyond_the_restart_budget_escalates(
+async def test_a_fault_beyond_the_restart_budget_holds_the_job(
         nats_url: str, redis_url: str, prefix: str, job: str, nc: Any, tmp_path: Path) -> None:
     await provision(nc.jetstream(), streams(prefix))
-    policy = tmp_path / "policy.toml"
-    policy.write_text("[defaults]\nrestart_budget_per_hour = 1\ncooldown_s = 0\n"
-                      "launcher_grace_s = 0\n")
     agents = Agents(nc, prefix, job)
     await agents.start()
     await seed(redis_url, prefix, job, attempt=0, step=50)
     seen = await incidents_of(nc, prefix, job)
-    svc = RemediatorService(settings_for(nats_url, redis_url, prefix, policy=str(policy)))
-    async with running(svc):
-        await wait_until(lambda: svc.leader is not None and svc.leader.leading, what="leading")
+    async with leading(nats_url, redis_url, prefix, tmp_path,
+                       "restart_budget_per_hour = 1\ncooldown_s = 0\nlauncher_grace_s = 0"):
         bus = Bus(nc, Subjects(prefix), source="test")
-        await bus.publish_durable(Subjects(prefix).event(job, "diagnosis"), diagnosis(job, "d1"))
+        await bus.publish_durable(Subjects(prefix).event(job, "diagnosis"), diagnosis(
+            job, "d1", step=50))
         await wait_until(lambda: agents.executed("restart"), what="first restart")
         await seed(redis_url, prefix, job, attempt=1, step=60)
         await bus.publish_durable(Subjects(prefix).event(job, "diagnosis"), diagnosis(
-            job, "d2", step=60))
-        await wait_until(lambda: any(i.status == "escalated" for i in seen), what="escalated")
-    escalated = next(i for i in seen if i.status == "escalated")
-    assert "budget" in escalated.escalation
+            job, "d2", step=60))  # got past the first failure: a new one, not a loop
+        await wait_until(lambda: any(i.status == "failed" for i in seen), what="failed")
+    failed = next(i for i in seen if i.status == "failed")
+    assert [(a.action, a.status) for a in failed.actions] == [("escalate", "done"),
+                                                               ("hold", "done")]
+    assert "budget" in failed.escalation and "rank 3 on node-b" in failed.escalation
     assert len(agents.executed("restart")) == 1
+    assert len(agents.executed("hold")) == 1
+    assert all(any(c.startswith("hold:") for c in n.calls) for n in agents.nodes.values())
 
 
 async def test_leader_dies_mid_incident_and_the_standby_finishes_without_repeats(
@@ -324,3 +338,89 @@ async def test_leader_dies_mid_incident_and_the_standby_finishes_without_repeats
 
 async def _sorted_roles(roles: Any, want: list[str]) -> bool:
     return sorted(await roles) == want
+
+
+def crash_exit(job: str, attempt: int, host: str = "node-b", **kw: Any) -> WorkerExit:
+    return WorkerExit(id=f"exit-{host}-{attempt}", job=job, host=host, rank=3, exit_code=1,
+                      attempt=attempt, time=time.time(), **kw)
+
+
+async def test_a_crash_loop_is_one_incident_held_once_when_torchruns_restarts_pass_the_budget(
+        nats_url: str, redis_url: str, prefix: str, job: str, nc: Any, tmp_path: Path) -> None:
+    agents, seen = await stage(nc, redis_url, prefix, job)
+    s = Subjects(prefix)
+    actions: list[Action] = []
+
+    async def on_action(msg: Any) -> None:
+        actions.append(decode_durable(msg.data, Action))
+
+    await nc.subscribe(s.event(job, "action"), cb=on_action)
+    keys = Keys(prefix)
+    r = aioredis.Redis.from_url(redis_url)
+
+    async def crashed(attempt: int, ident: str | None = None, **kw: Any) -> None:
+        """Attempt ``attempt`` dies as the ones before: its exit, then (maybe) its diagnosis."""
+        await bus.publish_durable(s.exit(job, kw.get("host", "node-b")), crash_exit(
+            job, attempt, **kw))
+        if ident is not None:
+            d = diagnosis(job, ident)
+            d.evidence = [EvidenceItem(fact="exited with code 1", source="exit",
+                                       value="RuntimeError: bad batch")]
+            await bus.publish_durable(s.event(job, "diagnosis"), d)
+
+    async def counted() -> int:
+        return int(await r.zcard(keys.restarts(job)))
+
+    try:
+        async with leading(nats_url, redis_url, prefix, tmp_path,
+                           "restart_budget_per_hour = 2"):
+            bus = Bus(nc, s, source="test")
+            await crashed(0, "d1")
+            await wait_until(lambda: seen, what="incident open")
+            await seed(redis_url, prefix, job, attempt=1, step=120)  # torchrun restarted it
+            await crashed(1, "d2")
+            await crashed(1, host="node-a")  # the peer's view of the same attempt
+            await crashed(1, initiated_by="launcher", host="node-a")
+            await wait_until(lambda: any("d2" in i.diagnosis_ids for i in seen),
+                             what="d2 joined")
+            assert await counted() == 2 and not any(i.status == "failed" for i in seen)
+            await crashed(2)  # the third attempt dies: past the budget of 2 restarts
+            await wait_until(lambda: any(i.status == "failed" for i in seen), timeout=30,
+                             what="held and failed")
+            await crashed(3, "d3")  # it died again before the hold landed: a late diagnosis
+            await wait_until(lambda: any("d3" in i.diagnosis_ids for i in seen), what="d3")
+    finally:
+        await r.aclose()
+    final = seen[-1]
+    assert {i.id for i in seen} == {final.id}  # one incident for the whole loop
+    assert final.status == "failed" and final.diagnosis_ids == ["d1", "d2", "d3"]
+    assert [(a.action, a.status) for a in final.actions] == [
+        ("restart", "skipped"), ("escalate", "done"), ("hold", "done")]
+    pages = [a for a in actions if a.action == "escalate"]
+    assert len(pages) == 1  # on-call hears of the loop once
+    assert "restart budget spent (3 restarts" in pages[0].detail
+    assert "process_crash: rank 3 on node-b: RuntimeError: bad batch" in pages[0].detail
+    hold = next(c for c in agents.commands if c.kind == "hold")
+    assert (hold.target, hold.issuer) == ("all", "remediator")
+    assert agents.executed("hold") == {hold.id} and agents.executed("restart") == set()
+
+
+async def test_an_incident_whose_launchers_all_exited_fails_with_one_page(
+        nats_url: str, redis_url: str, prefix: str, job: str, nc: Any, tmp_path: Path) -> None:
+    agents, seen = await stage(nc, redis_url, prefix, job)
+    s = Subjects(prefix)
+    async with leading(nats_url, redis_url, prefix, tmp_path, "launcher_grace_s = 3"):
+        bus = Bus(nc, s, source="test")
+        await bus.publish_durable(s.event(job, "diagnosis"), diagnosis(job, "d1"))
+        await wait_until(lambda: seen, what="incident open")
+        r = aioredis.Redis.from_url(redis_url)  # torchrun gave up: each launcher deregisters
+        await r.delete(Keys(prefix).node(job, "node-a"), Keys(prefix).node(job, "node-b"))
+        await r.aclose()
+        await wait_until(lambda: any(i.status == "failed" for i in seen), timeout=30,
+                         what="failed")
+    final = seen[-1]
+    assert [(a.action, a.status) for a in final.actions] == [
+        ("restart", "skipped"), ("escalate", "done"), ("hold", "skipped")]
+    assert "every launcher of the job has exited" in final.escalation
+    assert "rank 3 on node-b" in final.escalation
+    assert agents.commands == []  # nobody left to tell

@@ -4,6 +4,7 @@ health, and recovery from NATS and Redis outages."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import signal
@@ -17,12 +18,14 @@ import redis.asyncio as aioredis
 from tests.conftest import wait_until
 from tests.integration.recorder import Recorder, recorder_settings, running
 from trainguard.bus import Bus
-from trainguard.codec import decode_durable
+from trainguard.codec import decode_as, decode_durable, encode_durable
 from trainguard.embedded import NatsServer, RedisServer
-from trainguard.errors import NotStarted
-from trainguard.schemas import Anomaly, CommandAck, DeadLetter
-from trainguard.service import Runtime
+from trainguard.envelope import normalize_headers
+from trainguard.errors import MessageTooLarge, NotStarted
+from trainguard.schemas import Anomaly, CommandAck, DeadLetter, Diagnosis
+from trainguard.service import Delivery, Runtime
 from trainguard.subjects import Subjects
+from trainguard.topology import provision, stream_name, streams
 
 
 def anomaly(job: str, ident: str) -> Anomaly:
@@ -130,19 +133,22 @@ async def test_malformed_and_wrong_type_go_to_dead_letters_at_once(
         await wait_until(lambda: svc.attempts.get("good") == 1, what="good message handled")
 
 
+async def http_get(rt: Runtime, path: str) -> tuple[int, str]:
+    """GET ``path`` from the service's health server: status and body."""
+    assert rt.health is not None
+    reader, writer = await asyncio.open_connection("127.0.0.1", rt.health.port)
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    await writer.drain()
+    data = (await reader.read()).decode()
+    writer.close()
+    return int(data.split()[1]), data.split("\r\n\r\n", 1)[1]
+
+
 async def test_health_endpoints(nats_url: str, redis_url: str, prefix: str) -> None:
     svc = Recorder(recorder_settings(nats_url, redis_url, prefix))
     async with running(svc) as rt:
-        assert rt.health is not None
-        port = rt.health.port
-
         async def get(path: str) -> tuple[int, str]:
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
-            await writer.drain()
-            data = (await reader.read()).decode()
-            writer.close()
-            return int(data.split()[1]), data.split("\r\n\r\n", 1)[1]
+            return await http_get(rt, path)
 
         assert (await get("/livez"))[0] == 200
         async def ready() -> bool:
@@ -234,3 +240,168 @@ async def test_sigterm_drains_and_exits_zero(nats_url: str, redis_url: str, pref
     assert await asyncio.wait_for(proc.wait(), 20) == 0
 
 
+
+
+# -- no poison pill: one message, whatever it does, stops nothing ----------------------
+
+MIB = 1024 * 1024
+
+
+def errors(rt: Runtime, consumer: str, reason: str) -> float:
+    """``trainguard_message_errors`` of ``consumer`` for ``reason`` so far."""
+    value = rt.metrics.registry.get_sample_value(
+        "trainguard_message_errors_total",
+        {"service": rt.service.name, "consumer": consumer, "reason": reason})
+    return value or 0.0
+
+
+def big_diagnosis(job: str, body_bytes: int) -> Diagnosis:
+    """A diagnosis whose JSON body is ``body_bytes`` long (its summary pads it)."""
+    d = Diagnosis(id="d-big", job=job, anomaly_ids=["a"], cause="unknown", confidence=0.1)
+    d.summary = "x" * (body_bytes - len(encode_durable(d)))
+    assert len(encode_durable(d)) == body_bytes
+    return d
+
+
+async def test_a_publish_the_server_would_not_take_is_refused_and_the_connection_stays(
+        prefix: str, job: str, nc: Any) -> None:
+    s = Subjects(prefix)
+    await provision(nc.jetstream(), streams(prefix))
+    bus = Bus(nc, s, source="test")
+    assert bus.max_payload == nc.max_payload == MIB  # the server's INFO
+    subject = s.event(job, "diagnosis")
+    # Under the body limit, but not with its headers: sent, the server would drop the link.
+    with pytest.raises(MessageTooLarge, match=r"^oversized diagnosis on \S+event.diagnosis "
+                                              r"\(body and headers\): \d+ bytes exceeds the "
+                                              r"1048576-byte limit$"):
+        await bus.publish_durable(subject, big_diagnosis(job, MIB - 50))
+    with pytest.raises(MessageTooLarge, match=r"1048586 bytes exceeds the 1048576-byte limit"):
+        await bus.publish_durable(subject, big_diagnosis(job, MIB + 10))
+    assert nc.is_connected
+    assert (await bus.publish_durable(subject, big_diagnosis(job, MIB - 2048))).seq
+
+
+class Publisher(Recorder):
+    """Publishes a diagnosis per anomaly before recording it: ``huge-*`` ones too large."""
+
+    async def handle(self, anomaly: Anomaly, delivery: Delivery) -> None:
+        assert self.rt is not None
+        if anomaly.id.startswith("huge"):
+            self.attempts[anomaly.id] = self.attempts.get(anomaly.id, 0) + 1
+            await self.rt.publish_event(self.settings.subjects.event(anomaly.job, "diagnosis"),
+                                        big_diagnosis(anomaly.job, 2 * MIB))
+        await super().handle(anomaly, delivery)
+
+
+async def test_a_handler_whose_publish_is_too_large_is_dead_lettered_at_once(
+        nats_url: str, redis_url: str, prefix: str, job: str, nc: Any) -> None:
+    svc = Publisher(recorder_settings(nats_url, redis_url, prefix))
+    dead = await collect_dead(nc, prefix, job)
+    async with running(svc) as rt:
+        bus = Bus(nc, Subjects(prefix), source="test")
+        subject = Subjects(prefix).event(job, "anomaly")
+        for ident in ("huge-1", "after"):
+            await bus.publish_durable(subject, anomaly(job, ident))
+        await wait_until(lambda: dead and svc.attempts.get("after") == 1,
+                         what="the letter, then the next message handled")
+        assert svc.attempts["huge-1"] == 1  # no retries: it would never fit
+        assert dead[0].reason.startswith("the handler's publish was refused: oversized "
+                                         "diagnosis on ")
+        assert dead[0].consumer == "recorder" and not dead[0].truncated
+        assert errors(rt, "recorder", "publish_too_large") == 1
+        assert rt.live() is None
+
+
+async def test_a_dead_letter_that_cannot_be_sent_ends_in_a_term_and_the_consumer_goes_on(
+        nats_url: str, redis_url: str, prefix: str, job: str, nc: Any) -> None:
+    svc = Recorder(recorder_settings(nats_url, redis_url, prefix))
+    async with running(svc) as rt:
+        js = nc.jetstream()
+        await js.delete_stream(stream_name(prefix, "dead"))  # letters now have nowhere to go
+        subject = Subjects(prefix).event(job, "anomaly")
+        await js.publish(subject, b"{not json", headers={"ce-type": "io.trainguard.anomaly.v1"})
+        await Bus(nc, Subjects(prefix), source="test").publish_durable(subject,
+                                                                       anomaly(job, "after"))
+        term = rt.metrics.messages.labels("recorder", "recorder", "term")
+        await wait_until(lambda: term._value.get() == 1 and svc.attempts.get("after") == 1,
+                         what="the poison terminated and the next message handled")
+        # Redelivered while the failure might pass, then given up after max_deliver (3).
+        assert errors(rt, "recorder", "dead_letter_failed") == 3
+        assert errors(rt, "recorder", "malformed") == 3
+        assert rt.live() is None and (await http_get(rt, "/livez"))[0] == 200
+
+
+async def test_core_callbacks_are_isolated_per_message(
+        nats_url: str, redis_url: str, prefix: str, job: str, nc: Any) -> None:
+    svc = Recorder(recorder_settings(nats_url, redis_url, prefix))
+    dead = await collect_dead(nc, prefix, job)
+    seen: list[CommandAck] = []
+
+    async def on_ack(msg: Any) -> None:
+        if msg.data == b"boom":
+            raise RuntimeError("boom")
+        seen.append(decode_as(msg.data, normalize_headers(msg.headers).get("ce-type"),
+                              CommandAck))
+
+    s = Subjects(prefix)
+    async with running(svc) as rt:
+        await rt.subscribe(s.ack(job, "recorder"), on_ack, consumer="acks")
+        poison = b"x" * (MIB - 2048)
+        await nc.publish(s.ack(job, "recorder"), b"boom")
+        await nc.publish(s.ack(job, "recorder"), poison,
+                         headers={"ce-type": CommandAck.ce_type()})
+        await Bus(nc, s, source="test").publish_durable(s.ack(job, "recorder"), CommandAck(
+            command_id="c-1", job=job, responder="x", outcome="done"))
+        await wait_until(lambda: seen and dead, what="the good ack and the poison's letter")
+        assert [a.command_id for a in seen] == ["c-1"]
+        letter = dead[0]
+        assert (letter.consumer, letter.service, letter.truncated) == ("acks", "recorder", True)
+        assert letter.size == len(poison) and letter.sha256 == hashlib.sha256(poison).hexdigest()
+        assert letter.reason.startswith("malformed command_ack (not JSON)")
+        assert errors(rt, "acks", "callback_error") == 1 and errors(rt, "acks", "malformed") == 1
+
+
+class Pumping(Recorder):
+    """Runs a vital loop and a one-off task, each crashing when told to."""
+
+    def __init__(self, settings: Any) -> None:
+        super().__init__(settings)
+        self.break_loop = asyncio.Event()
+
+    async def start(self, rt: Runtime) -> None:
+        await super().start(rt)
+
+        async def loop() -> None:
+            await self.break_loop.wait()
+            raise RuntimeError("pump broke")
+
+        rt.spawn(loop(), "pump", vital=True)
+
+    def fail_once(self) -> asyncio.Task[Any]:
+        async def request() -> None:
+            raise RuntimeError("one request failed")
+
+        return self.runtime.spawn(request(), "request")
+
+
+async def test_livez_fails_once_a_consumer_or_a_vital_loop_has_died(
+        nats_url: str, redis_url: str, prefix: str) -> None:
+    svc = Pumping(recorder_settings(nats_url, redis_url, prefix))
+    async with running(svc) as rt:
+        assert await http_get(rt, "/livez") == (200, "ok\n")
+        await asyncio.wait([svc.fail_once()])  # one request's task: logged, not fatal
+        assert rt.live() is None and (await http_get(rt, "/livez"))[0] == 200
+        consumer = next(t for t in asyncio.all_tasks()
+                        if t.get_name() == "recorder:consume:recorder")
+        consumer.cancel()
+        await wait_until(lambda: rt.live(), what="the consumer's end noticed")
+        code, body = await http_get(rt, "/livez")
+        assert code == 503 and body == "task recorder:consume:recorder was cancelled\n"
+        code, body = await http_get(rt, "/readyz")  # readiness says the same its own way
+        assert code == 503 and "consumers not bound: recorder" in body
+        svc.break_loop.set()
+        await wait_until(lambda: "pump" in (rt.live() or ""), what="the loop's crash noticed")
+        code, body = await http_get(rt, "/livez")
+        assert code == 503 and "task recorder:pump crashed: RuntimeError('pump broke')" in body
+    assert rt.live() is not None  # and stopping adds nothing
+    assert "dead-letters" not in (rt.live() or "")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 from dataclasses import dataclass, field
 
@@ -16,7 +17,7 @@ from trainguard.services.agent.launcher import prepare_torchrun, worker_environm
 from trainguard.services.agent.node import Failure, LocalNode, Worker
 from trainguard.services.agent.settings import AgentSettings
 from trainguard.subjects import Subjects
-from trainguard.targets import addressed
+from trainguard.targets import addressed, for_agent
 
 
 @dataclass
@@ -42,6 +43,10 @@ class FakeNode:
     def stop(self, command_id: str) -> str:
         self.calls.append("stop")
         return "stopped"
+
+    def hold(self, command_id: str) -> str:
+        self.calls.append(f"hold:{command_id}")
+        return "held"
 
     def dump(self, ranks: list[int]) -> str:
         self.calls.append(f"dump:{ranks}")
@@ -113,6 +118,23 @@ def test_the_rendezvous_store_host_refuses_isolation() -> None:
     assert CommandExecutor(node).handle(cmd("i", "isolate")).outcome == "done"  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize("hosts_store", [True, False])
+def test_a_hold_stops_every_host_once(hosts_store: bool) -> None:
+    node = FakeNode(hosts_store=hosts_store)  # the store host too: the whole job ends
+    ex = CommandExecutor(node)
+    ex.handle(cmd("dump", "dump", epoch=5))
+    _, hold = addressed(Subjects(), "j", "hold", issuer="remediator", everyone=True, epoch=5)
+    ack = ex.handle(hold)
+    assert ack is not None and (ack.outcome, ack.detail, ack.kind) == ("done", "held", "hold")
+    assert ex.handle(hold) is None  # redelivered
+    again = ex.handle(cmd("h2", "hold", epoch=5, retry_of=hold.id))
+    assert again is not None and again.detail == f"already done as {hold.id}"
+    stale = ex.handle(cmd("h3", "hold", epoch=4))  # a deposed leader's
+    assert stale is not None and stale.outcome == "refused"
+    assert node.calls == ["dump:[2, 3]", f"hold:{hold.id}"]
+    assert for_agent("hold")  # the agent's kind: ranks on cmd.all leave it alone
+
+
 def settings(**kw: object) -> AgentSettings:
     return load_settings(AgentSettings, env={}, overrides={"job": "j", "host": "node-a", **kw})
 
@@ -169,6 +191,22 @@ def test_exits_name_the_root_and_the_collateral() -> None:
     node.workers_exited({0: Failure(0, 0, 100, -signal.SIGTERM),
                          1: Failure(1, 1, 101, -signal.SIGKILL)}, succeeded=False)
     assert {e.initiated_by for e in sent} == {"cmd-1"}
+
+
+def test_a_hold_marks_the_workers_and_ends_the_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    sent: list[WorkerExit] = []
+    signals: list[tuple[int, int]] = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: signals.append((pid, sig)))
+    node = LocalNode(settings(), hosts_store=True, gpu=None, publish_exit=sent.append)
+    node.workers_started([Worker(0, 0, 100, None), Worker(1, 1, 101, None)], 3)
+    assert "exits 76" in node.hold("hold-1")
+    # torch's agent stops the workers on the SIGTERM; the launcher then exits 76.
+    assert signals == [(os.getpid(), signal.SIGTERM)] and node.ended_by == "hold-1"
+    node.workers_stopped("hold-1")
+    assert sorted((e.rank, e.initiated_by, e.attempt) for e in sent) == [
+        (0, "hold-1", 3), (1, "hold-1", 3)]  # meant: the detector sees no crash
+    node.isolating = "iso-1"
+    assert node.ended_by == "iso-1"  # an isolated host still exits 75
 
 
 def test_gpu_probe_is_unavailable_here_and_scripted_evidence_is_well_formed() -> None:

@@ -1,15 +1,24 @@
-"""The remediator's step, ack and resolution rules: pure tables, no bus (the plans are in
-test_remediator_policy.py)."""
+"""The remediator's step, ack, resolution and hold rules: pure tables, no bus (the plans are
+in test_remediator_policy.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from trainguard.rpc import RollbackReply, SaveReply
-from trainguard.schemas import AckOutcome, CommandAck, Diagnosis, Incident, IncidentStep
-from trainguard.services.remediator import engine
+from trainguard.schemas import (
+    AckOutcome,
+    CommandAck,
+    Diagnosis,
+    EvidenceItem,
+    Incident,
+    IncidentStep,
+    WorkerExit,
+)
+from trainguard.services.remediator import endings, engine
 from trainguard.services.remediator.engine import JobView
 from trainguard.services.remediator.policy import load_policy
+from trainguard.state import NodeRecord
 
 NOW = 1_000_000.0
 POLICY = load_policy()
@@ -71,6 +80,9 @@ FINISH = [
     ("save_now", "skipped", "no checkpoint", "mitigating", ""),
     ("escalate", "done", "node-a runs the store", "mitigating", "node-a runs the store"),
     ("isolate", "failed", "no ack", "escalated", "isolate failed: no ack"),
+    ("hold", "done", "host-node-a: done holding", "failed", "host-node-a: done holding"),
+    ("hold", "skipped", "nothing to hold", "failed", "nothing to hold"),  # launchers gone
+    ("hold", "failed", "no ack", "escalated", "hold failed: no ack"),  # it may still run
 ]
 
 
@@ -257,12 +269,12 @@ def test_resolution(steps: tuple[tuple[str, str], ...], restarted: int | None,
                     anomalies: list[str], view: JobView, resolved: set[str], now: float,
                     verdict: str | None) -> None:
     inc = incident(*steps, restarted_attempt=restarted, anomaly_ids=anomalies)
-    assert engine.resolution(inc, view, resolved, POLICY, now) == verdict
+    assert endings.resolution(inc, view, resolved, POLICY, now) == verdict
 
 
 def test_an_alert_only_incident_without_anomalies_resolves_once_mitigated() -> None:
     inc = incident(("alert", "done"), anomaly_ids=[])
-    assert engine.resolution(inc, JobView(), set(), POLICY, NOW) == "anomalies"
+    assert endings.resolution(inc, JobView(), set(), POLICY, NOW) == "anomalies"
 
 
 SETTLE = [
@@ -275,11 +287,11 @@ SETTLE = [
 
 
 @pytest.mark.parametrize(("why", "restarted", "resume", "status", "lost", "needed"), SETTLE)
-def test_settle(why: engine.Resolution, restarted: int | None, resume: int | None,
+def test_settle(why: endings.Resolution, restarted: int | None, resume: int | None,
                 status: str, lost: int | None, needed: bool) -> None:
     inc = incident(("restart", "done"), restarted_attempt=restarted)
-    assert engine.needs_resume_step(inc, why) is needed
-    engine.settle(inc, why, POLICY, NOW, resume)
+    assert endings.needs_resume_step(inc, why) is needed
+    endings.settle(inc, why, POLICY, NOW, resume)
     assert (inc.status, inc.steps_lost, inc.resume_step) == (status, lost, resume)
     assert inc.resolved_at == (None if why == "timeout" else NOW)
     assert ("not resolved within" in inc.escalation) is (why == "timeout")
@@ -298,3 +310,161 @@ def test_detected_at(rev: int, sent: float, detected: float) -> None:
     d = Diagnosis(id="d", job="j", anomaly_ids=[], cause="oom", confidence=0.5, rev=rev,
                   time=sent)
     assert engine.detected_at(d, NOW) == detected
+
+
+# -- crash loops and holds ----------------------------------------------------------------
+
+def worker_exit(code: int | None = 1, sig: str | None = None, by: str | None = None,
+                attempt: int = 4, age: float = 5.0) -> WorkerExit:
+    return WorkerExit(id="e1", job="j", host="node-a", rank=1, exit_code=code, signal=sig,
+                      initiated_by=by, attempt=attempt, time=NOW - age)
+
+
+ENDED = [
+    (worker_exit(), 4),  # a crash: torchrun restarts the group (or gives up)
+    (worker_exit(code=-9, sig="SIGKILL"), 4),
+    (worker_exit(code=None), 4),  # the agent confirms the process is gone
+    (worker_exit(code=0), None),  # finished
+    (worker_exit(code=-15, sig="SIGTERM", by="launcher"), None),  # a peer's teardown
+    (worker_exit(code=-15, sig="SIGTERM", by="cmd-7"), None),  # our restart: counted there
+    (worker_exit(age=4000), None),  # replayed, older than the hour
+]
+
+
+@pytest.mark.parametrize(("ex", "attempt"), ENDED)
+def test_which_exits_count_against_the_budget(ex: WorkerExit, attempt: int | None) -> None:
+    assert endings.ended_attempt(ex, NOW) == attempt
+
+
+def test_budget_entries_are_per_attempt() -> None:
+    assert endings.attempt_member(4) == endings.attempt_member(4) == "attempt:4"
+    unknown = endings.attempt_member(None)
+    assert unknown != endings.attempt_member(None) and endings.attempt_of(unknown) is None
+    assert [endings.attempt_of(m) for m in ("attempt:4", "attempt:x", "xattempt:4")] == [
+        4, None, None]
+
+
+def crash_diagnosis(cause: str = "process_crash", *evidence: EvidenceItem,
+                    ranks: tuple[int, ...] = (1,), hosts: tuple[str, ...] = ("node-a",)
+                    ) -> Diagnosis:
+    return Diagnosis(id="d1", job="j", anomaly_ids=["a1"], cause=cause,  # type: ignore[arg-type]
+                     confidence=0.7, ranks=list(ranks), hosts=list(hosts),
+                     evidence=list(evidence))
+
+
+EXITED = EvidenceItem(fact="exited with code 1, no hardware or OOM evidence", source="exit",
+                      value="RuntimeError: bad batch 17")
+TRACEBACK = EvidenceItem(fact="traceback signature", source="exit", value="3f2a9c01b7de")
+PEER = EvidenceItem(fact="peer error after rank 1 on node-a exited first", source="exit",
+                    value="0190-exit-id")
+DETECTOR = EvidenceItem(fact="crash anomaly on ranks [1]", source="detector", value="a1")
+
+SIGNATURES = [
+    (crash_diagnosis("process_crash", DETECTOR, EXITED, TRACEBACK),
+     "process_crash: rank 1 on node-a: RuntimeError: bad batch 17 [traceback 3f2a9c01b7de]"),
+    (crash_diagnosis("oom", EvidenceItem(fact="CUDA out of memory", source="exit",
+                                         value="CUDA out of memory. Tried to allocate")),
+     "oom: rank 1 on node-a: CUDA out of memory. Tried to allocate"),
+    (crash_diagnosis("network", PEER, ranks=(0, 1), hosts=("node-a", "node-b")),
+     "network: ranks 0, 1 on node-a, node-b"),  # a peer's exit id is no stderr line
+    (crash_diagnosis("unknown", DETECTOR, ranks=(), hosts=()), "unknown: the job"),
+]
+
+
+@pytest.mark.parametrize(("d", "expected"), SIGNATURES)
+def test_the_failure_signature(d: Diagnosis, expected: str) -> None:
+    assert endings.signature(d) == expected
+
+
+def test_an_incident_keeps_the_newest_signature_with_an_exit_line() -> None:
+    inc = incident(("restart", "skipped"))
+    endings.sign(inc, crash_diagnosis("process_crash", DETECTOR))
+    assert inc.signature == "process_crash: rank 1 on node-a"  # better than nothing
+    endings.sign(inc, crash_diagnosis("process_crash", EXITED))
+    endings.sign(inc, crash_diagnosis("process_crash", DETECTOR))  # no line: kept
+    endings.sign(inc, crash_diagnosis("network", PEER))  # not this incident's cause
+    assert inc.signature == "process_crash: rank 1 on node-a: RuntimeError: bad batch 17"
+
+
+HOST = {"node-a": NodeRecord(job="j", host="node-a")}
+
+EXITED_LAUNCHERS = [
+    # cause, steps, status, registered hosts: every launcher exited
+    ("process_crash", (("restart", "skipped"),), "mitigating", {}, True),
+    ("process_crash", (("restart", "skipped"),), "mitigating", HOST, False),
+    ("rank_hang", (("dump", "done"), ("restart", "done")), "mitigating", {}, True),
+    ("rank_hang", (("restart", "failed"),), "mitigating", {}, False),  # never reached one
+    ("numeric", (("rollback", "pending"),), "open", {}, False),  # no launcher seen: plain torchrun
+    ("process_crash", (("hold", "done"),), "failed", {}, False),  # closed already
+]
+
+
+@pytest.mark.parametrize(("cause", "steps", "status", "hosts", "exited"), EXITED_LAUNCHERS)
+def test_launcher_exited(cause: str, steps: tuple[tuple[str, str], ...], status: str,
+                         hosts: dict[str, NodeRecord], exited: bool) -> None:
+    inc = incident(*steps, cause=cause, status=status)
+    assert endings.launcher_exited(inc, JobView(hosts=dict(hosts))) is exited
+    moot = endings.moot(inc, JobView(hosts=dict(hosts)), "hold")
+    assert (moot is not None) is exited
+    if moot is not None:
+        assert moot.status == "skipped" and "every launcher of the job has exited" in moot.detail
+
+
+BUDGET = POLICY.restart_budget_per_hour
+HOLDS = [
+    # cause, steps, restarts in the hour, repeats, hosts: why it is held (None: it is not)
+    ("process_crash", (("restart", "skipped"),), BUDGET, 1, HOST, None),
+    ("process_crash", (("restart", "skipped"),), BUDGET + 1, 1, HOST, "restart budget spent"),
+    ("process_crash", (("restart", "skipped"),), 2, 3, HOST, "process_crash 3 times"),
+    ("process_crash", (("restart", "skipped"),), 2, 2, HOST, None),  # escalate_after = 3
+    ("oom", (("restart", "skipped"),), 0, 2, HOST, "oom 2 times"),  # escalate_after = 2
+    ("rank_hang", (("dump", "done"), ("restart", "done")), BUDGET + 1, 1, HOST,
+     "restart budget spent"),
+    ("straggler", (("alert", "done"),), BUDGET + 1, 9, HOST, None),  # nothing restarts it
+    ("process_crash", (("restart", "skipped"),), 0, 1, {}, "every launcher of the job"),
+    ("process_crash", (("restart", "skipped"), ("escalate", "done"), ("hold", "sent")),
+     BUDGET + 5, 9, HOST, None),  # held once
+]
+
+
+@pytest.mark.parametrize(("cause", "steps", "restarts", "repeats", "hosts", "reason"), HOLDS)
+def test_hold_reason(cause: str, steps: tuple[tuple[str, str], ...], restarts: int,
+                     repeats: int, hosts: dict[str, NodeRecord], reason: str | None) -> None:
+    inc = incident(*steps, cause=cause)
+    view = JobView(hosts=dict(hosts), restarts_last_hour=restarts,
+                   cause_count_last_hour=repeats)
+    got = endings.hold_reason(inc, view, POLICY)
+    assert (got is None) is (reason is None)
+    assert reason is None or (got is not None and reason in got)
+
+
+def test_a_held_crash_loop_tells_on_call_once_then_fails() -> None:
+    inc = incident(("restart", "skipped"), signature="process_crash: rank 1 on node-a: boom")
+    inc.actions.extend(engine.hold_steps(inc, "restart budget spent (7 restarts ...)"))
+    escalate, hold = inc.actions[1:]
+    assert (escalate.action, hold.action) == ("escalate", "hold")
+    assert escalate.params["reason"] == ("holding the job: restart budget spent (7 restarts "
+                                         "...); failure: process_crash: rank 1 on node-a: boom")
+    escalate.status, escalate.detail = "done", str(escalate.params["reason"])
+    engine.finish_step(inc, escalate)
+    assert inc.status == "mitigating"
+    hold.status, hold.detail = "done", "host-node-a: done holding the job"
+    engine.finish_step(inc, hold)
+    assert inc.status == "failed" and "process_crash: rank 1 on node-a: boom" in inc.escalation
+    assert endings.hold_reason(inc, JobView(restarts_last_hour=99), POLICY) is None
+
+
+RESTARTS_AFTER = [
+    # failed attempt, restarts in the hour, attempts among them: restarts once it is counted
+    (3, 4, {1, 2, 3}, 4),
+    (3, 4, {1, 2}, 5),  # its exit is not counted yet
+    (None, 4, {1, 2}, 5),
+]
+
+
+@pytest.mark.parametrize(("failed_in", "restarts", "attempts", "after"), RESTARTS_AFTER)
+def test_restarts_after(failed_in: int | None, restarts: int, attempts: set[int],
+                        after: int) -> None:
+    inc = incident(("restart", "pending"), failure_attempt=failed_in)
+    view = JobView(restarts_last_hour=restarts, ended_attempts=frozenset(attempts))
+    assert engine.restarts_after(inc, view) == after

@@ -7,7 +7,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from trainguard.schemas import Diagnosis
+from trainguard.schemas import Diagnosis, IncidentStep
+from trainguard.services.remediator.endings import resolved_by_progress
 from trainguard.services.remediator.engine import (
     JobView,
     can_isolate,
@@ -15,7 +16,6 @@ from trainguard.services.remediator.engine import (
     join,
     open_incident,
     plan,
-    resolved_by_progress,
 )
 from trainguard.services.remediator.policy import PolicyError, load_policy, parse_policy
 from trainguard.state import NodeRecord
@@ -73,19 +73,36 @@ def test_hung_jobs_skip_save_now() -> None:
     assert [s.action for s in steps] == ["restart"] and "hung" in notes[0]
 
 
-def test_budget_spent_escalates_instead_of_restarting() -> None:
-    d = diag("process_crash", ["node-b"])
-    view = JobView(hosts=dict(TWO_NODES), restarts_last_hour=POLICY.restart_budget_per_hour)
-    steps, _ = plan(open_incident(d, NOW, NOW), d, POLICY, view)
-    assert [s.action for s in steps] == ["escalate"]
-    assert "budget" in steps[0].params["reason"]
+BUDGET = POLICY.restart_budget_per_hour
+SPENT = [
+    # cause, failed attempt, restarts in the hour, attempts among them, repeats: plan
+    ("process_crash", None, BUDGET, set(), 1, ["escalate", "hold"]),  # one more would pass
+    ("process_crash", 3, BUDGET, {3}, 1, ["restart"]),  # its own (torchrun's) is counted
+    ("process_crash", 3, BUDGET + 1, {3}, 1, ["escalate", "hold"]),
+    ("rank_hang", 3, BUDGET - 1, set(), 1, ["dump", "restart"]),  # the last one allowed
+    ("rank_hang", 3, BUDGET, set(), 1, ["escalate", "hold"]),
+    ("straggler", 3, BUDGET * 2, set(), 1, ["alert"]),  # restarts nothing: no budget
+    ("oom", 0, 0, set(), 2, ["escalate", "hold"]),  # escalate_after = 2
+    ("oom", 0, 0, set(), 1, ["restart"]),
+]
 
 
-def test_a_repeating_cause_escalates() -> None:
-    d = diag("oom", ["node-b"])
-    steps, _ = plan(open_incident(d, NOW, NOW), d, POLICY,
-                    JobView(hosts=dict(TWO_NODES), cause_count_last_hour=2))
-    assert [s.action for s in steps] == ["escalate"]
+@pytest.mark.parametrize(("cause", "failed_in", "restarts", "attempts", "repeats", "actions"),
+                         SPENT)
+def test_a_spent_budget_or_a_repeating_cause_holds_the_job(
+        cause: str, failed_in: int | None, restarts: int, attempts: set[int], repeats: int,
+        actions: list[str]) -> None:
+    d = diag(cause, ["node-b"])
+    inc = open_incident(d, NOW, NOW)
+    inc.failure_attempt, inc.signature = failed_in, "process_crash: rank 2 on node-b: boom"
+    view = JobView(hosts=dict(TWO_NODES), restarts_last_hour=restarts,
+                   ended_attempts=frozenset(attempts), cause_count_last_hour=repeats)
+    steps, _ = plan(inc, d, POLICY, view, NOW)
+    assert [s.action for s in steps] == actions
+    if "hold" in actions:  # on-call is told why, and what failed
+        reason = str(steps[0].params["reason"])
+        assert ("budget" in reason) is (repeats == 1) and "rank 2 on node-b: boom" in reason
+        assert steps[1].params["reason"] in reason
 
 
 def test_sustained_stragglers_are_isolated_when_policy_allows() -> None:
@@ -122,11 +139,44 @@ def test_diagnoses_join_the_open_incident_of_their_root() -> None:
     assert find_incident([inc], other, 60, NOW) is None
 
 
+LOOPS = [
+    # incident: cause, status, failure step, last step at; diagnosis: cause, step, time: joins
+    ("process_crash", "mitigating", 3, None, "process_crash", 2, NOW + 600, True),  # a loop
+    ("process_crash", "mitigating", 3, None, "process_crash", None, NOW + 600, True),
+    ("process_crash", "mitigating", None, None, "process_crash", None, NOW + 600, True),
+    ("process_crash", "mitigating", 3, None, "process_crash", 40, NOW + 600, False),  # got on
+    ("process_crash", "mitigating", 3, None, "process_crash", 40, NOW + 30, True),  # cooldown
+    ("process_crash", "mitigating", 3, None, "oom", 2, NOW + 600, False),
+    ("rank_hang", "mitigating", 3, None, "rank_hang", 2, NOW + 600, False),  # no launcher loop
+    ("process_crash", "failed", 3, NOW + 550, "process_crash", 2, NOW + 600, True),  # late
+    ("process_crash", "failed", 3, NOW + 500, "process_crash", 2, NOW + 600, False),
+    ("process_crash", "resolved", 3, NOW + 590, "process_crash", 2, NOW + 600, False),
+    ("process_crash", "escalated", 3, NOW + 590, "process_crash", 2, NOW + 600, False),
+]
+
+
+@pytest.mark.parametrize(("cause", "status", "failure_step", "last_at", "d_cause", "d_step",
+                          "now", "joins"), LOOPS)
+def test_a_crash_loop_is_one_incident(cause: str, status: str, failure_step: int | None,
+                                      last_at: float | None, d_cause: str, d_step: int | None,
+                                      now: float, joins: bool) -> None:
+    inc = open_incident(diag(cause, ["node-b"], "d1", step=0), NOW, NOW)
+    inc.status, inc.failure_step = status, failure_step  # type: ignore[assignment]
+    if last_at is not None:
+        inc.actions = [IncidentStep(action="hold", status="done", at=last_at)]
+    again = Diagnosis(id="d2", job="j", anomaly_ids=["a-d2"], cause=d_cause,  # type: ignore[arg-type]
+                      confidence=0.9, ranks=[2], hosts=["node-b"], step=d_step, time=now)
+    assert (find_incident([inc], again, 60, now) is inc) is joins
+
+
 def test_resolution_needs_a_new_attempt_past_the_failure_step() -> None:
     inc = open_incident(diag("process_crash", ["node-b"], step=100), NOW, NOW)
     assert not resolved_by_progress(inc, JobView(attempt=1, last_step=150), 1)
     assert not resolved_by_progress(inc, JobView(attempt=2, last_step=90), 1)
     assert resolved_by_progress(inc, JobView(attempt=2, last_step=101), 1)
+    inc.failure_step = None  # it failed before its first step: any step is past it
+    assert resolved_by_progress(inc, JobView(attempt=2, last_step=0), 1)
+    assert not resolved_by_progress(inc, JobView(attempt=2), 1)
 
 
 def test_bad_policy_files_are_refused_with_the_line(tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from .. import tracing
-from ..codec import encode_durable, encode_telemetry
+from ..codec import check_wire_size, encode_durable, encode_telemetry
 from ..connection import connect_options
 from ..envelope import make_headers
 from ..schemas import Durable, TelemetryMessage
@@ -42,6 +42,11 @@ class TransportStats:
     dropped: int = 0
     durable_sent: int = 0
     durable_dropped: int = 0
+    durable_refused: int = 0
+    """Durable messages dropped because they can never be sent (over the size limit, or
+    not encodable); also counted in ``durable_dropped``."""
+    callback_errors: int = 0
+    """Exceptions raised by subscription callbacks (the subscription went on)."""
     connects: int = 0
     errors: dict[str, int] = field(default_factory=dict)
 
@@ -248,13 +253,18 @@ class Transport:
             self.stats.connects += 1
             return
 
-    @staticmethod
-    def _wrap(cb: MessageCallback) -> Callable[[Msg], Any]:
+    def _wrap(self, cb: MessageCallback) -> Callable[[Msg], Any]:
+        """``cb`` with each message isolated: an exception is counted and logged (the first
+        few at warning, so a flood of junk cannot flood a trainer's log)."""
+
         async def _cb(msg: Msg) -> None:
             try:
                 cb(msg)
             except Exception:
-                log.debug("subscription callback failed", exc_info=True)
+                self.stats.callback_errors += 1
+                level = logging.WARNING if self.stats.callback_errors <= 10 else logging.DEBUG
+                log.log(level, "subscription callback failed on %s", msg.subject,
+                        exc_info=True)
 
         return _cb
 
@@ -277,9 +287,18 @@ class Transport:
         while dq and nc.is_connected:
             item = dq[0]
             try:
+                body = encode_durable(item.msg)
+                check_wire_size(f"{item.msg.KIND} on {item.subject}", body, item.headers,
+                                nc.max_payload)
+            except Exception as exc:  # it never goes out: kept, it would stall all after it
+                dq.popleft()
+                self.stats.durable_refused += 1
+                self.stats.durable_dropped += 1
+                log.warning("dropped a durable message to %s: %s", item.subject, exc)
+                continue
+            try:
                 # js.publish mutates the dict it gets: hand it a copy.
-                await js.publish(item.subject, encode_durable(item.msg),
-                                 headers=dict(item.headers))
+                await js.publish(item.subject, body, headers=dict(item.headers))
             except Exception as exc:
                 log.debug("durable publish to %s failed: %r", item.subject, exc)
                 return

@@ -21,10 +21,12 @@ from typing import Any
 
 import nats
 
+from .. import envnames
 from ..auth import Access, load_credentials
 from ..codec import decode_any_durable, decode_telemetry
 from ..embedded import free_port
 from ..envelope import normalize_headers
+from ..envnames import setting
 from ..schemas import (
     Action,
     Anomaly,
@@ -164,16 +166,16 @@ class Cluster:
         return f"redis://127.0.0.1:{self.redis_port}/0"
 
     def env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
-        env.update({"TRAINGUARD_NATS_URL": self.nats_url, "TRAINGUARD_REDIS_URL": self.redis_url,
-                    "TRAINGUARD_PREFIX": self.prefix, "GLOO_SOCKET_IFNAME": "lo",
+        env = {k: v for k, v in os.environ.items() if not k.startswith(envnames.PREFIX)}
+        env.update({envnames.NATS_URL: self.nats_url, envnames.REDIS_URL: self.redis_url,
+                    envnames.SUBJECT_PREFIX: self.prefix, "GLOO_SOCKET_IFNAME": "lo",
                     "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                    "TRAINGUARD_POLICY": str(self.workdir / "policy.toml"),
-                    "TRAINGUARD_CHECKPOINT_ROOT": str(self.workdir / "ckpt"),
+                    setting("policy"): str(self.workdir / "policy.toml"),
+                    envnames.CHECKPOINT_ROOT: str(self.workdir / "ckpt"),
                     # The demo packs 4 ranks, 2 agents and the control plane onto a couple of
                     # cores: its throughput wobbles more than a real job's.
-                    "TRAINGUARD_THROUGHPUT_DROP": "0.6",
-                    "TRAINGUARD_OTEL_EXPORTER": f"file:{self.spans_path}"})
+                    setting("throughput_drop"): "0.6",
+                    setting("otel_exporter"): f"file:{self.spans_path}"})
         return env
 
     @property
@@ -183,8 +185,8 @@ class Cluster:
 
     def agent_env(self) -> dict[str, str]:
         """An agent connects as the agent role and hands its ranks the rank role."""
-        return {"TRAINGUARD_CREDENTIALS": str(self.creds_dir / "agent.json"),
-                "TRAINGUARD_RANK_CREDENTIALS": str(self.creds_dir / "rank.json")}
+        return {setting("credentials"): str(self.creds_dir / "agent.json"),
+                setting("rank_credentials"): str(self.creds_dir / "rank.json")}
 
     def _spawn(self, name: str, argv: list[str], extra: dict[str, str] | None = None) -> None:
         log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 - owned by the process

@@ -32,18 +32,13 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
-from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.staging import DefaultStager
 
 from ..checksum import METADATA_FILE, file_digest
 from ..client.handle import GuardHandle
@@ -51,13 +46,13 @@ from ..codec import decode_durable, encode_durable
 from ..envelope import uuid7
 from ..schemas import CheckpointReport, Command, FileDigest, ResumePoint
 from .trusted import (
-    SafeLoadPlanner,
     check_commit,
     confine,
     encode_py_rng,
     from_blob,
     read_metadata,
     restore_py_rng,
+    safe_load_planner,
     to_blob,
 )
 
@@ -67,8 +62,36 @@ STEP_KEY = "trainguard"
 _STEP_DIR = re.compile(r"step-(\d+)")
 
 ExtraFn = Callable[[], Mapping[str, Any] | None]
-_SAVE_ERRORS: tuple[type[BaseException], ...] = (Exception, CheckpointException)
-"""DCP's ``CheckpointException`` derives from BaseException, not Exception."""
+DCP_MODULES = (
+    "torch.distributed.checkpoint.filesystem", "torch.distributed.checkpoint.staging",
+    "torch.distributed.checkpoint.state_dict", "torch.distributed.checkpoint.state_dict_loader",
+    "torch.distributed.checkpoint.state_dict_saver", "torch.distributed.checkpoint.default_planner",
+)
+"""DCP costs ~0.7 s to import: a rank pays it in the background while it starts (see
+:func:`warm_up`), or at its first save or load, never before its first step."""
+
+
+def warm_up() -> threading.Thread:
+    """Import DCP on a background thread; a save or load that comes first just waits."""
+    import importlib
+
+    def _load() -> None:
+        for name in DCP_MODULES:
+            try:
+                importlib.import_module(name)
+            except Exception:  # the save or load that needs it reports the error
+                return
+
+    thread = threading.Thread(target=_load, name="trainguard-dcp-import", daemon=True)
+    thread.start()
+    return thread
+
+
+def _save_errors() -> tuple[type[BaseException], ...]:
+    """DCP's ``CheckpointException`` derives from BaseException, not Exception."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
 
 
 def step_dir(root: str | os.PathLike[str], job: str, step: int) -> Path:
@@ -149,7 +172,10 @@ class Checkpointer:
         self._broken = ""
         self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainguard-ckpt")
         self._stager: DefaultStager | None = None
+        warm_up()
         if use_async and cache_staging:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
             # Reused across saves: its cached CPU storages are overwritten by the next
             # staging, which is safe because a save starts only after the previous one ended.
             self._stager = DefaultStager(StagingOptions(
@@ -194,6 +220,10 @@ class Checkpointer:
                                        time.perf_counter() - t0, _describe(exc)))
             return
         try:
+            from torch.distributed.checkpoint.filesystem import FileSystemWriter
+            from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
+            from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
             writer = FileSystemWriter(str(path))
             if blocking or not self.use_async:
                 metadata = dcp_save(state, storage_writer=writer, process_group=self.group,
@@ -208,7 +238,7 @@ class Checkpointer:
                                      no_dist=not self.distributed, async_stager=self._stager)
             upload: Future[Any] = pending if isinstance(pending, Future) \
                 else pending.upload_completion
-        except _SAVE_ERRORS as exc:
+        except _save_errors() as exc:
             self._fail(exc)
             self._publish(self._report(step, path, {}, time.perf_counter() - t0,
                                        time.perf_counter() - t0, _describe(exc)))
@@ -239,6 +269,8 @@ class Checkpointer:
 
     def _state(self, step: int, model: Any, optimizer: Any,
                extra: Mapping[str, Any] | None) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
         model_sd, optim_sd = get_state_dict(model, optimizer)
         me = f"rank{self.group_rank}"
         state: dict[str, Any] = {
@@ -262,7 +294,7 @@ class Checkpointer:
             names = _written_names(metadata, path)
             for name in rank_files(names, self.group_rank):
                 files[name] = file_digest(path / name)
-        except _SAVE_ERRORS as exc:
+        except _save_errors() as exc:
             self._fail(exc)
             error = _describe(exc)
         total = time.perf_counter() - t0
@@ -276,6 +308,8 @@ class Checkpointer:
         saves are refused until a restart. DCP's own ``CheckpointException`` (a rank failed
         to write, and every rank learned it through completed collectives) leaves the group
         usable."""
+        from torch.distributed.checkpoint.api import CheckpointException
+
         if self.distributed and not isinstance(exc, CheckpointException):
             self._broken = _describe(exc)[:300]
         log.warning("checkpoint save failed: %s", _describe(exc))
@@ -324,6 +358,10 @@ class Checkpointer:
         keys = set(read_metadata(path).state_dict_metadata)
         self._model, self._optimizer = model, optimizer
         self.wait()
+        from torch.distributed.checkpoint.filesystem import FileSystemReader
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
         reader = FileSystemReader(str(path))
         model_sd, optim_sd = get_state_dict(model, optimizer)
         me = f"rank{self.group_rank}"
@@ -336,7 +374,7 @@ class Checkpointer:
                         path, me)
         if f"extra.{me}" in keys:
             state["extra"] = {me: b""}
-        dcp_load(state, storage_reader=reader, planner=SafeLoadPlanner(),
+        dcp_load(state, storage_reader=reader, planner=safe_load_planner(),
                  process_group=self.group, no_dist=not self.distributed)
         set_state_dict(model, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
@@ -372,6 +410,8 @@ class Checkpointer:
 
 def _written_names(metadata: Any, path: Path) -> set[str]:
     """File names of this save: from DCP's metadata where it has them, else the directory."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
     if isinstance(metadata, Metadata) and isinstance(metadata.storage_data, dict):
         names = {getattr(info, "relative_path", "") for info in metadata.storage_data.values()}
         names.discard("")

@@ -1,0 +1,150 @@
+"""The detector's Redis writes, off the detection path: written when Redis answers, kept
+and retried when it does not.
+
+Detection never waits for Redis. Each Redis command retries for seconds before it fails,
+so a detector that awaited its writes before publishing held a hang back for as long as
+Redis was away. Now anomaly changes go to :class:`FieldWrites` (one pending value per hash
+field, the newest winning, so an outage costs memory per open anomaly, not per change),
+and :class:`WriteBehind` writes them in one ``MULTI`` when Redis answers. The service waits
+a moment (``redis_wait``) for a change to be stored before publishing it, so normally a
+restarted detector neither alerts twice nor loses an unsent alert; when Redis is slow or
+down it publishes anyway (an alert is worth more than its dedupe record) and the record
+follows when Redis is back. :class:`Outage` says so in the log once per outage, not once a
+tick.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import redis.asyncio as aioredis
+
+log = logging.getLogger("trainguard.detector")
+
+Field = tuple[str, str]
+"""(hash key, field)."""
+
+
+class FieldWrites:
+    """Pending hash writes: per field its newest value, or None to delete it (pure)."""
+
+    def __init__(self, limit: int = 100_000) -> None:
+        self.limit = limit
+        self.dropped = 0
+        """Writes given up because more than ``limit`` fields were pending."""
+        self._fields: dict[Field, str | None] = {}
+
+    def __len__(self) -> int:
+        return len(self._fields)
+
+    def set(self, key: str, field: str, value: str) -> None:
+        self._put((key, field), value)
+
+    def delete(self, key: str, field: str) -> None:
+        self._put((key, field), None)
+
+    def _put(self, where: Field, value: str | None) -> None:
+        self._fields.pop(where, None)  # re-inserted last: the order is the order of changes
+        self._fields[where] = value
+        while len(self._fields) > self.limit:
+            del self._fields[next(iter(self._fields))]
+            self.dropped += 1
+
+    def take(self) -> dict[Field, str | None]:
+        """Everything pending, leaving nothing (the caller writes it or gives it back)."""
+        out, self._fields = self._fields, {}
+        return out
+
+    def give_back(self, failed: dict[Field, str | None]) -> None:
+        """A write failed: pending again, except where a newer value came meanwhile."""
+        newer, self._fields = self._fields, dict(failed)
+        for where, value in newer.items():
+            self._put(where, value)
+
+
+class Outage:
+    """Logs a dependency's outage once when it begins and once when it ends."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.since: float | None = None
+
+    @property
+    def down(self) -> bool:
+        return self.since is not None
+
+    def failed(self, doing: str, exc: BaseException) -> None:
+        if self.since is None:
+            self.since = time.monotonic()
+            log.warning("%s unreachable (%s: %r): detection goes on; writes are kept and "
+                        "retried", self.what, doing, exc)
+
+    def answered(self) -> None:
+        if self.since is not None:
+            log.info("%s answers again after %.1fs", self.what, time.monotonic() - self.since)
+            self.since = None
+
+
+class WriteBehind:
+    """Writes :class:`FieldWrites` to Redis, one write at a time, in the background."""
+
+    def __init__(self, redis: aioredis.Redis, outage: Outage) -> None:
+        self.redis = redis
+        self.outage = outage
+        self.pending = FieldWrites()
+        self._task: asyncio.Task[None] | None = None
+        self._started = 0.0
+
+    def kick(self) -> asyncio.Task[None] | None:
+        """Start writing what is pending, unless a write is under way; returns that write."""
+        if self._task is None and len(self.pending):
+            self._started = time.monotonic()
+            self._task = asyncio.create_task(self._write(), name="detector:write-behind")
+        return self._task
+
+    async def settle(self, wait: float) -> bool:
+        """Write what is pending, waiting at most ``wait`` seconds (none while Redis is
+        down or a write is already slow); True if everything pending is stored."""
+        deadline = time.monotonic() + wait
+        while len(self.pending) or self._task is not None:
+            if self.outage.down or (self._task is not None
+                                    and time.monotonic() - self._started > wait):
+                self.kick()
+                return False
+            left = deadline - time.monotonic()
+            task = self.kick()
+            if task is None or left <= 0:
+                return False
+            await asyncio.wait({task}, timeout=left)
+        return True
+
+    async def _write(self) -> None:
+        batch = self.pending.take()
+        try:
+            pipe = self.redis.pipeline(transaction=True)
+            for (key, field), value in batch.items():
+                if value is None:
+                    pipe.hdel(key, field)
+                else:
+                    pipe.hset(key, field, value)
+            await pipe.execute()
+        except Exception as exc:
+            self.pending.give_back(batch)
+            self.outage.failed("storing anomaly state", exc)
+        else:
+            self.outage.answered()
+        finally:
+            self._task = None
+
+    async def close(self, wait: float) -> None:
+        """Store what is left if Redis lets us within ``wait``; then stop trying."""
+        with contextlib.suppress(Exception):
+            await self.settle(wait)
+        task = self._task
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
