@@ -13,12 +13,13 @@ A credentials file is JSON, one per role, readable by its owner only::
      "redis": {"user": "agent", "password": "..."}}
 
 Redis 6.2 (the embedded server) has no per-command key selectors, so an agent's ACL names
-the only keys it touches (the blocklist it reads, its node records) and the commands it
-needs; the services' users may use every ``<prefix>:*`` key.
+the only keys it touches (the blocklist and the fencing epoch, both read only) and the
+read commands it needs; the services' users may use every ``<prefix>:*`` key.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -32,7 +33,9 @@ import msgspec
 from .errors import ConfigError
 
 Role = Literal["rank", "agent", "detector", "diagnoser", "remediator", "checkpointer",
-               "oncall", "operator"]
+               "service", "oncall", "operator"]
+"""``service``: a plugin service (not one of the four), with a service's reach but no
+command or endpoint of its own."""
 ROLES: Final[tuple[Role, ...]] = get_args(Role)
 SERVICE_ROLES: Final[frozenset[str]] = frozenset(
     {"detector", "diagnoser", "remediator", "checkpointer"})
@@ -56,13 +59,27 @@ class Credentials(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 def nats_permissions(role: Role, prefix: str = "tg", job: str = "*") -> dict[str, Any]:
     """The nats-server ``permissions`` block of ``role``; ``job`` narrows a rank's or an
-    agent's to one job (the control plane serves every job)."""
+    agent's to one job (the control plane serves every job).
+
+    JetStream's API is the services' alone: they provision streams and own the durable
+    consumers. An agent may only create, read and ack consumers of the command stream; an
+    on-call tool only read the event and dead-letter streams (ordered consumers, with their
+    flow control). Nobody but the services may delete a consumer or touch a stream.
+    """
+    from .topology import stream_name
+
     p = f"{prefix}.{job if role in ('rank', 'agent') else '*'}"
-    # JetStream: reading consumers and acking deliveries; services also provision.
-    js_read = ["$JS.API.INFO", "$JS.API.STREAM.INFO.*", "$JS.API.STREAM.NAMES",
-               "$JS.API.CONSUMER.CREATE.>", "$JS.API.CONSUMER.DURABLE.CREATE.>",
-               "$JS.API.CONSUMER.INFO.>", "$JS.API.CONSUMER.MSG.NEXT.>",
-               "$JS.API.CONSUMER.DELETE.>", JS_ACK]
+
+    def consumers_of(stream: str, *, pull: bool) -> list[str]:
+        api = "$JS.API.CONSUMER"
+        out = [f"{api}.CREATE.{stream}", f"{api}.CREATE.{stream}.>",
+               f"{api}.DURABLE.CREATE.{stream}.*", f"{api}.INFO.{stream}.*"]
+        return out + ([f"{api}.MSG.NEXT.{stream}.*", f"$JS.ACK.{stream}.>"] if pull
+                      else ["$JS.FC.>"])
+
+    info = ["$JS.API.INFO", "$JS.API.STREAM.INFO.*", "$JS.API.STREAM.NAMES"]
+    readers = info + consumers_of(stream_name(prefix, "events"), pull=False) \
+        + consumers_of(stream_name(prefix, "dead"), pull=False)
     publish: list[str]
     subscribe: list[str] = [INBOX]
     responses = False
@@ -70,12 +87,13 @@ def nats_permissions(role: Role, prefix: str = "tg", job: str = "*") -> dict[str
         case "rank":
             publish = [f"{p}.{k}.*" for k in ("hb", "step", "fp", "ckpt", "reg", "ack")]
             publish += [f"{p}.rpc.resume"]
-            subscribe += [f"{p}.cmd.>"]
+            subscribe += [f"{p}.cmd.all", f"{p}.cmd.rank.*"]
         case "agent":
             publish = [f"{p}.{k}.*" for k in ("gpu", "node", "exit", "reg", "ack")]
-            publish += [f"{p}.rpc.save", "$JS.API.STREAM.CREATE.*", *js_read]
-            subscribe += [f"{p}.cmd.>"]
-        case "detector" | "diagnoser" | "remediator" | "checkpointer":
+            publish += [f"{p}.dead", f"{p}.rpc.save", *info,
+                        *consumers_of(stream_name(prefix, "cmds"), pull=True)]
+            subscribe += [f"{p}.cmd.all", f"{p}.cmd.host.*"]
+        case "detector" | "diagnoser" | "remediator" | "checkpointer" | "service":
             publish = [f"{p}.event.*", f"{p}.dead", "$JS.API.>", JS_ACK]
             subscribe += [f"{prefix}.>", "$JS.EVENT.>"]
             if role == "remediator":
@@ -84,12 +102,12 @@ def nats_permissions(role: Role, prefix: str = "tg", job: str = "*") -> dict[str
                 publish += [f"{p}.cmd.>"]
                 responses = True
         case "oncall":
-            publish = [f"{p}.rpc.save", f"{p}.rpc.checkpoints", *js_read]
+            publish = [f"{p}.rpc.save", f"{p}.rpc.checkpoints", *readers]
             subscribe += [f"{p}.event.>", f"{p}.dead"]
         case "operator":
-            # Drills (``trainguard inject``, the demo), reading everything, and what on-call
-            # does: the widest role short of the services'.
-            publish = [f"{p}.cmd.>", f"{p}.rpc.*", *js_read]
+            # Drills (``trainguard inject``, the demo) and what on-call does. It can command
+            # a job like the control plane: a person's credentials, never a process's.
+            publish = [f"{p}.cmd.>", f"{p}.rpc.*", *readers]
             subscribe += [f"{prefix}.>"]
     out: dict[str, Any] = {"publish": {"allow": publish}, "subscribe": {"allow": subscribe}}
     if responses:
@@ -103,8 +121,11 @@ def redis_acl(role: Role, password: str, prefix: str = "tg") -> str | None:
         case "rank" | "operator":
             return None
         case "agent":
-            keys = f"~{prefix}:blocklist ~{prefix}:node:* ~{prefix}:epoch:*"
-            cmds = "+ping +hget +set +get +del +client|setinfo +client|setname"
+            # Read only: Redis 6.2 cannot grant a write on one key pattern alone, so any
+            # write would reach the blocklist and the epoch too. Its node record is the
+            # control plane's, from its durable hellos.
+            keys = f"~{prefix}:blocklist ~{prefix}:epoch:*"
+            cmds = "+ping +get +hget +client|setinfo +client|setname"
         case "oncall":
             keys = f"~{prefix}:*"
             cmds = "+@read +ping +scan +client|setinfo +client|setname"
@@ -168,27 +189,39 @@ def redis_acl_file(creds: dict[Role, Credentials], prefix: str = "tg") -> str:
 def write_private(path: Path, text: str) -> None:
     """Write ``text`` readable by its owner only (a secret never lands world-readable)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    os.chmod(path, 0o600)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # before the secret is written, whatever the umask
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, path)  # never through a symlink planted at ``path``
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 def role_of_service(name: str) -> Role:
-    """The role a service runs as: its own where it has one (a plugin service acts as an
-    operator, the widest role short of the built-in services')."""
-    return name if name in SERVICE_ROLES else "operator"  # type: ignore[return-value]
+    """The role a service runs as: its own, or ``service`` for a plugin."""
+    return name if name in SERVICE_ROLES else "service"  # type: ignore[return-value]
 
 
 def ensure_credentials(directory: Path) -> dict[Role, Credentials]:
     """The credentials kept under ``directory``, made once: a restarted ``trainguard up``
     keeps them, so agents and ranks that hold them stay connected."""
-    try:
-        return {role: load_credentials(directory / f"{role}.json") for role in ROLES}
-    except ConfigError:
-        creds = generate()
-        write_credentials(directory, creds)
-        return creds
+    creds: dict[Role, Credentials] = {}
+    missing: list[Role] = []
+    for role in ROLES:
+        try:
+            creds[role] = load_credentials(directory / f"{role}.json")
+        except ConfigError:
+            missing.append(role)
+    if missing:  # only those: the others' holders must keep working
+        fresh = generate(tuple(missing))
+        write_credentials(directory, fresh)
+        creds.update(fresh)
+    return {role: creds[role] for role in ROLES}
 
 
 def write_credentials(directory: Path, creds: dict[Role, Credentials]) -> dict[Role, Path]:

@@ -45,8 +45,12 @@ LOCAL_RANK: Final = "LOCAL_RANK"
 RESTART_COUNT: Final = "TORCHELASTIC_RESTART_COUNT"
 """The attempt: torchrun's restarts of the worker group so far."""
 
-CONNECTION: Final = frozenset({NATS_URL, REDIS_URL, SUBJECT_PREFIX, JOB, HOST, CREDENTIALS,
-                               NATS_TLS_CA})
+ACCESS: Final = frozenset(setting(f) for f in (
+    "credentials", "rank_credentials", "nats_creds", "nats_nkey", "nats_tls_ca",
+    "nats_tls_cert", "nats_tls_key", "redis_tls_ca", "redis_tls_cert", "redis_tls_key"))
+"""Who a process is to the servers (:class:`trainguard.config.Settings` fields): never
+inherited from the agent by its ranks except as the agent hands them on, never published."""
+CONNECTION: Final = frozenset({NATS_URL, REDIS_URL, SUBJECT_PREFIX, JOB, HOST, *ACCESS})
 """Where and who, not how to judge the job: kept out of :func:`job_settings`."""
 
 TRUE: Final = ("1", "true", "yes", "on")

@@ -82,6 +82,8 @@ class CatalogueReply(msgspec.Struct, kw_only=True):
     interval: dict[str, Any] | None = None
     onsets: dict[str, Any] = {}
     checkpoints: list[dict[str, Any]] = []
+    reason: str = ""
+    """Set when the coordinator could not answer (an error, not an empty catalogue)."""
 
 
 Req = TypeVar("Req", bound=msgspec.Struct)
@@ -146,6 +148,20 @@ async def call(nc: Requester, subjects: Subjects, job: str, endpoint: Endpoint[R
     reply = await nc.request(endpoint.subject(subjects, job), endpoint.encode_request(req),
                              timeout=timeout)
     return endpoint.decode_reply(reply.data) if reply.data else None
+
+
+def error_reply(name: str, job: str, reason: str) -> bytes:
+    """What an endpoint answers when the coordinator fails: the endpoint's own reply with
+    the reason (``resume``: empty, which a rank reads as "ask LATEST")."""
+    match name:
+        case "save":
+            return SAVE.encode_reply(SaveReply(ok=False, job=job, status="error",
+                                               reason=reason))
+        case "rollback":
+            return ROLLBACK.encode_reply(RollbackReply(ok=False, job=job, reason=reason))
+        case "checkpoints":
+            return CATALOGUE.encode_reply(CatalogueReply(job=job, reason=reason))
+    return b""
 
 
 def decode_resume(data: bytes | None) -> ResumePoint | None:

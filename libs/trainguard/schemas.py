@@ -241,6 +241,9 @@ class NodeHello(Durable, kw_only=True):
     hosts_store: bool = False
     pid: int = 0
     time: float = 0.0
+    left: bool = False
+    """The launcher exited (``time``: when): published once on the way out, so the control
+    plane drops the host from the job. Old readers ignore it; old agents never send it."""
 
 
 class WorkerExit(Durable, kw_only=True):

@@ -69,7 +69,8 @@ class Keys:
         return self._k("lease", role, job)
 
     def node(self, job: str, host: str) -> str:
-        """JSON :class:`NodeRecord` of a host's agent; written by that agent only."""
+        """JSON :class:`NodeRecord` of a host's agent; the remediator writes it from the
+        agent's durable hellos (a ``left`` one stays as an expiring tombstone)."""
         return self._k("node", job, host)
 
     def instances(self, role: str) -> str:
@@ -145,9 +146,9 @@ class BlocklistEntry(msgspec.Struct, kw_only=True):
 
 
 NodeRecord: TypeAlias = NodeHello
-"""An agent's registration under ``Keys.node(job, host)``: the ``NodeHello`` it announced
-itself with, stored as the JSON it travels as. The remediator reads it to decide whether a
-host can leave the job (``isolate``)."""
+"""An agent's registration under ``Keys.node(job, host)``: the newest ``NodeHello`` it
+announced itself with (kept by the remediator), stored as the JSON it travels as. The
+remediator reads it to decide whether a host can leave the job (``isolate``)."""
 
 _blocklist_decoder = msgspec.json.Decoder(BlocklistEntry)
 

@@ -46,7 +46,7 @@ def addressed(subjects: Subjects, job: str, kind: str, params: dict[str, Any] | 
     else:
         raise ConfigError(f"{kind} is a rank-side command: name the rank")
     now = time.time()
-    target = subject.rsplit(".cmd.", 1)[-1]
+    target = ".".join(subjects.parse(subject).rest)
     return subject, Command(id=uuid7(), job=job, kind=kind, issuer=issuer, epoch=epoch,
                             target=target, params=params, at_step=at_step, seq=seq,
                             issued_at=now, retry_of=retry_of,

@@ -152,6 +152,18 @@ async def provision(js: JetStreamContext, specs: list[StreamSpec]) -> list[str]:
     return changed
 
 
+async def missing_streams(js: JetStreamContext, specs: list[StreamSpec]) -> list[str]:
+    """Names of the streams not provisioned yet: what a client that may not create
+    streams (an agent) waits for instead of calling :func:`provision`."""
+    missing = []
+    for spec in specs:
+        try:
+            await js.stream_info(spec.name)
+        except NotFoundError:
+            missing.append(spec.name)
+    return missing
+
+
 async def ensure_consumer(js: JetStreamContext, prefix: str, spec: ConsumerSpec) -> str:
     """Create or update a durable consumer explicitly; returns its stream's name.
 

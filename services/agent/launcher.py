@@ -116,7 +116,9 @@ def worker_environment(settings: AgentSettings, log_dir: str) -> dict[str, str]:
         envnames.SUBJECT_PREFIX: settings.prefix,
         envnames.ALLOW_DRILLS: "1" if settings.allow_drills else "0",
     }
-    # Always set: a rank must never inherit the agent's own (wider) credentials.
+    # A rank must never inherit the agent's own (wider) access: blank all of it, then hand
+    # on the rank role and the CA that verifies the server.
+    env.update(dict.fromkeys(envnames.ACCESS, ""))
     env[envnames.CREDENTIALS] = settings.rank_credentials
     if settings.nats_tls_ca:
         env[envnames.NATS_TLS_CA] = settings.nats_tls_ca
@@ -182,6 +184,10 @@ def launch(settings: AgentSettings, torchrun_argv: list[str]) -> int:
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     log_dir = tempfile.mkdtemp(prefix=f"trainguard-{settings.job}-{settings.host}-")
     ns, hosts_store = prepare_torchrun(torchrun_argv, settings, log_dir)
+    if settings.credentials and not settings.rank_credentials:
+        print("trainguard launch: warning: this agent has credentials but its ranks get none "
+              "(--rank-credentials FILE): a server with auth on will refuse their telemetry",
+              flush=True)
     os.environ.update(worker_environment(settings, log_dir))
 
     gpu: GpuSource | None
@@ -256,7 +262,8 @@ def launch(settings: AgentSettings, torchrun_argv: list[str]) -> int:
 
 
 def _leave(link: AgentLink) -> None:
-    """A launcher that exited is no longer in the job: the remediator ends the incidents of
-    a job none of whose launchers is left (torchrun gave up) as failed instead of waiting."""
+    """A launcher that exited is no longer in the job: it says so with a ``left`` hello, on
+    which the remediator drops its node record, and ends the incidents of a job none of
+    whose launchers is left (torchrun gave up) as failed instead of waiting."""
     link.deregister()
     link.close()

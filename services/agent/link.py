@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import nats.errors
 
 from trainguard import tracing
@@ -38,9 +39,15 @@ from trainguard.schemas import (
     TelemetryMessage,
 )
 from trainguard.settle import TRANSIENT_ERRORS, decode_reason, delivery_facts
-from trainguard.state import Keys, encode_node_record, read_blocklist_entry
+from trainguard.state import Keys, read_blocklist_entry
 from trainguard.store import redis_client
-from trainguard.topology import ConsumerSpec, ensure_consumer, provision, streams
+from trainguard.topology import (
+    ConsumerSpec,
+    ensure_consumer,
+    missing_streams,
+    provision,
+    streams,
+)
 
 from .executor import CommandExecutor
 from .node import LocalNode
@@ -165,13 +172,13 @@ class AgentLink:
         self._bus = bus = Bus(nc, s.subjects, source=f"trainguard/agent/{s.host}")
         tasks: list[asyncio.Task[None]] = []
         try:
-            await provision(bus.js, streams(s.prefix))
+            if not await self._streams_ready(bus):
+                return
             spec = consumer_spec(s)
             stream = await ensure_consumer(bus.js, s.prefix, spec)
             sub = await bus.js.pull_subscribe_bind(spec.durable, stream)
             self.hello.time = time.time()
             await bus.publish_durable(s.subjects.reg_node(s.job, s.host), self.hello)
-            await self._write_node_record()
             self.ready.set()
             tasks = [asyncio.create_task(self._commands(sub)),
                      asyncio.create_task(self._every(s.node_interval, self._node_beat)),
@@ -187,32 +194,49 @@ class AgentLink:
             await asyncio.gather(*tasks, return_exceptions=True)
             await bus.close()
 
-    def deregister(self, timeout: float = 3.0) -> None:
-        """Remove this host's node record (bounded; a Redis outage only delays the end)."""
-
-        async def _delete() -> None:
-            client = redis_client(self.settings.redis_url, retries=1,
-                                  access=self.settings.access.redis_options())
+    async def _streams_ready(self, bus: Bus) -> bool:
+        """The streams exist: provisioned here where this agent may (a server without auth),
+        else by the services (with auth only they may), which an agent that starts first
+        waits for while its ranks train."""
+        assert self._stop is not None
+        specs = streams(self.settings.prefix)
+        if not self.settings.access.credentials:
+            with contextlib.suppress(Exception):
+                await provision(bus.js, specs)
+        logged = False
+        while not self._stop.is_set():
             try:
-                key = Keys(self.settings.prefix).node(self.settings.job, self.settings.host)
-                await asyncio.wait_for(client.delete(key), timeout)
+                missing = await missing_streams(bus.js, specs)
             except Exception as exc:
-                log.warning("could not remove the node record from Redis: %r", exc)
-            finally:
-                await client.aclose()
+                missing = [repr(exc)]
+            if not missing:
+                return True
+            if not logged:
+                log.warning("waiting for the control plane to provision %s",
+                            ", ".join(missing))
+                logged = True
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), 1.0)
+        return False
 
-        self.call(_delete, timeout + 1.0)
+    def deregister(self, timeout: float = 3.0) -> None:
+        """Announce that this launcher left the job: the same ``NodeHello`` with ``left``
+        set, published durably (the remediator drops the host's node record on it, and a
+        blip only delays it: JetStream redelivers). Bounded: a bus outage only delays the
+        end by ``timeout``, and the record then stays until the job's incidents time out."""
+        left = msgspec.structs.replace(self.hello, left=True, time=time.time())
+        s = self.settings
 
-    async def _write_node_record(self) -> None:
-        client = redis_client(self.settings.redis_url, retries=1,
-                              access=self.settings.access.redis_options())
-        try:
-            key = Keys(self.settings.prefix).node(self.settings.job, self.settings.host)
-            await asyncio.wait_for(client.set(key, encode_node_record(self.hello)), 3.0)
-        except Exception as exc:
-            log.warning("could not record the node in Redis: %r", exc)
-        finally:
-            await client.aclose()
+        async def _publish() -> bool:
+            bus = self._bus
+            if bus is None:  # never connected: nothing recorded this host either
+                return True
+            await asyncio.wait_for(
+                bus.publish_durable(s.subjects.reg_node(s.job, s.host), left), timeout)
+            return True
+
+        if self.call(_publish, timeout + 1.0) is None:
+            log.warning("could not announce that host %s left job %s", s.host, s.job)
 
     async def _drain(self) -> None:
         assert self._bus is not None

@@ -28,7 +28,7 @@ import msgspec
 from nats.aio.msg import Msg
 
 from trainguard.codec import decode_durable
-from trainguard.commit_record import CommitRecord
+from trainguard.commit_record import COMMIT_FILE, CommitRecord
 from trainguard.config import Settings
 from trainguard.errors import ConfigError, DecodeError, NotStarted, Reject, Retry
 from trainguard.logs import get_logger
@@ -41,6 +41,7 @@ from trainguard.rpc import (
     CatalogueRequest,
     RollbackReply,
     SaveReply,
+    error_reply,
 )
 from trainguard.schemas import Anomaly, CheckpointCommitted, CheckpointReport, Incident, ResumePoint
 from trainguard.service import Consumer, Delivery, Runtime, Service
@@ -59,6 +60,13 @@ from .verify import Verdict, verify_checkpoint
 log = get_logger("trainguard.checkpointer")
 
 RPC_QUEUE = "checkpointer"
+
+
+def commit_record(rec: Record, reports: dict[int, CheckpointReport]) -> CommitRecord:
+    """The coordinator's commit record of ``rec``: the digests every rank reported."""
+    files = {name: digest for r in reports.values() for name, digest in r.files.items()}
+    return CommitRecord(job=rec.job, step=rec.step, path=rec.path, checkpoint_id=rec.id,
+                        world_size=rec.world_size, files=files, time=time.time())
 
 
 class CheckpointerService(Service[CheckpointerSettings]):
@@ -194,12 +202,8 @@ class CheckpointerService(Service[CheckpointerSettings]):
                                    verdict: Verdict) -> Verdict:
         """Vouch for the checkpoint on disk before the pointer names it: ranks open a resume
         point only where this record matches. A record that cannot be written fails it."""
-        files = {name: digest for r in reports.values() for name, digest in r.files.items()}
-        record = CommitRecord(job=rec.job, step=rec.step, path=rec.path,
-                              checkpoint_id=rec.id, world_size=rec.world_size,
-                              files=files, time=time.time())
         try:
-            await asyncio.to_thread(write_commit, record)
+            await asyncio.to_thread(write_commit, commit_record(rec, reports))
         except OSError as exc:
             return type(verdict)(False, f"cannot write the commit record: {exc}", [], [])
         return verdict
@@ -380,8 +384,7 @@ class CheckpointerService(Service[CheckpointerSettings]):
                 self.runtime.metrics.error(consumer, "callback_error")
                 log.bind(job=job).exception("rpc %s for %s failed", name, job)
                 reason = f"coordinator error: {type(exc).__name__}: {exc}"
-                data = b"" if name == RESUME.name else SAVE.encode_reply(
-                    SaveReply(ok=False, job=job, status="error", reason=reason))
+                data = error_reply(name, job, reason)
             if msg.reply:
                 with contextlib.suppress(Exception):
                     await msg.respond(data)
@@ -393,7 +396,21 @@ class CheckpointerService(Service[CheckpointerSettings]):
 
     async def _rpc_resume(self, job: str, msg: Msg) -> bytes:
         point = await self.catalogue.pointer(job)
+        if point:
+            await self._backfill_commit(job, decode_durable(point.encode(), ResumePoint))
         return point.encode() if point else b""
+
+    async def _backfill_commit(self, job: str, point: ResumePoint) -> None:
+        """A checkpoint committed before commit records existed gets one when a rank asks
+        for it, from the reports the catalogue kept (ranks refuse a resume point without)."""
+        if (Path(point.path) / COMMIT_FILE).exists():
+            return
+        rec = await self.catalogue.record(job, point.step)
+        if rec is None or rec.status != "committed":
+            return
+        reports, _ = await self.catalogue.reports(job, point.step)
+        with contextlib.suppress(OSError):
+            await asyncio.to_thread(write_commit, commit_record(rec, reports))
 
     async def _rpc_save(self, job: str, msg: Msg) -> bytes:
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Mapping
 
+from trainguard import envnames
 from trainguard.envelope import uuid7
 from trainguard.evidence import HangEvidence
 from trainguard.schemas import (
@@ -135,7 +136,7 @@ class Detector:
         r.local_rank = hello.local_rank
         if attempt >= job.world_attempt:
             job.set_world(hello.world_size, attempt)
-        env = {k: v for k, v in hello.env.items() if k.startswith("TRAINGUARD_")}
+        env = {k: v for k, v in hello.env.items() if k.startswith(envnames.PREFIX)}
         if env and env != self._overrides.get(hello.job):
             self._overrides[hello.job] = env
             th, rejected = with_job_overrides(self.base, env)
@@ -145,6 +146,8 @@ class Detector:
                 self.rules[hello.job] = JobRules(job)
 
     def on_node_hello(self, hello: NodeHello, now: float) -> None:
+        if hello.left:
+            return  # the launcher's goodbye: its ranks are gone, not to be admitted
         job = self.job(hello.job)
         for rank in hello.local_ranks:
             r = job.ranks.get(rank)

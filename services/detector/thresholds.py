@@ -15,11 +15,11 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from trainguard import xids
+from trainguard import envnames, xids
 
 log = logging.getLogger("trainguard.detector")
 
-ENV_PREFIX = "TRAINGUARD_"
+ENV_PREFIX = envnames.PREFIX
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -21,7 +21,8 @@ from collections.abc import Collection
 from typing import Final, Literal
 
 from trainguard.envelope import uuid7
-from trainguard.schemas import Diagnosis, Incident, WorkerExit
+from trainguard.schemas import Diagnosis, Incident, NodeHello, WorkerExit
+from trainguard.state import NodeRecord
 
 from .engine import (
     AGENT_ACTIONS,
@@ -97,9 +98,28 @@ def sign(inc: Incident, d: Diagnosis) -> None:
         inc.signature = signature(d)
 
 
+# -- node records ------------------------------------------------------------------------
+
+def supersedes(hello: NodeHello, current: NodeRecord | None) -> bool:
+    """Whether ``hello`` replaces the host's stored record: it is the newest by its sender's
+    time (both come from the same host's clock), and a ``left`` wins a tie. So a hello that
+    JetStream redelivers after the launcher's ``left`` never brings the host back, and a
+    launcher started again on the host (a later time) does."""
+    if current is None:
+        return True
+    return hello.time > current.time or (hello.time == current.time and hello.left)
+
+
+def in_job(record: NodeRecord, blocked: Collection[str]) -> bool:
+    """A stored record counts as a host of the job: its launcher has not left (a ``left``
+    record stays a while as a tombstone, see :func:`supersedes`) and it is not blocklisted."""
+    return not record.left and record.host not in blocked
+
+
 def launcher_exited(inc: Incident, view: JobView) -> bool:
-    """Every launcher of the job has exited (each removes its node record on the way out)
-    while ``inc`` was open: nothing is left that could recover. Only for an incident a
+    """Every launcher of the job has exited (each announces it with a ``left`` hello, and
+    the control plane drops its node record) while ``inc`` was open: nothing is left that
+    could recover. Only for an incident a
     launcher took part in (a crash an agent reported, or a command an agent carried out),
     so a job run without ``trainguard launch`` never looks like one whose launchers left."""
     if not is_open(inc) or view.hosts:

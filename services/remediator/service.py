@@ -3,9 +3,9 @@
 Every decision (which incident a diagnosis joins, its plan, the next step, what the acks
 mean, whether the launcher already restarted) is a pure function in :mod:`.engine`, and
 when an incident ends or its job must be held in :mod:`.endings`; this module counts the
-launcher's attempts from worker exits, loads and saves incidents, sends commands
-(:func:`trainguard.targets.addressed`), calls the checkpoint coordinator
-(:mod:`trainguard.rpc`) and waits.
+launcher's attempts from worker exits, keeps the node records from the agents' hellos,
+loads and saves incidents, sends commands (:func:`trainguard.targets.addressed`), calls
+the checkpoint coordinator (:mod:`trainguard.rpc`) and waits.
 
 Only the leader acts (:mod:`.leader`); other replicas ``nak`` diagnoses with a delay.
 Incidents and their plans live in Redis (fenced writes), so a new leader resumes open
@@ -31,7 +31,16 @@ from trainguard.codec import decode_as
 from trainguard.envelope import H_TYPE, normalize_headers
 from trainguard.errors import Retry
 from trainguard.logs import get_logger
-from trainguard.schemas import Anomaly, CommandAck, Diagnosis, Incident, IncidentStep, WorkerExit
+from trainguard.schemas import (
+    Anomaly,
+    CommandAck,
+    Diagnosis,
+    Incident,
+    IncidentStep,
+    NodeHello,
+    RankHello,
+    WorkerExit,
+)
 from trainguard.service import Consumer, Delivery, Runtime, Service
 from trainguard.state import Keys
 from trainguard.targets import addressed
@@ -80,6 +89,10 @@ class RemediatorService(Service[RemediatorSettings]):
                      self.on_anomaly, (Anomaly,)),
             Consumer(ConsumerSpec("reports", "remediator-exits", (s.pattern("exit"),)),
                      self.on_exit, (WorkerExit,)),
+            # A subject filter's wildcard is a whole token (``host-*`` is a literal), so the
+            # consumer takes every hello and leaves the ranks' to the detector.
+            Consumer(ConsumerSpec("reports", "remediator-nodes", (s.pattern("reg"),)),
+                     self.on_hello, (NodeHello, RankHello)),
         ]
 
     async def start(self, rt: Runtime) -> None:
@@ -138,6 +151,12 @@ class RemediatorService(Service[RemediatorSettings]):
         attempt = endings.ended_attempt(ex, time.time())
         if attempt is not None:
             await self.store.note_attempt(ex.job, attempt, ex.time or time.time())
+
+    async def on_hello(self, hello: NodeHello | RankHello, delivery: Delivery) -> None:
+        """Keep the host's node record from its agent's durable hellos (any replica: the
+        write is a compare-and-set on the hello's time); agents never write Redis."""
+        if isinstance(hello, NodeHello):
+            await self.store.record_node(hello)
 
     async def on_diagnosis(self, d: Diagnosis, delivery: Delivery) -> None:
         assert self.leader is not None

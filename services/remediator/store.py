@@ -3,35 +3,56 @@
 Writes that other replicas could race (incidents, the blocklist) go through the leader's
 fenced scripts (:mod:`.leader`), so a deposed leader writes nothing; the counters behind
 the restart budget and the cause history are plain sorted sets of times, written by any
-replica (each entry is added once: ``ZADD NX`` by attempt number or diagnosis id).
+replica (each entry is added once: ``ZADD NX`` by attempt number or diagnosis id). Node
+records, too, are written by any replica, from the agents' durable hellos: each write is
+a compare-and-set on the hello's time (:func:`.endings.supersedes`), so replicas and
+redeliveries agree on the newest.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+from typing import Final
 
 import msgspec
 import redis.asyncio as aioredis
+from redis.exceptions import WatchError
 
 from trainguard.codec import decode_durable, encode_durable
 from trainguard.errors import DecodeError
-from trainguard.schemas import Diagnosis, Incident
+from trainguard.schemas import Diagnosis, Incident, NodeHello
 from trainguard.state import (
     BlocklistEntry,
     Keys,
+    NodeRecord,
     decode_node_record,
     decode_progress,
     encode_blocklist_entry,
+    encode_node_record,
 )
 
-from .endings import HOUR, attempt_member, attempt_of
+from .endings import HOUR, attempt_member, attempt_of, in_job, supersedes
 from .engine import JobView, is_open
 from .leader import Leadership
+
+LEFT_TTL_S: Final = 86400.0
+"""How long the record of a launcher that left stays as a tombstone (ignored by
+:meth:`Store.view`): far longer than any redelivery of that host's older hellos."""
 
 
 def _incident(raw: str | bytes) -> Incident:
     return decode_durable(raw.encode() if isinstance(raw, str) else raw, Incident)
+
+
+def _node_record(raw: str | bytes | None) -> NodeRecord | None:
+    """A stored record; one that is not (written by hand, or garbled) is replaced."""
+    if not raw:
+        return None
+    try:
+        return decode_node_record(raw)
+    except DecodeError:
+        return None
 
 
 class Store:
@@ -78,19 +99,39 @@ class Store:
     async def block(self, host: str, entry: BlocklistEntry) -> None:
         await self.leader.hset(self.keys.blocklist(), host, encode_blocklist_entry(entry))
 
+    async def record_node(self, hello: NodeHello) -> bool:
+        """Store ``hello`` as its host's node record if it is the newest (False: an older
+        one, dropped); a ``left`` hello stays as a tombstone for :data:`LEFT_TTL_S`.
+        Optimistic (``WATCH``): a concurrent write by another replica makes it decide
+        again. Redis errors raise, so the hello is redelivered."""
+        key = self.keys.node(hello.job, hello.host)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    await pipe.watch(key)
+                    if not supersedes(hello, _node_record(await pipe.get(key))):
+                        return False  # leaving the pipeline unwatches
+                    pipe.multi()  # type: ignore[no-untyped-call]
+                    pipe.set(key, encode_node_record(hello),
+                             px=int(LEFT_TTL_S * 1000) if hello.left else None)
+                    await pipe.execute()
+                    return True
+                except WatchError:
+                    continue
+
     # -- what a decision sees -------------------------------------------------------------
     async def view(self, job: str, cause: str) -> JobView:
-        """The job's hosts (not blocklisted), budgets, cause history and progress."""
+        """The job's hosts (still launched, not blocklisted), budgets, cause history and
+        progress."""
         redis = self.redis
         now = time.time()
         view = JobView()
-        blocked = set(await redis.hkeys(self.keys.blocklist()))
+        blocked = {str(host) for host in await redis.hkeys(self.keys.blocklist())}
         async for key in redis.scan_iter(match=self.keys.node(job, "*")):
             raw = await redis.get(key)
-            with contextlib.suppress(DecodeError):
-                record = decode_node_record(raw) if raw else None
-                if record is not None and record.host not in blocked:
-                    view.hosts[record.host] = record
+            record = _node_record(raw)
+            if record is not None and in_job(record, blocked):
+                view.hosts[record.host] = record
         await redis.zremrangebyscore(self.keys.restarts(job), 0, now - HOUR)
         ended = [str(m) for m in await redis.zrange(self.keys.restarts(job), 0, -1)]
         view.restarts_last_hour = len(ended)

@@ -24,6 +24,7 @@ from tests.integration.recorder import running
 from trainguard import Guard
 from trainguard.bus import Bus
 from trainguard.codec import decode_durable
+from trainguard.commit_record import COMMIT_FILE, decode_commit
 from trainguard.config import load_settings
 from trainguard.envelope import uuid7
 from trainguard.schemas import (
@@ -175,6 +176,15 @@ async def test_four_ranks_commit_only_after_the_fourth_report(
         assert point is not None and (point.step, point.path) == (100, reports[0].path)
         assert point.checkpoint_id == event.id and point.world_size == 4
         assert latest(tmp_path, job) == point  # LATEST mirrors the pointer
+        # The commit record vouches for the directory, with every rank's digests; one lost
+        # (or from before records existed) is written again when a rank asks.
+        record_path = Path(point.path) / COMMIT_FILE
+        record = decode_commit(record_path.read_bytes())
+        assert (record.job, record.step) == (job, 100)
+        assert set(record.files) == {n for r in reports.values() for n in r.files}
+        record_path.unlink()
+        assert await c.resume() == point
+        assert decode_commit(record_path.read_bytes()).files == record.files
         # A report delivered again changes nothing: one event per checkpoint.
         await c.report(reports[3])
         await c.drained()

@@ -31,6 +31,8 @@ from trainguard.schemas import (
     Diagnosis,
     EvidenceItem,
     Incident,
+    NodeHello,
+    RankHello,
     ResumePoint,
     WorkerExit,
 )
@@ -42,11 +44,12 @@ from trainguard.state import (
     NodeRecord,
     Progress,
     decode_blocklist_entry,
+    decode_node_record,
     encode_node_record,
     encode_progress,
 )
 from trainguard.subjects import Subjects
-from trainguard.topology import provision, streams
+from trainguard.topology import provision, stream_name, streams
 
 
 class Agents:
@@ -413,9 +416,9 @@ async def test_an_incident_whose_launchers_all_exited_fails_with_one_page(
         bus = Bus(nc, s, source="test")
         await bus.publish_durable(s.event(job, "diagnosis"), diagnosis(job, "d1"))
         await wait_until(lambda: seen, what="incident open")
-        r = aioredis.Redis.from_url(redis_url)  # torchrun gave up: each launcher deregisters
-        await r.delete(Keys(prefix).node(job, "node-a"), Keys(prefix).node(job, "node-b"))
-        await r.aclose()
+        for host in ("node-a", "node-b"):  # torchrun gave up: each launcher says it left
+            await bus.publish_durable(s.reg_node(job, host), NodeHello(
+                job=job, host=host, time=time.time(), left=True))
         await wait_until(lambda: any(i.status == "failed" for i in seen), timeout=30,
                          what="failed")
     final = seen[-1]
@@ -424,3 +427,58 @@ async def test_an_incident_whose_launchers_all_exited_fails_with_one_page(
     assert "every launcher of the job has exited" in final.escalation
     assert "rank 3 on node-b" in final.escalation
     assert agents.commands == []  # nobody left to tell
+
+
+async def test_node_records_follow_the_agents_hellos(
+        nats_url: str, redis_url: str, prefix: str, job: str, nc: Any) -> None:
+    """Agents never write Redis: a node hello creates the host's record, a ``left`` hello
+    takes it out of the job, and an older hello delivered after it does not bring it back."""
+    await provision(nc.jetstream(), streams(prefix))
+    s, keys = Subjects(prefix), Keys(prefix)
+    bus = Bus(nc, s, source="test-agent")
+    r = aioredis.Redis.from_url(redis_url)
+
+    async def record() -> NodeRecord | None:
+        raw = await r.get(keys.node(job, "node-a"))
+        return decode_node_record(raw) if raw else None
+
+    def node_hello(at: float, **kw: Any) -> NodeHello:
+        return NodeHello(job=job, host="node-a", local_ranks=[0, 1], hosts_store=True,
+                         time=at, **kw)
+
+    async def hosts(svc: RemediatorService) -> set[str]:
+        return set((await svc.store.view(job, "process_crash")).hosts)
+
+    started = time.time()
+    try:
+        # The hello is in the stream before any remediator runs: the durable replays it.
+        await bus.publish_durable(s.reg_node(job, "node-a"), node_hello(started))
+        await bus.publish_durable(s.reg_rank(job, 0), RankHello(
+            job=job, rank=0, world_size=2, host="node-a", time=started))  # not a node's
+        async with leading(nats_url, redis_url, prefix) as svc:
+            await wait_until(record, what="the node record")
+            got = await record()
+            assert got is not None and got.local_ranks == [0, 1] and got.hosts_store
+            assert await hosts(svc) == {"node-a"}
+            await bus.publish_durable(s.reg_node(job, "node-a"),
+                                      node_hello(started + 5, left=True))
+
+            async def gone() -> bool:
+                return not await hosts(svc)
+
+            await wait_until(gone, what="the host out of the job")
+            await bus.publish_durable(s.reg_node(job, "node-a"), node_hello(started + 1))
+
+            async def settled() -> bool:
+                info = await nc.jetstream().consumer_info(stream_name(prefix, "reports"),
+                                                          "remediator-nodes")
+                return bool(info.delivered.stream_seq >= 4 and not info.num_ack_pending
+                            and not info.num_pending)
+
+            await wait_until(settled, what="the stale hello handled")
+            assert not await hosts(svc)  # it did not undo the left
+            got = await record()
+            assert got is not None and got.left and got.time == started + 5
+            assert await r.pttl(keys.node(job, "node-a")) > 0  # a tombstone, expiring
+    finally:
+        await r.aclose()

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import nats
+import nats.js.errors
 import pytest
 import redis.asyncio as aioredis
 from nats.aio.client import Client as NATS
@@ -87,7 +88,7 @@ async def test_a_forged_command_never_reaches_a_receiver(connect: Any, job: str)
     async def on_cmd(msg: Any) -> None:
         got.append(msg.subject)
 
-    await agent.nc.subscribe(S.pattern("cmd", job=job, tail=">"), cb=on_cmd)
+    await agent.nc.subscribe(S.cmd_all(job), cb=on_cmd)
     await agent.nc.flush()
     for forger in ("rank", "oncall", "agent", "detector", "diagnoser"):
         client = await connect(forger)
@@ -154,8 +155,67 @@ async def test_only_the_remediator_writes_the_blocklist(secure_plane: EmbeddedCo
         await remediator.aclose()
 
 
+async def test_the_agent_reads_redis_and_writes_nothing(
+        secure_plane: EmbeddedControlPlane) -> None:
+    """Not the fencing epoch, the blocklist, nor its own node record (the remediator keeps
+    that from the agent's hellos): a stolen agent credential cannot undo either guard."""
+    remediator = _redis(secure_plane, "remediator")
+    agent = _redis(secure_plane, "agent")
+    epoch, node = "tg:epoch:remediator-test", "tg:node:job-x:node-a"
+    try:
+        await remediator.set(epoch, "7")
+        await remediator.set(node, "{}")
+        await remediator.hset("tg:blocklist", "node-y", '{"reason": "sick"}')
+        assert await agent.get(epoch) == b"7"  # reading the epoch is allowed
+        for write in (lambda: agent.set(epoch, "0"), lambda: agent.delete(epoch),
+                      lambda: agent.delete("tg:blocklist"),
+                      lambda: agent.set("tg:blocklist", "x"),
+                      lambda: agent.set(node, "{}"), lambda: agent.delete(node)):
+            with pytest.raises(NoPermissionError):
+                await write()
+        assert await remediator.get(epoch) == b"7" and await remediator.get(node) == b"{}"
+        assert await remediator.hget("tg:blocklist", "node-y") is not None
+    finally:
+        await remediator.delete(epoch, node)
+        await remediator.hdel("tg:blocklist", "node-y")
+        await remediator.aclose()
+        await agent.aclose()
+
+
 async def test_credentials_stay_private(secure_plane: EmbeddedControlPlane) -> None:
     for path in (*secure_plane.credentials.values(), secure_plane.nats.auth_path,
                  secure_plane.redis.auth_path):
         assert Path(path).stat().st_mode & 0o077 == 0, path
     await asyncio.sleep(0)
+
+
+async def test_jetstream_is_the_services_alone(connect: Any, job: str) -> None:
+    """No stream that captures the endpoints, no deleted durable, but on-call still reads
+    the event history (an ordered consumer and its flow control)."""
+    from trainguard.bus import Bus
+    from trainguard.schemas import Anomaly
+    from trainguard.topology import provision, stream_name, streams
+
+    service = await connect("detector")
+    await provision(service.nc.jetstream(), streams("tg"))
+    agent = await connect("agent")
+    with pytest.raises((nats.errors.TimeoutError, nats.js.errors.APIError)):
+        await agent.nc.jetstream(timeout=1.0).add_stream(name="ROGUE",
+                                                         subjects=["tg.*.rpc.>"])
+    oncall = await connect("oncall")
+    js = oncall.nc.jetstream(timeout=1.0)
+    with pytest.raises((nats.errors.TimeoutError, nats.js.errors.APIError)):
+        await js.delete_consumer(stream_name("tg", "events"), "remediator")
+    now = 1.0
+    await Bus(service.nc, S, source="test").publish_durable(S.event(job, "anomaly"), Anomaly(
+        id="a1", job=job, kind="hang", ranks=[0], onset_at=now, detected_at=now))
+    got: list[str] = []
+
+    async def on_event(msg: Any) -> None:
+        got.append(msg.subject)
+
+    sub = await js.subscribe(S.pattern("event", job=job, tail=">"), cb=on_event,
+                             ordered_consumer=True)
+    await wait_until(lambda: got, what="on-call reading the event history")
+    await sub.unsubscribe()
+    assert got == [S.event(job, "anomaly")]

@@ -5,11 +5,14 @@ from __future__ import annotations
 import os
 import signal
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
-from trainguard import Guard
+from trainguard import Guard, envnames
+from trainguard.auth import generate, write_credentials
 from trainguard.config import load_settings
+from trainguard.envnames import setting
 from trainguard.schemas import Command, GpuStats, WorkerExit
 from trainguard.services.agent.executor import CommandExecutor
 from trainguard.services.agent.gpu import ScriptedSource, open_source, throttle_names
@@ -172,6 +175,23 @@ def test_worker_environment_lets_guard_take_no_arguments() -> None:
     # The names the agent sets are the ones its own settings are read from.
     again = load_settings(AgentSettings, env={k: env[k] for k in env if k.startswith("TRAIN")})
     assert (again.job, again.host, again.allow_drills, again.prefix) == ("j", "node-a", True, "p")
+
+
+def test_ranks_get_the_rank_role_and_nothing_of_the_agents_access(tmp_path: Path) -> None:
+    creds = generate(("agent", "rank"))
+    paths = write_credentials(tmp_path, creds)
+    ca = tmp_path / "ca.pem"
+    ca.write_text("x")
+    agent = settings(credentials=str(paths["agent"]), rank_credentials=str(paths["rank"]),
+                     nats_tls_ca=str(ca), nats_tls_key=str(ca), redis_tls_cert=str(ca))
+    env = worker_environment(agent, "/logs")
+    assert env[envnames.CREDENTIALS] == str(paths["rank"])
+    assert env[envnames.NATS_TLS_CA] == str(ca)
+    assert env[setting("nats_tls_key")] == env[setting("redis_tls_cert")] == ""
+    assert env[setting("rank_credentials")] == ""
+    assert not set(envnames.job_settings(env)) & envnames.ACCESS  # never in a hello
+    bare = worker_environment(settings(credentials=str(paths["agent"])), "/logs")
+    assert bare[envnames.CREDENTIALS] == ""  # not the agent's own
 
 
 def test_exits_name_the_root_and_the_collateral() -> None:

@@ -48,15 +48,21 @@ def test_ranks_publish_their_own_subjects_and_ask_only_for_the_resume_point() ->
 
 
 def test_a_job_narrows_ranks_and_agents_only() -> None:
-    assert nats_permissions("rank", job="j1")["subscribe"]["allow"] == ["_INBOX.>",
-                                                                        "tg.j1.cmd.>"]
+    assert nats_permissions("rank", job="j1")["subscribe"]["allow"] == [
+        "_INBOX.>", "tg.j1.cmd.all", "tg.j1.cmd.rank.*"]
     assert "tg.*.cmd.>" in nats_permissions("remediator", job="j1")["publish"]["allow"]
 
 
 def test_redis_users() -> None:
     assert redis_acl("rank", "pw") is None
     agent = redis_acl("agent", "pw")
-    assert agent is not None and "~tg:blocklist" in agent and "+hset" not in agent
+    assert agent is not None
+    grants = agent.split()
+    # Read only (Redis 6.2 has no per-key command rules: any write would reach every key).
+    assert {"+ping", "+get", "+hget"} <= set(grants)
+    assert not {"+set", "+del", "+hset", "+hdel", "+expire", "+@write", "+@all"} & set(grants)
+    keys = {g for g in grants if g.startswith("~")}
+    assert keys == {"~tg:blocklist", "~tg:epoch:*"}  # node records are the control plane's
     oncall = redis_acl("oncall", "pw")
     assert oncall is not None and "+@read" in oncall and "+@all" not in oncall
 
@@ -85,3 +91,26 @@ def test_a_bad_credentials_file_names_itself(tmp_path: Path) -> None:
         load_credentials(bad)
     with pytest.raises(ConfigError, match="trainguard credentials"):
         load_credentials(tmp_path / "missing.json")
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_only_services_touch_streams_or_delete_consumers(role: Role) -> None:
+    allowed = nats_permissions(role)["publish"]["allow"]
+    service = role in ("detector", "diagnoser", "remediator", "checkpointer", "service")
+    assert ("$JS.API.>" in allowed) == service
+    if not service:
+        assert not [p for p in allowed if ".STREAM.CREATE" in p or ".STREAM.UPDATE" in p
+                    or ".DELETE" in p or ".PURGE" in p]
+
+
+def test_agents_reach_only_the_command_stream_and_readers_only_events() -> None:
+    agent = nats_permissions("agent")["publish"]["allow"]
+    consumer_apis = [p for p in agent if p.startswith(("$JS.API.CONSUMER", "$JS.ACK"))]
+    assert consumer_apis and all(".TG_CMDS" in p for p in consumer_apis)
+    assert "tg.*.dead" in agent  # it dead-letters what it cannot read
+    for role in ("oncall", "operator"):
+        allowed = nats_permissions(role)["publish"]["allow"]
+        consumer_apis = [p for p in allowed if p.startswith("$JS.API.CONSUMER")]
+        assert all(".TG_EVENTS" in p or ".TG_DEAD" in p for p in consumer_apis), role
+        assert "$JS.FC.>" in allowed  # ordered consumers answer flow control
+        assert not [p for p in allowed if "MSG.NEXT" in p or p.startswith("$JS.ACK")]

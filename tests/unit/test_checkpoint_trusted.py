@@ -101,10 +101,21 @@ def test_an_uncommitted_or_altered_checkpoint_is_refused(tmp_path: Path) -> None
     assert ckpt.load(path, model, opt) == 2
 
 
-def test_a_planted_metadata_pickle_does_not_run(tmp_path: Path) -> None:
+def _dotted_payload(marker: Path) -> bytes:
+    """A protocol-4 pickle that asks the DCP metadata module for ``os.system``: a name
+    lookup that walks the module's own imports."""
+    cmd = f"touch {marker}".encode()
+    return (b"\x80\x04" + b"\x8c" + bytes([len(b"torch.distributed.checkpoint.metadata")])
+            + b"torch.distributed.checkpoint.metadata" + b"\x8c\x09os.system\x93"
+            + b"\x8c" + bytes([len(cmd)]) + cmd + b"\x85R.")
+
+
+@pytest.mark.parametrize("kind", ["reduce", "dotted-name"])
+def test_a_planted_metadata_pickle_does_not_run(tmp_path: Path, kind: str) -> None:
     ckpt, path = saved(tmp_path)
     marker = tmp_path / "pwned"
-    (path / METADATA_FILE).write_bytes(pickle.dumps(Payload(marker)))
+    (path / METADATA_FILE).write_bytes(pickle.dumps(Payload(marker)) if kind == "reduce"
+                                       else _dotted_payload(marker))
     commit(path)  # even with a matching record: the unpickler admits DCP classes only
     model, opt = make()
     with pytest.raises(CheckpointRefused, match="references"):
@@ -123,17 +134,37 @@ def test_a_crafted_value_inside_the_checkpoint_does_not_run(tmp_path: Path) -> N
         from_blob(buf.getvalue())
     assert not marker.exists()
 
-    # Through DCP: a checkpoint whose ``extra`` holds the payload.
+    # Through DCP: a checkpoint whose step value (a non-tensor DCP pickles) is the payload.
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
     guard = offline_guard()
     model, opt = make()
     ckpt = Checkpointer(guard, tmp_path / "root")
-    ckpt.save(3, model, opt, extra={"x": Payload(marker)})
-    ckpt.wait()
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp_save({"model": model_sd, "optim": optim_sd, "trainguard": {"step": Payload(marker)}},
+             checkpoint_id=str(ckpt.path_for(3)), no_dist=True)
     assert not marker.exists()  # saving pickles, it does not run
     fresh, fresh_opt = make()
-    with pytest.raises(CheckpointRefused):
+    with pytest.raises(CheckpointRefused, match="not plain data"):
         ckpt.load(ckpt.path_for(3), fresh, fresh_opt)
     assert not marker.exists()
+
+
+def test_an_older_pickled_rng_state_is_skipped_not_unpickled(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    assert restore_py_rng(pickle.dumps(Payload(marker))) is False
+    assert not marker.exists()
+
+
+def test_extra_that_would_be_refused_at_load_fails_the_save(tmp_path: Path) -> None:
+    guard = offline_guard()
+    model, opt = make()
+    ckpt = Checkpointer(guard, tmp_path)
+    ckpt.save(4, model, opt, extra={"x": Payload(tmp_path / "pwned")})
+    ckpt.wait()
+    report = ckpt.reports[-1]
+    assert report.step == 4 and not report.ok and "not plain data" in report.error
 
 
 def test_python_and_numpy_rng_round_trip_without_pickle() -> None:

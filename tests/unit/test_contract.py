@@ -197,3 +197,12 @@ def test_parse_subjects() -> None:
     assert s.job_of("other.j1.hb.1") is None
     with pytest.raises(InvalidToken):
         s.parse("prod.tg.j1")
+
+
+def test_every_endpoint_answers_a_failure_in_its_own_reply() -> None:
+    from trainguard.rpc import CATALOGUE, ROLLBACK, SAVE, error_reply
+
+    assert error_reply("resume", "j", "boom") == b""
+    assert SAVE.decode_reply(error_reply("save", "j", "boom")).status == "error"
+    assert ROLLBACK.decode_reply(error_reply("rollback", "j", "boom")).reason == "boom"
+    assert CATALOGUE.decode_reply(error_reply("checkpoints", "j", "boom")).reason == "boom"

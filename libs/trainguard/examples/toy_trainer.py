@@ -30,11 +30,12 @@ from torch import nn
 
 import trainguard
 import trainguard.torch as tgt
+from trainguard import envnames
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--job", default=os.environ.get("TRAINGUARD_JOB", "toy"))
+    p.add_argument("--job", default=os.environ.get(envnames.JOB, "toy"))
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--step-time", type=float, default=0.02,
                    help="seconds of simulated compute per step (default 0.02)")

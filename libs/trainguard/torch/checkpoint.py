@@ -46,11 +46,12 @@ from ..codec import decode_durable, encode_durable
 from ..envelope import uuid7
 from ..schemas import CheckpointReport, Command, FileDigest, ResumePoint
 from .trusted import (
-    check_commit,
+    CheckpointRefused,
     confine,
     encode_py_rng,
     from_blob,
     read_metadata,
+    reader_for,
     restore_py_rng,
     safe_load_planner,
     to_blob,
@@ -118,12 +119,15 @@ def _rng_state() -> dict[str, Any]:
     return state
 
 
-def _set_rng_state(state: Mapping[str, Any]) -> None:
+def _set_rng_state(state: Mapping[str, Any]) -> bool:
+    """False when the Python/numpy part is an older trainguard's pickle (left unset)."""
+    if not restore_py_rng(state["py"]):
+        return False
     torch.set_rng_state(state["torch"])
-    restore_py_rng(state["py"])
     cuda = state.get("cuda")
     if cuda is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(list(cuda))
+    return True
 
 
 class Checkpointer:
@@ -280,7 +284,9 @@ class Checkpointer:
             "rng": {me: _rng_state()},
         }
         if extra is not None:
-            state["extra"] = {me: to_blob(dict(extra))}
+            blob = to_blob(dict(extra))
+            from_blob(blob)  # refused now, in the report, rather than at the next resume
+            state["extra"] = {me: blob}
         return state
 
     def _finish(self, step: int, path: Path, upload: Future[Any], t0: float, *,
@@ -354,15 +360,14 @@ class Checkpointer:
         from_bus = isinstance(point, ResumePoint)
         path = confine(point.path if isinstance(point, ResumePoint) else point, self.root,
                        self.guard.job)
-        check_commit(path, self.guard.job, required=from_bus)
-        keys = set(read_metadata(path).state_dict_metadata)
+        metadata = read_metadata(path, self.guard.job, required=from_bus)
+        keys = set(metadata.state_dict_metadata)
         self._model, self._optimizer = model, optimizer
         self.wait()
-        from torch.distributed.checkpoint.filesystem import FileSystemReader
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
         from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-        reader = FileSystemReader(str(path))
+        reader = reader_for(path, metadata)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         me = f"rank{self.group_rank}"
         state: dict[str, Any] = {"model": model_sd, "optim": optim_sd, STEP_KEY: {"step": -1}}
@@ -374,13 +379,24 @@ class Checkpointer:
                         path, me)
         if f"extra.{me}" in keys:
             state["extra"] = {me: b""}
-        dcp_load(state, storage_reader=reader, planner=safe_load_planner(),
-                 process_group=self.group, no_dist=not self.distributed)
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        try:
+            dcp_load(state, storage_reader=reader, planner=safe_load_planner(),
+                     process_group=self.group, no_dist=not self.distributed)
+        except CheckpointException as exc:  # DCP wraps what a rank raised: say it plainly
+            refused = [f[0] for f in exc.failures.values() if isinstance(f[0], CheckpointRefused)]
+            if refused:
+                raise refused[0] from None
+            raise
+        # What may still be refused comes first: a refusal leaves the model untouched.
+        extra = from_blob(state["extra"][me]) if "extra" in state else None
+        if "rng" in state and not _set_rng_state(state["rng"][me]):
+            log.warning("checkpoint %s holds a pickled RNG state (an older trainguard): not "
+                        "unpickled; the RNG streams stay as they are", path)
         set_state_dict(model, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
-        if "rng" in state:
-            _set_rng_state(state["rng"][me])
-        self.loaded_extra = from_blob(state["extra"][me]) if "extra" in state else None
+        self.loaded_extra = extra
         step = int(state[STEP_KEY]["step"])
         self._last_step = step
         return step

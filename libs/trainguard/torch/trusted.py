@@ -22,6 +22,8 @@ import io
 import os
 import pickle
 import random
+import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,13 +33,17 @@ import torch
 if TYPE_CHECKING:  # DCP costs ~0.7 s to import: only when a checkpoint is read
     from torch.distributed.checkpoint.metadata import Metadata
     from torch.distributed.checkpoint.planner import LoadPlanner
+    from torch.distributed.checkpoint.storage import StorageReader
 
-from ..checksum import METADATA_FILE, crc32_of
+from ..checksum import METADATA_FILE
 from ..commit_record import COMMIT_FILE, decode_commit
 from ..errors import TrainguardError
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _ALLOWED: frozenset[tuple[str, str]] = frozenset({
+    *((_METADATA_MODULE, name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
@@ -60,9 +66,10 @@ def confine(path: str | os.PathLike[str], root: str | os.PathLike[str], job: str
     return resolved
 
 
-def check_commit(path: Path, job: str, *, required: bool) -> None:
-    """Match ``path`` against the coordinator's commit record. ``required`` for resume
-    points (they come over the bus); a path the user's own code names may have none."""
+def check_commit(path: Path, job: str, *, required: bool, metadata: bytes) -> None:
+    """Match ``path`` and its ``metadata`` bytes against the coordinator's commit record.
+    ``required`` for resume points (they come over the bus); a path the user's own code
+    names may have none."""
     record_path = path / COMMIT_FILE
     try:
         record = decode_commit(record_path.read_bytes())
@@ -78,7 +85,7 @@ def check_commit(path: Path, job: str, *, required: bool) -> None:
                                 f"{record.path}, not {job} at {path}")
     want = record.files.get(METADATA_FILE)
     if want is not None and want.crc32 is not None:
-        got = crc32_of(path / METADATA_FILE)
+        got = zlib.crc32(metadata)
         if got != want.crc32:
             raise CheckpointRefused(f"{path / METADATA_FILE} has CRC32 {got:#x}, the commit "
                                     f"record says {want.crc32:#x}: the file changed")
@@ -86,27 +93,62 @@ def check_commit(path: Path, job: str, *, required: bool) -> None:
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if module == _METADATA_MODULE or (module, name) in _ALLOWED or (
-                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+        # Exact pairs only: a dotted name ("os.system") would walk the module's imports.
+        if "." not in name and ((module, name) in _ALLOWED or (
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))):
             return super().find_class(module, name)
         raise CheckpointRefused(f"checkpoint metadata references {module}.{name}, which "
                                 "DCP metadata never holds: refusing to load it")
 
 
-def read_metadata(path: Path) -> Metadata:
-    """DCP's ``.metadata`` of ``path``, read without admitting arbitrary classes."""
+def read_metadata(path: Path, job: str | None = None, *, required: bool = False) -> Metadata:
+    """DCP's ``.metadata`` of ``path``, read once: checked against the commit record (where
+    ``job`` is given) and unpickled without admitting arbitrary classes. Hand the result to
+    DCP through :func:`reader_for`, so it never reads the file again itself."""
     from torch.distributed.checkpoint.metadata import Metadata
 
     try:
-        with open(path / METADATA_FILE, "rb") as fh:
-            metadata = _MetadataUnpickler(fh).load()
+        data = (path / METADATA_FILE).read_bytes()
+    except OSError as exc:
+        raise CheckpointRefused(f"unreadable checkpoint metadata in {path}: {exc}") from None
+    if job is not None:
+        check_commit(path, job, required=required, metadata=data)
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
     except CheckpointRefused:
         raise
-    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError) as exc:
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as exc:
         raise CheckpointRefused(f"unreadable checkpoint metadata in {path}: {exc}") from None
     if not isinstance(metadata, Metadata):
         raise CheckpointRefused(f"{path / METADATA_FILE} holds no DCP metadata")
     return metadata
+
+
+def reader_for(path: Path, metadata: Metadata) -> StorageReader:
+    """DCP's file-system reader of ``path`` that answers with ``metadata`` (read and checked
+    by :func:`read_metadata`) instead of unpickling ``.metadata`` again."""
+    return _reader_class()(str(path), metadata)
+
+
+@functools.cache
+def _reader_class() -> Callable[[str, Metadata], StorageReader]:
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class CheckedReader(FileSystemReader):
+        def __init__(self, path: str, metadata: Metadata) -> None:
+            super().__init__(path)
+            self.checked_metadata = metadata
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+            metadata = self.checked_metadata
+            meta = metadata.storage_meta
+            if meta is None:
+                meta = metadata.storage_meta = StorageMeta()
+            meta.load_id = self.load_id  # as FileSystemReader.read_metadata does
+            return metadata
+
+    return CheckedReader
 
 
 def safe_load_planner() -> LoadPlanner:
@@ -147,8 +189,12 @@ def encode_py_rng() -> bytes:
     return msgspec.json.encode({"py": [version, list(internal), gauss], "np": np_state})
 
 
-def restore_py_rng(blob: bytes) -> None:
-    """Set what :func:`encode_py_rng` saved; raises :class:`CheckpointRefused` if malformed."""
+def restore_py_rng(blob: bytes) -> bool:
+    """Set what :func:`encode_py_rng` saved; False (streams left as they are) for a blob of
+    an older trainguard, which pickled it: never unpickled. :class:`CheckpointRefused` if
+    malformed."""
+    if blob[:1] == b"\x80":  # a pickle protocol header, not JSON
+        return False
     try:
         state = msgspec.json.decode(blob)
         version, internal, gauss = state["py"]
@@ -161,6 +207,7 @@ def restore_py_rng(blob: bytes) -> None:
 
         kind, keys, pos, has_gauss, cached = np_state
         np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    return True
 
 
 def to_blob(obj: Any) -> bytes:
