@@ -19,7 +19,6 @@ read commands it needs; the services' users may use every ``<prefix>:*`` key.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import secrets
@@ -31,6 +30,7 @@ from typing import Any, Final, Literal, get_args
 import msgspec
 
 from .errors import ConfigError
+from .files import write_atomically
 
 Role = Literal["rank", "agent", "detector", "diagnoser", "remediator", "checkpointer",
                "service", "oncall", "operator"]
@@ -188,18 +188,7 @@ def redis_acl_file(creds: dict[Role, Credentials], prefix: str = "tg") -> str:
 
 def write_private(path: Path, text: str) -> None:
     """Write ``text`` readable by its owner only (a secret never lands world-readable)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-        os.fchmod(fd, 0o600)  # before the secret is written, whatever the umask
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.replace(tmp, path)  # never through a symlink planted at ``path``
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
+    write_atomically(path, text.encode(), mode=0o600)
 
 
 def role_of_service(name: str) -> Role:

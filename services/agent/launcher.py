@@ -16,7 +16,8 @@ stock behaviour breaks recovery:
 Exit codes: the job's (0, or 1 when workers failed), 75 when this host was isolated
 (schedulers must not retry on this node), 76 when the control plane held the job (a crash
 loop past its restart budget: do not retry blindly), 143 after a SIGTERM. On its way out
-the launcher removes its node record, so the remediator knows it is no longer in the job.
+the launcher announces it left (a ``left`` hello), so the remediator knows it is no longer in
+the job.
 """
 
 from __future__ import annotations

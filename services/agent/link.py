@@ -124,13 +124,18 @@ class AgentLink:
         return (f"saved step {reply.step}" if reply.ok
                 else f"save-now {reply.status}: {reply.reason}")
 
+    def _redis(self) -> Any:
+        """A short-lived read-only client (the agent role may only read): one retry, so a
+        Redis outage never holds up a command or the launch for long."""
+        return redis_client(self.settings.redis_url, retries=1,
+                            access=self.settings.access.redis_options())
+
     def blocklisted(self, timeout: float = 3.0) -> str | None:
         """The reason this host is on the remediator's blocklist, or None."""
         key = Keys(self.settings.prefix).blocklist()
 
         async def _get() -> str | None:
-            client = redis_client(self.settings.redis_url, retries=1,
-                              access=self.settings.access.redis_options())
+            client = self._redis()
             try:
                 raw = await asyncio.wait_for(client.hget(key, self.settings.host), timeout)
                 if raw is None:
@@ -364,8 +369,7 @@ class AgentLink:
         permissions still keep forgers out, and a command must not wait on Redis."""
         if cmd.issuer not in ("remediator", "coordinator"):
             return None
-        client = redis_client(self.settings.redis_url, retries=1,
-                              access=self.settings.access.redis_options())
+        client = self._redis()
         try:
             raw = await asyncio.wait_for(
                 client.get(Keys(self.settings.prefix).epoch("remediator")), 2.0)

@@ -11,13 +11,12 @@ coordinator needs no configuration to know where a job's checkpoints live.
 from __future__ import annotations
 
 import contextlib
-import os
-import uuid
 from pathlib import Path
 
 import msgspec
 
 from trainguard.commit_record import COMMIT_FILE, CommitRecord, encode_commit
+from trainguard.files import write_atomically
 from trainguard.schemas import ResumePoint
 
 NAME = "LATEST"
@@ -33,29 +32,12 @@ def point_path(point_json: str) -> str:
 
 def write_latest(point_json: str) -> Path:
     """Replace LATEST next to the pointed-to checkpoint with ``point_json``."""
-    return _write_atomically(latest_path(point_path(point_json)), point_json.encode())
+    return write_atomically(latest_path(point_path(point_json)), point_json.encode())
 
 
 def write_commit(record: CommitRecord) -> Path:
     """Write ``COMMITTED`` into the committed checkpoint's directory."""
-    return _write_atomically(Path(record.path) / COMMIT_FILE, encode_commit(record))
-
-
-def _write_atomically(dest: Path, data: bytes) -> Path:
-    tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, dest)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    _fsync_dir(dest.parent)
-    return dest
+    return write_atomically(Path(record.path) / COMMIT_FILE, encode_commit(record))
 
 
 def remove_latest(old_point_json: str) -> None:
@@ -64,11 +46,3 @@ def remove_latest(old_point_json: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         latest_path(point_path(old_point_json)).unlink()
 
-
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)

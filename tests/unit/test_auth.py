@@ -114,3 +114,15 @@ def test_agents_reach_only_the_command_stream_and_readers_only_events() -> None:
         assert all(".TG_EVENTS" in p or ".TG_DEAD" in p for p in consumer_apis), role
         assert "$JS.FC.>" in allowed  # ordered consumers answer flow control
         assert not [p for p in allowed if "MSG.NEXT" in p or p.startswith("$JS.ACK")]
+
+
+def test_a_secret_never_goes_through_a_planted_symlink(tmp_path: Path) -> None:
+    from trainguard.auth import write_private
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_text("keep")
+    (tmp_path / "agent.json").symlink_to(elsewhere)
+    write_private(tmp_path / "agent.json", "secret")
+    assert elsewhere.read_text() == "keep"  # the link was replaced, not followed
+    assert not (tmp_path / "agent.json").is_symlink()
+    assert stat.S_IMODE((tmp_path / "agent.json").stat().st_mode) == 0o600
