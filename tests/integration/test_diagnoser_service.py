@@ -40,9 +40,16 @@ async def test_exit_and_crash_become_one_diagnosis(nats_url: str, redis_url: str
     async with running(svc):
         bus = Bus(nc, s, source="test")
         now = time.time()
-        await nc.publish(s.gpu(job, "node-b"), encode_telemetry(GpuSample(
-            job=job, time=now, host="node-b", xids=[XidEvent(gpu=0, code=79, time=now)])))
-        await wait_until(lambda: svc.rules.gpu.get("node-b"), what="the GPU sample seen")
+        sample = encode_telemetry(GpuSample(
+            job=job, time=now, host="node-b", xids=[XidEvent(gpu=0, code=79, time=now)]))
+
+        async def seen() -> object:
+            # Telemetry is fire-and-forget, as from an agent sampling every few seconds: a
+            # sample sent before the subscription reached the server is simply resent.
+            await nc.publish(s.gpu(job, "node-b"), sample)
+            return svc.rules.gpu.get("node-b")
+
+        await wait_until(seen, timeout=30, interval=0.2, what="the GPU sample seen")
         await bus.publish_durable(s.exit(job, "node-b"), WorkerExit(
             id="x1", job=job, host="node-b", rank=3, exit_code=1, time=now,
             stderr_tail="RuntimeError: CUDA error: unknown error"))
