@@ -118,8 +118,13 @@ def nats_permissions(role: Role, prefix: str = "tg", job: str = "*") -> dict[str
 def redis_acl(role: Role, password: str, prefix: str = "tg") -> str | None:
     """The ``user`` line of ``role`` in a Redis ACL file; None for roles without Redis."""
     match role:
-        case "rank" | "operator":
+        case "rank":
             return None
+        case "operator":
+            # ``trainguard unblock`` only: read and rewrite a blocklist entry, optimistically.
+            keys = f"~{prefix}:blocklist"
+            cmds = ("+ping +hget +hgetall +hset +watch +unwatch +multi +exec +discard "
+                    "+client|setinfo +client|setname")
         case "agent":
             # Read only: Redis 6.2 cannot grant a write on one key pattern alone, so any
             # write would reach the blocklist and the epoch too. Its node record is the

@@ -56,6 +56,12 @@ else redis.call('SREM', KEYS[3], ARGV[4]) end
 return 1
 """
 
+_FENCED_HDEL_IF = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+if redis.call('HGET', KEYS[2], ARGV[2]) ~= ARGV[3] then return 0 end
+return redis.call('HDEL', KEYS[2], ARGV[2])
+"""
+
 
 class LeaseHolder:
     """The leases one holder takes, renews and releases, and the writes they fence.
@@ -129,3 +135,11 @@ class LeaseHolder:
                                         self.holder, field, value, member,
                                         "1" if present else "0")
         return bool(written == 1)
+
+    async def hdel_if(self, lease: str, key: str, field: str, expected: str | bytes) -> bool | None:
+        """``HDEL key field`` only while ``lease`` is ours and the field still holds
+        ``expected`` (nobody rewrote it meanwhile). None: the lease is lost; False: the
+        value changed, nothing deleted."""
+        done = await self.redis.eval(_FENCED_HDEL_IF, 2, lease, key, self.holder, field,
+                                     expected)
+        return None if done == -1 else bool(done)

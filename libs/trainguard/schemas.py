@@ -353,6 +353,20 @@ class Action(Durable, kw_only=True):
 StepStatus = Literal["pending", "sent", "done", "failed", "skipped"]
 
 
+class HookRun(msgspec.Struct, kw_only=True):
+    """One run of an operator's scheduler hook (the remediator's ``isolate_hook``: cordon
+    a Kubernetes node, drain a Slurm node), kept on the incident step that ran it."""
+
+    argv: list[str]
+    status: Literal["ok", "failed", "timeout", "error"]
+    """``failed``: non-zero exit; ``timeout``: killed after ``hook_timeout``; ``error``: it
+    could not be started (no such program)."""
+    exit_code: int | None = None
+    output: str = ""
+    """The tail of its stdout and stderr together."""
+    elapsed: float = 0.0
+
+
 class IncidentStep(msgspec.Struct, kw_only=True):
     """One step of an incident's plan, as the remediator runs it.
 
@@ -368,6 +382,8 @@ class IncidentStep(msgspec.Struct, kw_only=True):
     detail: str = ""
     at: float | None = None
     """When the step started."""
+    hook: HookRun | None = None
+    """The scheduler hook this step ran (``isolate``), with its outcome."""
 
 
 class Incident(Durable, kw_only=True):

@@ -134,8 +134,9 @@ class BlocklistEntry(msgspec.Struct, kw_only=True):
     """Why a host may not (re)join jobs: a value of ``Keys.blocklist()``.
 
     The remediator writes it (fenced) when it isolates a host; agents read it at launch and
-    on ``isolate``, ``trainguard status`` shows it. An operator may write one by hand, so
-    every field but the reason may be missing.
+    on ``isolate``, ``trainguard status`` shows it; ``trainguard unblock`` ends one early
+    (sets ``expires``), and the remediator deletes ended ones. An operator may write one by
+    hand, so every field but the reason may be missing (no ``expires``: it never ends).
     """
 
     reason: str = ""
@@ -143,6 +144,17 @@ class BlocklistEntry(msgspec.Struct, kw_only=True):
     job: str = ""
     incident: str = ""
     time: float = 0.0
+    expires: float = 0.0
+    """When the entry ends by itself (unix time; the remediator's ``blocklist_ttl`` after
+    ``time``); 0: it lasts until ``trainguard unblock``."""
+    released_by: str = ""
+    """Who ended it before its time (``trainguard unblock``): it no longer blocks, and the
+    remediator removes it (running its release hook) on its next sweep."""
+
+    def active(self, now: float) -> bool:
+        """Whether the host is still blocked at ``now``: readers ignore an ended entry
+        the remediator has not swept yet."""
+        return not self.expires or now < self.expires
 
 
 NodeRecord: TypeAlias = NodeHello

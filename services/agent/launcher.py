@@ -13,11 +13,12 @@ stock behaviour breaks recovery:
   a node leaves;
 * each worker's stderr tee'd to a file, so exits carry their last lines.
 
-Exit codes: the job's (0, or 1 when workers failed), 75 when this host was isolated
-(schedulers must not retry on this node), 76 when the control plane held the job (a crash
-loop past its restart budget: do not retry blindly), 143 after a SIGTERM. On its way out
-the launcher announces it left (a ``left`` hello), so the remediator knows it is no longer in
-the job.
+Exit codes (the scheduler contract, docs/design.md "Exit codes for schedulers"): the job's
+(0, or 1 when workers failed), 200 when this host was isolated or is on the blocklist
+(retry the job elsewhere, never on this node), 80 when the control plane held the job (a
+crash loop past its restart budget: do not retry, read the incident), 143 after a SIGTERM.
+On its way out the launcher announces it left (a ``left`` hello), so the remediator knows
+it is no longer in the job.
 """
 
 from __future__ import annotations
@@ -46,9 +47,12 @@ from .settings import AgentSettings
 
 log = logging.getLogger("trainguard.agent")
 
-EXIT_ISOLATED = 75
-EXIT_HELD = 76
-"""Held by the control plane (a ``hold``: the job failed past its restart budget)."""
+EXIT_ISOLATED = 200
+"""This host left the job (isolated, or blocklisted at launch). Above the signal range
+(128 + 1..64) so no signal death reads as isolation, and in Kubeflow's retryable 128-255."""
+EXIT_HELD = 80
+"""Held by the control plane (a ``hold``: the job failed past its restart budget). Below
+128 (Kubeflow's permanent range) and outside sysexits' 64-78 ("retry later")."""
 EXIT_SIGTERM = 128 + signal.SIGTERM
 
 RDZV_DEFAULTS = {"last_call_timeout": "2", "keep_alive_interval": "1",

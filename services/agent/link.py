@@ -138,9 +138,10 @@ class AgentLink:
             client = self._redis()
             try:
                 raw = await asyncio.wait_for(client.hget(key, self.settings.host), timeout)
-                if raw is None:
-                    return None
-                return read_blocklist_entry(raw).reason or "no reason given"
+                entry = read_blocklist_entry(raw) if raw is not None else None
+                if entry is None or not entry.active(time.time()):
+                    return None  # an ended entry (ttl, ``trainguard unblock``) lets it join
+                return entry.reason or "no reason given"
             finally:
                 await client.aclose()
 

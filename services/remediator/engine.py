@@ -307,9 +307,10 @@ def conclude(inc: Incident, now: float) -> bool:
     return True
 
 
-def blocklist_entry(inc: Incident, now: float) -> BlocklistEntry:
+def blocklist_entry(inc: Incident, now: float, ttl: float = 0.0) -> BlocklistEntry:
+    """The entry that isolates a host for ``inc``; ``ttl`` > 0: it ends by itself then."""
     return BlocklistEntry(reason=inc.summary or inc.cause, cause=inc.cause, job=inc.job,
-                          incident=inc.id, time=now)
+                          incident=inc.id, time=now, expires=now + ttl if ttl > 0 else 0.0)
 
 
 def waits_for_launcher(inc: Incident) -> bool:

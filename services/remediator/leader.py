@@ -55,6 +55,14 @@ class Leadership:
         if not await self.lease.hset(self.lock, key, field, value):
             self._deposed(f"write to {key}")
 
+    async def hdel_if(self, key: str, field: str, expected: str | bytes) -> bool:
+        """A fenced compare-and-delete of a hash field (False: it changed meanwhile);
+        raises :class:`NotLeader` once deposed."""
+        done = await self.lease.hdel_if(self.lock, key, field, expected)
+        if done is None:
+            self._deposed(f"delete from {key}")
+        return done
+
     async def save_incident(self, key: str, field: str, value: str | bytes, open_key: str,
                             member: str, is_open: bool) -> None:
         """Write an incident and its membership of the open set in one fenced step."""

@@ -35,6 +35,7 @@ from trainguard.schemas import (
     Anomaly,
     CommandAck,
     Diagnosis,
+    HookRun,
     Incident,
     IncidentStep,
     NodeHello,
@@ -46,10 +47,11 @@ from trainguard.state import Keys
 from trainguard.targets import addressed
 from trainguard.topology import ConsumerSpec
 
-from . import endings
+from . import endings, hooks
 from . import engine as rules
 from .acks import AckBox
 from .coordinator import Coordinator
+from .hooks import Hook
 from .leader import Leadership, NotLeader
 from .policy import Policy, load_policy
 from .settings import RemediatorSettings
@@ -68,6 +70,8 @@ class RemediatorService(Service[RemediatorSettings]):
     def __init__(self, settings: RemediatorSettings) -> None:
         super().__init__(settings)
         self.policy: Policy = load_policy(settings.policy or None)
+        self.isolate_hook = Hook.parse("isolate_hook", settings.isolate_hook)
+        self.release_hook = Hook.parse("release_hook", settings.release_hook)
         self.keys = Keys(settings.prefix)
         self.leader: Leadership | None = None
         self._store: Store | None = None
@@ -103,6 +107,7 @@ class RemediatorService(Service[RemediatorSettings]):
                            self._on_ack, consumer="acks")
         rt.every(self.settings.lease_ttl / 4, self._lead, "leadership")
         rt.every(1.0, self._watch, "resolution")
+        rt.every(self.settings.blocklist_sweep, self._sweep_blocklist, "blocklist")
 
     async def stop(self) -> None:
         for task in self._running.values():
@@ -292,8 +297,14 @@ class RemediatorService(Service[RemediatorSettings]):
                                     params={"ranks": step.params.get("ranks")})
             case "isolate":
                 host = str(step.params["host"])
-                await self.store.block(host, rules.blocklist_entry(inc, time.time()))
-                await self._command(inc, step, "isolate", [host], persist, host=host)
+                await self.store.block(host, rules.blocklist_entry(
+                    inc, time.time(), self.settings.blocklist_ttl))
+                hook = asyncio.ensure_future(self._isolate_hook(inc, host))  # beside the agent
+                try:
+                    await self._command(inc, step, "isolate", [host], persist, host=host)
+                finally:
+                    run = await hook
+                self._note_hook(inc, step, host, run)
                 await self.store.note_attempt(inc.job, None, time.time())
             case "restart":
                 await self._restart(inc, step, persist)
@@ -307,6 +318,54 @@ class RemediatorService(Service[RemediatorSettings]):
                                         everyone=True)
             case _:
                 step.status, step.detail = "skipped", f"unknown action {step.action}"
+
+    async def _isolate_hook(self, inc: Incident, host: str) -> HookRun | None:
+        """Take ``host`` out of the scheduler too (None: no hook configured)."""
+        if self.isolate_hook is None:
+            return None
+        return await self.isolate_hook.run(
+            {"host": host, "job": inc.job, "incident": inc.id, "cause": inc.cause,
+             "reason": inc.summary or inc.cause}, self.settings.hook_timeout)
+
+    def _note_hook(self, inc: Incident, step: IncidentStep, host: str,
+                   run: HookRun | None) -> None:
+        """Keep the hook's outcome on the step. A failed hook does not fail the isolation
+        (the blocklist and the agent already keep the host out of trainguard jobs); it is
+        logged as an error for the operator."""
+        if run is None:
+            return
+        step.hook = run
+        line = hooks.summary(run)
+        step.detail = f"{step.detail}; {line}" if step.detail else line
+        logger = log.bind(job=inc.job, incident=inc.id, host=host)
+        if run.status == "ok":
+            logger.info("isolate hook for %s: %s", host, line)
+        else:
+            logger.error("isolate hook for %s: %s", host, line)
+
+    async def _sweep_blocklist(self) -> None:
+        """Remove ended blocklist entries (their TTL, or ``trainguard unblock``) and give
+        the hosts back to the scheduler (``release_hook``). Leader only; the delete is a
+        fenced compare-and-delete, so a host re-isolated meanwhile stays blocked."""
+        assert self.leader is not None
+        if not self.leader.leading:
+            return
+        for host, value, entry in await self.store.ended(time.time()):
+            logger = log.bind(job=entry.job or None, incident=entry.incident or None,
+                              host=host)
+            if self.release_hook is not None:
+                run = await self.release_hook.run(
+                    {"host": host, "job": entry.job, "incident": entry.incident,
+                     "cause": entry.cause, "reason": entry.released_by or "blocklist ttl"},
+                    self.settings.hook_timeout)
+                (logger.info if run.status == "ok" else logger.error)(
+                    "release hook for %s: %s", host, hooks.summary(run))
+            try:
+                if await self.store.unblock(host, value):
+                    logger.info("host %s left the blocklist (%s)", host,
+                                entry.released_by or "its ttl ended")
+            except NotLeader:
+                return
 
     async def _restart(self, inc: Incident, step: IncidentStep, persist: Persist) -> None:
         view = await self.store.view(inc.job, inc.cause)

@@ -30,6 +30,7 @@ from trainguard.state import (
     decode_progress,
     encode_blocklist_entry,
     encode_node_record,
+    read_blocklist_entry,
 )
 
 from .endings import HOUR, attempt_member, attempt_of, in_job, supersedes
@@ -99,6 +100,30 @@ class Store:
     async def block(self, host: str, entry: BlocklistEntry) -> None:
         await self.leader.hset(self.keys.blocklist(), host, encode_blocklist_entry(entry))
 
+    async def blocked(self, now: float) -> set[str]:
+        """Hosts whose blocklist entry is in force at ``now`` (an ended one no longer
+        counts, even before :meth:`ended` sweeps it)."""
+        raw = await self.redis.hgetall(self.keys.blocklist())
+        return {str(host) for host, value in raw.items()
+                if read_blocklist_entry(value).active(now)}
+
+    async def ended(self, now: float) -> list[tuple[str, bytes | str, BlocklistEntry]]:
+        """Entries past their ``expires`` (their TTL, or ``trainguard unblock``), with the
+        stored value that :meth:`unblock` compares against."""
+        raw = await self.redis.hgetall(self.keys.blocklist())
+        found = []
+        for host, value in raw.items():
+            entry = read_blocklist_entry(value)
+            if not entry.active(now):
+                found.append((host.decode() if isinstance(host, bytes) else str(host),
+                              value, entry))
+        return found
+
+    async def unblock(self, host: str, value: bytes | str) -> bool:
+        """Remove ``host``'s entry if it still is ``value`` (fenced; False: re-blocked or
+        changed meanwhile, kept)."""
+        return await self.leader.hdel_if(self.keys.blocklist(), host, value)
+
     async def record_node(self, hello: NodeHello) -> bool:
         """Store ``hello`` as its host's node record if it is the newest (False: an older
         one, dropped); a ``left`` hello stays as a tombstone for :data:`LEFT_TTL_S`.
@@ -126,7 +151,7 @@ class Store:
         redis = self.redis
         now = time.time()
         view = JobView()
-        blocked = {str(host) for host in await redis.hkeys(self.keys.blocklist())}
+        blocked = await self.blocked(now)
         async for key in redis.scan_iter(match=self.keys.node(job, "*")):
             raw = await redis.get(key)
             record = _node_record(raw)

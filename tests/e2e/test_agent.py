@@ -22,6 +22,7 @@ from trainguard.schemas import (
     RankHello,
     StepReport,
 )
+from trainguard.services.agent.launcher import EXIT_ISOLATED
 from trainguard.state import Keys
 from trainguard.subjects import Subjects
 
@@ -187,7 +188,7 @@ async def test_isolating_one_of_two_hosts_shrinks_the_job(
             id="iso-a", job=job, kind="isolate", issuer="cli"))
         await bus.publish_durable(s.cmd_host(job, "node-b"), Command(
             id="iso-b", job=job, kind="isolate", issuer="cli"))
-        assert await exit_code(procs[1], 90) == 75
+        assert await exit_code(procs[1], 90) == EXIT_ISOLATED
         await wait_until(lambda: any(h.world_size == 2 and h.attempt.restart_count > 0
                                      for h in tap.of(RankHello)),
                          timeout=120, what="the job re-formed at world size 2")
@@ -200,7 +201,7 @@ async def test_isolating_one_of_two_hosts_shrinks_the_job(
         await r.aclose()
         procs.append(launch(job, "node-b", env, tmp_path / "b2.log", torchrun_opts=rdzv,
                             trainer=trainer))
-        assert await exit_code(procs[2], 60) == 75
+        assert await exit_code(procs[2], 60) == EXIT_ISOLATED
         assert "blocklist" in (tmp_path / "b2.log").read_text()
     acks = {a.command_id: a for a in tap.acks}
     assert acks["iso-a"].outcome == "refused" and "rendezvous store" in acks["iso-a"].detail

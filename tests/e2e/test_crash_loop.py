@@ -4,7 +4,7 @@ plane (detector, diagnoser, remediator with the shipped policy) ends the loop.
 torchrun alone would restart the group up to ``--max-restarts`` times (1000 by default, about
 three hours of crashing here). The remediator counts torchrun's own restarts against the
 job's budget, keeps the whole loop in one incident, tells on-call once and holds the job:
-the launcher exits 76 and the incident ends ``failed``.
+the launcher exits ``EXIT_HELD`` (80) and the incident ends ``failed``.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from tests.tap import tapped
 from trainguard.codec import decode_durable
 from trainguard.config import load_settings
 from trainguard.schemas import Action, Incident, RankHello
+from trainguard.services.agent.launcher import EXIT_HELD
 from trainguard.services.detector.service import DetectorService
 from trainguard.services.detector.settings import DetectorSettings
 from trainguard.services.diagnoser.service import DiagnoserService
@@ -32,7 +33,6 @@ from trainguard.services.remediator.service import RemediatorService
 from trainguard.services.remediator.settings import RemediatorSettings
 from trainguard.subjects import Subjects
 
-EXIT_HELD = 76
 ERROR = "RuntimeError: bad config: vocab_size=0"
 TRAINER = """
 # Rank 1 dies on every start, once the Guard has said hello; rank 0 waits for it.

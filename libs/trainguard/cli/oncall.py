@@ -83,8 +83,10 @@ async def _status(args: argparse.Namespace) -> int:
                                 access=settings.access.redis_options())
     console = _console()
     try:
-        blocklist = {str(host): read_blocklist_entry(raw)
-                     for host, raw in (await redis.hgetall(keys.blocklist())).items()}
+        now = time.time()
+        blocklist = {str(host): entry
+                     for host, raw in (await redis.hgetall(keys.blocklist())).items()
+                     if (entry := read_blocklist_entry(raw)).active(now)}
         report: dict[str, Any] = {"jobs": {}, "blocklist": msgspec.to_builtins(blocklist)}
         for job in await _jobs(redis, keys, args.job):
             raw = await redis.get(keys.progress(job))
@@ -116,6 +118,8 @@ async def _status(args: argparse.Namespace) -> int:
             console.print("no jobs known")
         for host, entry in blocklist.items():
             origin = f" (job {entry.job}, {entry.cause}, {_ago(entry.time)})" if entry.job else ""
+            if entry.expires:
+                origin += f", ends in {entry.expires - now:.0f}s"
             console.print(f"blocklisted: [bold]{host}[/] {entry.reason}{origin}")
         return 0
     finally:

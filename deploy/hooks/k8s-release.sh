@@ -1,0 +1,16 @@
+#!/bin/sh
+# trainguard release hook for Kubernetes: give a node back once its blocklist entry ended
+# (its TTL, or `trainguard unblock HOST`).
+#   TRAINGUARD_RELEASE_HOOK="/opt/trainguard/hooks/k8s-release.sh {host}"
+set -eu
+host="$1"
+node=$(kubectl get nodes -o jsonpath='{range .items[*]}{.metadata.name}{"\n"}{end}' |
+       awk -v h="$host" '{ n = $0; gsub(/\./, "-", n) } $0 == h || n == h { print $0; exit }')
+if [ -z "$node" ]; then
+    echo "k8s-release: no node is named $host (gone: nothing to give back)" >&2
+    exit 0
+fi
+# The taint may be gone already (removed by hand): that is not a failure.
+kubectl taint nodes "$node" trainguard.io/isolated:NoSchedule- || true
+kubectl annotate nodes "$node" trainguard.io/isolated-reason- || true
+kubectl uncordon "$node"
