@@ -182,6 +182,33 @@ async def test_the_agent_reads_redis_and_writes_nothing(
         await agent.aclose()
 
 
+async def test_the_operator_may_end_a_blocklist_entry_and_touch_nothing_else(
+        secure_plane: EmbeddedControlPlane) -> None:
+    """``trainguard unblock`` rewrites one entry (optimistically); the operator's Redis user
+    reaches no other key and cannot delete the entry (the remediator does, fenced)."""
+    remediator = _redis(secure_plane, "remediator")
+    operator = _redis(secure_plane, "operator")
+    try:
+        await remediator.hset("tg:blocklist", "node-u", '{"reason": "sick"}')
+        async with operator.pipeline(transaction=True) as pipe:
+            await pipe.watch("tg:blocklist")
+            assert await pipe.hget("tg:blocklist", "node-u") == b'{"reason": "sick"}'
+            pipe.multi()  # type: ignore[no-untyped-call]
+            pipe.hset("tg:blocklist", "node-u", '{"reason": "sick", "expires": 1.0}')
+            await pipe.execute()
+        for write in (lambda: operator.hdel("tg:blocklist", "node-u"),
+                      lambda: operator.delete("tg:blocklist"),
+                      lambda: operator.set("tg:epoch:remediator", "0"),
+                      lambda: operator.get("tg:epoch:remediator")):
+            with pytest.raises(NoPermissionError):
+                await write()
+        assert b"expires" in await remediator.hget("tg:blocklist", "node-u")
+    finally:
+        await remediator.hdel("tg:blocklist", "node-u")
+        await remediator.aclose()
+        await operator.aclose()
+
+
 async def test_credentials_stay_private(secure_plane: EmbeddedControlPlane) -> None:
     for path in (*secure_plane.credentials.values(), secure_plane.nats.auth_path,
                  secure_plane.redis.auth_path):

@@ -52,3 +52,13 @@ def test_reading_the_blocklist(raw: str | bytes, entry: BlocklistEntry) -> None:
 def test_the_blocklist_codec_is_strict() -> None:
     with pytest.raises(DecodeError, match="bad blocklist entry"):
         decode_blocklist_entry("maintenance")
+
+
+def test_an_entry_blocks_until_it_ends() -> None:
+    forever = BlocklistEntry(reason="by hand")
+    assert forever.active(0.0) and forever.active(1e12)  # no expires: until unblocked
+    timed = BlocklistEntry(reason="ecc", time=100.0, expires=160.0)
+    assert timed.active(159.9) and not timed.active(160.0)
+    raw = encode_blocklist_entry(BlocklistEntry(reason="ecc", expires=5.0, released_by="me"))
+    assert read_blocklist_entry(raw) == BlocklistEntry(reason="ecc", expires=5.0,
+                                                       released_by="me")
