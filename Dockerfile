@@ -1,0 +1,67 @@
+# syntax=docker/dockerfile:1
+# trainguard images, two targets from one build:
+#
+#   docker build --target services -t trainguard/services:0.1.0 .
+#       the control plane (detector, diagnoser, checkpointer, remediator: `trainguard service
+#       NAME`) and the on-call CLI. No torch. Carries kubectl and the scheduler hooks of
+#       deploy/hooks/ for the remediator's isolate/release hooks.
+#   docker build --target client -t trainguard/client:0.1.0 .
+#       the training side: the trainguard client, `trainguard launch` (the node agent, which
+#       runs torchrun) and torch. CPU torch by default; for CUDA pass
+#       --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 (or build FROM your
+#       own training image: `pip install trainguard[torch,gpu]` is all it takes).
+#
+# Both run as the unprivileged user 10001 (numeric, so runAsNonRoot can check it) and write
+# nothing outside /tmp: the chart mounts the root file system read-only.
+
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+ARG KUBECTL_IMAGE=registry.k8s.io/kubectl:v1.32.4
+
+# -- the wheel, built once ----------------------------------------------------------------
+FROM ${PYTHON_IMAGE} AS wheel
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY libs ./libs
+COPY services ./services
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+
+FROM ${KUBECTL_IMAGE} AS kubectl
+
+# -- what both images share ---------------------------------------------------------------
+FROM ${PYTHON_IMAGE} AS base
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    TRAINGUARD_LOG_FORMAT=json
+RUN groupadd --system --gid 10001 trainguard \
+    && useradd --system --uid 10001 --gid 10001 --home-dir /home/trainguard \
+       --create-home --shell /usr/sbin/nologin trainguard
+
+# -- the control plane --------------------------------------------------------------------
+FROM base AS services
+COPY --from=wheel /wheels /wheels
+RUN pip install /wheels/trainguard-*.whl && rm -rf /wheels \
+    && python -m compileall -q "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+COPY --from=kubectl /bin/kubectl /usr/local/bin/kubectl
+COPY --chmod=0755 deploy/hooks/ /opt/trainguard/hooks/
+# Services listen on their health/metrics port on every interface inside the pod.
+ENV TRAINGUARD_HEALTH_HOST=0.0.0.0
+USER 10001:10001
+WORKDIR /home/trainguard
+ENTRYPOINT ["trainguard"]
+CMD ["--help"]
+
+# -- the training side --------------------------------------------------------------------
+FROM base AS client
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+COPY --from=wheel /wheels /wheels
+RUN pip install --index-url "${TORCH_INDEX}" --extra-index-url https://pypi.org/simple \
+        "torch==${TORCH_VERSION}" \
+    && pip install "$(ls /wheels/trainguard-*.whl)[torch,gpu]" && rm -rf /wheels \
+    && python -m compileall -q "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+USER 10001:10001
+WORKDIR /home/trainguard
+ENTRYPOINT ["trainguard"]
+CMD ["launch", "--help"]
