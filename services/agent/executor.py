@@ -5,7 +5,7 @@ and targets are ours, duplicate ids, retries, epochs) is the library's
 :class:`~trainguard.receiver.Receiver`, shared with the ranks; what is the agent's own is
 here: drills gated, isolation refused on the rendezvous-store host, ranks that must be local.
 ``hold`` is the control plane ending a job that cannot recover (a crash loop past its
-budget): the workers stop and ``trainguard launch`` exits 76, on every host (the store
+budget): the workers stop and ``trainguard launch`` exits 80, on every host (the store
 host's too: unlike an isolation, the whole job is meant to end).
 """
 

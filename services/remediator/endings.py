@@ -12,7 +12,7 @@ hosts, or a failed attempt the remediator then restarts itself, counts once
 every launcher of the job has exited, the incident gets its last two steps
 (:func:`.engine.hold_steps`): ``escalate`` tells on-call, once, with the failure's
 :func:`signature`, and ``hold`` stops every agent of the job (``trainguard launch`` exits
-76). The incident then fails (:func:`.engine.finish_step`).
+80). The incident then fails (:func:`.engine.finish_step`).
 """
 
 from __future__ import annotations

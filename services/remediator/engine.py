@@ -219,7 +219,7 @@ def repeating(inc: Incident, view: JobView, escalate_after: int) -> str:
 
 def hold_steps(inc: Incident, reason: str) -> list[IncidentStep]:
     """The end of a job that cannot recover: on-call is told once, with the failure's
-    signature, then every agent stops its workers (``trainguard launch`` exits 76)."""
+    signature, then every agent stops its workers (``trainguard launch`` exits 80)."""
     failure = inc.signature or inc.summary or inc.cause
     return [_step("escalate", reason=f"holding the job: {reason}; failure: {failure}"),
             _step("hold", reason=reason)]
