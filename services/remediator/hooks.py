@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
+from trainguard import envnames
 from trainguard.errors import ConfigError
 from trainguard.schemas import HookRun
 
@@ -45,22 +46,23 @@ class Hook:
         an unknown field is a :class:`ConfigError` naming ``setting``."""
         if not template.strip():
             return None
+        named = f"{setting} ({envnames.setting(setting)})"
         try:
             words = tuple(shlex.split(template))
         except ValueError as exc:
-            raise ConfigError(f"setting {setting}={template!r}: {exc} (quote it like a "
+            raise ConfigError(f"setting {named}={template!r}: {exc} (quote it like a "
                               "shell line)") from None
         formatter = string.Formatter()
         for word in words:
             try:
                 names = [name for _, name, _, _ in formatter.parse(word) if name is not None]
             except ValueError as exc:
-                raise ConfigError(f"setting {setting}: bad template word {word!r}: {exc} "
+                raise ConfigError(f"setting {named}: bad template word {word!r}: {exc} "
                                   "(write a literal brace as {{ or }})") from None
             unknown = sorted(set(names) - set(FIELDS))
             if unknown:
                 raise ConfigError(
-                    f"setting {setting}: unknown placeholder {{{unknown[0]}}} in {word!r}; "
+                    f"setting {named}: unknown placeholder {{{unknown[0]}}} in {word!r}; "
                     f"use {', '.join('{' + f + '}' for f in FIELDS)}")
         return cls(setting, words)
 
