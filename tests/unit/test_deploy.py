@@ -159,6 +159,11 @@ def test_every_service_is_told_every_nats_node_and_the_sentinels() -> None:
     mounts = {m["name"]: m["mountPath"] for m in nats["spec"]["template"]["spec"]
               ["containers"][0]["volumeMounts"]}
     assert mounts["trainguard-auth"] == "/etc/nats-config/auth"
+    pod = nats["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    for c in pod["containers"]:  # nats-server and its config reloader
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True, c["name"]
+        assert c["securityContext"]["capabilities"]["drop"] == ["ALL"], c["name"]
     headless = of(docs, "Service")["tg-nats-headless"]["metadata"]["name"]
     redis = of(docs, "StatefulSet")["tg-trainguard-redis"]
     assert redis["spec"]["replicas"] == 3
@@ -186,6 +191,12 @@ def test_valkey_runs_locked_down_with_a_sentinel_beside_each_server() -> None:
     assert "get-master-addr-by-name" in script  # a restarted pod follows a failover
     assert "cp /creds/redis-users.acl /conf/users.acl" in script  # the roles' ACL users
     assert "tls-port" not in script
+    for tls in (False, True):  # the rendered script is valid sh, with TLS or without
+        text = of(render(redis={"tls": {"enabled": tls}}), "ConfigMap")[
+            "tg-trainguard-redis-scripts"]["data"]["init.sh"]
+        done = subprocess.run(["sh", "-n"], input=text, capture_output=True, text=True,
+                              timeout=30)
+        assert done.returncode == 0, done.stderr
 
 
 def test_the_remediator_gets_the_kubernetes_hooks_and_may_patch_nodes_only() -> None:
