@@ -344,15 +344,24 @@ class RemediatorService(Service[RemediatorSettings]):
             logger.error("isolate hook for %s: %s", host, line)
 
     async def _sweep_blocklist(self) -> None:
-        """Remove ended blocklist entries (their TTL, or ``trainguard unblock``) and give
+        """Remove ended blocklist entries (their TTL, or ``trainguard unblock``), then give
         the hosts back to the scheduler (``release_hook``). Leader only; the delete is a
-        fenced compare-and-delete, so a host re-isolated meanwhile stays blocked."""
+        fenced compare-and-delete, so a host re-isolated meanwhile stays blocked and keeps
+        its cordon."""
         assert self.leader is not None
         if not self.leader.leading:
             return
         for host, value, entry in await self.store.ended(time.time()):
             logger = log.bind(job=entry.job or None, incident=entry.incident or None,
                               host=host)
+            try:
+                # Removed first: a host re-isolated meanwhile keeps its entry and its cordon.
+                if not await self.store.unblock(host, value):
+                    continue
+            except NotLeader:
+                return
+            logger.info("host %s left the blocklist (%s)", host,
+                        entry.released_by or "its ttl ended")
             if self.release_hook is not None:
                 run = await self.release_hook.run(
                     {"host": host, "job": entry.job, "incident": entry.incident,
@@ -360,12 +369,6 @@ class RemediatorService(Service[RemediatorSettings]):
                     self.settings.hook_timeout)
                 (logger.info if run.status == "ok" else logger.error)(
                     "release hook for %s: %s", host, hooks.summary(run))
-            try:
-                if await self.store.unblock(host, value):
-                    logger.info("host %s left the blocklist (%s)", host,
-                                entry.released_by or "its ttl ended")
-            except NotLeader:
-                return
 
     async def _restart(self, inc: Incident, step: IncidentStep, persist: Persist) -> None:
         view = await self.store.view(inc.job, inc.cause)
