@@ -22,7 +22,7 @@ from tests.integration.recorder import running
 from tests.integration.test_remediator_service import diagnosis, seed, settings_for, stage
 from tests.unit.test_remediator_hooks import HOOKS, calls, fake_tools
 from trainguard.bus import Bus
-from trainguard.schemas import Incident
+from trainguard.schemas import Incident, NodeHello
 from trainguard.services.remediator.service import RemediatorService
 from trainguard.state import Keys, read_blocklist_entry
 from trainguard.subjects import Subjects
@@ -177,3 +177,41 @@ async def unblock(nats_url: str, redis_url: str, prefix: str, host: str,
         stderr=asyncio.subprocess.STDOUT, env={**os.environ, "TRAINGUARD_CREDENTIALS": ""})
     out, _ = await asyncio.wait_for(proc.communicate(), 60)
     return int(proc.returncode or 0), out.decode()
+
+
+async def test_the_agent_joins_once_its_entry_ended_and_not_before(
+        nats_url: str, redis_url: str, prefix: str, job: str, nc: Any) -> None:
+    """The agent's launch check (``AgentLink.blocklisted``) against real Redis: an entry in
+    force blocks, one past its ``expires`` (TTL or ``trainguard unblock``) does not, even
+    before the remediator swept it."""
+    from trainguard.config import load_settings
+    from trainguard.services.agent.link import AgentLink
+    from trainguard.services.agent.node import LocalNode
+    from trainguard.services.agent.settings import AgentSettings
+    from trainguard.state import BlocklistEntry, encode_blocklist_entry
+    from trainguard.topology import provision, streams
+
+    await provision(nc.jetstream(), streams(prefix))
+    settings = load_settings(AgentSettings, env={}, overrides={
+        "nats_url": nats_url, "redis_url": redis_url, "prefix": prefix, "job": job,
+        "host": "node-b", "node_interval": 0.5, "gpu_interval": 60.0})
+    node = LocalNode(settings, hosts_store=False, gpu=None, publish_exit=lambda _: None)
+    link = AgentLink(settings, node, NodeHello(job=job, host="node-b"))
+    r = aioredis.Redis.from_url(redis_url)
+    key, now = Keys(prefix).blocklist(), time.time()
+    link.start()
+    try:
+        assert await asyncio.to_thread(link.ready.wait, 60), "agent link not ready"
+        assert await asyncio.to_thread(link.blocklisted) is None
+        for entry, blocked in (
+                (BlocklistEntry(reason="ecc", time=now, expires=now + 3600), True),
+                (BlocklistEntry(reason="by hand"), True),  # no expires: until unblocked
+                (BlocklistEntry(reason="ecc", time=now - 90, expires=now - 30), False),
+                (BlocklistEntry(reason="ecc", expires=now - 1, released_by="unblock"), False)):
+            await r.hset(key, "node-b", encode_blocklist_entry(entry))
+            reason = await asyncio.to_thread(link.blocklisted)
+            assert (reason == entry.reason) if blocked else reason is None, entry
+    finally:
+        await asyncio.to_thread(link.close, 10.0)
+        await r.delete(key)
+        await r.aclose()
