@@ -8,8 +8,9 @@
 set -eu
 host="$1"
 reason="${2:-isolated by trainguard}"
-node=$(kubectl get nodes -o jsonpath='{range .items[*]}{.metadata.name}{"\n"}{end}' |
-       awk -v h="$host" '{ n = $0; gsub(/\./, "-", n) } $0 == h || n == h { print $0; exit }')
+# shellcheck source=k8s-node.sh
+. "$(dirname "$0")/k8s-node.sh"
+node=$(node_of "$host")
 if [ -z "$node" ]; then
     echo "k8s-isolate: no node is named $host" >&2
     exit 3

@@ -4,8 +4,9 @@
 #   TRAINGUARD_RELEASE_HOOK="/opt/trainguard/hooks/k8s-release.sh {host}"
 set -eu
 host="$1"
-node=$(kubectl get nodes -o jsonpath='{range .items[*]}{.metadata.name}{"\n"}{end}' |
-       awk -v h="$host" '{ n = $0; gsub(/\./, "-", n) } $0 == h || n == h { print $0; exit }')
+# shellcheck source=k8s-node.sh
+. "$(dirname "$0")/k8s-node.sh"
+node=$(node_of "$host")
 if [ -z "$node" ]; then
     echo "k8s-release: no node is named $host (gone: nothing to give back)" >&2
     exit 0
