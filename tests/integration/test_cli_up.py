@@ -84,7 +84,9 @@ def test_up_starts_embedded_servers_answers_and_stops_cleanly(tmp_path: Path,
                     "--data-dir", str(tmp_path), "--base-port", str(base),
                     "--health-host", host, *(() if secure else ("--insecure",))),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "TRAINGUARD_LOG_FORMAT": "json"})
+        # With a sink the bridge runs (as the plugin `service` role under auth); without, skipped.
+        env={**os.environ, "TRAINGUARD_LOG_FORMAT": "json",
+             **({"TRAINGUARD_WEBHOOK_URL": "http://127.0.0.1:9/hook"} if secure else {})})
     assert proc.stdout is not None
     lines: list[str] = []
     try:
@@ -107,8 +109,9 @@ def test_up_starts_embedded_servers_answers_and_stops_cleanly(tmp_path: Path,
             s.sendall(b"PING\r\n")
             assert s.recv(7) == (b"-NOAUTH" if secure else b"+PONG\r\n")
         assert (f"creds: {tmp_path.resolve() / 'creds'}" in text) == secure, text
-        assert "bridge: skipped (no sink configured" in text, text
-        for name in ("detector", "diagnoser", "remediator", "checkpointer"):
+        assert ("bridge: skipped (no sink configured" in text) != secure, text
+        for name in ("detector", "diagnoser", "remediator", "checkpointer",
+                     *(("bridge",) if secure else ())):
             url = f"http://{host}:{base + OFFSETS[name]}"
             deadline = time.monotonic() + 60
             while (got := _get(f"{url}/readyz?verbose"))[0] != 200:
