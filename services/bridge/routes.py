@@ -66,13 +66,32 @@ class NotifyPolicyError(ConfigError):
     """The ``[notify]`` section is malformed; the message names the line and the key."""
 
 
-def _line_of(text: str, key: str) -> int:
-    """The first line that assigns ``key`` (comments are not assignments)."""
+def _line_of(text: str, key: str, after: int = 0) -> int:
+    """The first line past line ``after`` that assigns ``key`` or opens a table named
+    ``key`` (comments are not assignments); 0 if none."""
     for i, line in enumerate(text.splitlines(), 1):
-        code = line.split("#", 1)[0]
-        if code.strip().startswith((f"{key} ", f"{key}=")) or f"[{key}" in code:
+        code = line.split("#", 1)[0].strip()
+        if i > after and (code.startswith((f"{key} ", f"{key}=")) or code.startswith(
+                (f"[{key}]", f"[[{key}]]"))):
             return i
     return 0
+
+
+def _error_line(text: str, exc: msgspec.ValidationError) -> int:
+    """The line a msgspec error points at: ``... - at `$.routes[1].sinks[0]``` is the
+    ``sinks`` of the second ``[[notify.routes]]``; an unknown field names itself."""
+    message = str(exc)
+    start = _line_of(text, "notify")
+    path = message.rsplit("`$", 1)[-1].rstrip("`") if "`$" in message else ""
+    parts = [p for p in path.replace("]", "").replace("[", ".").split(".") if p]
+    if len(parts) >= 2 and parts[0] == "routes" and parts[1].isdigit():
+        for _ in range(int(parts[1]) + 1):
+            start = _line_of(text, "notify.routes", start) or start
+        parts = parts[2:]
+    keys = [p for p in parts if not p.isdigit()]
+    if message.startswith("Object contains unknown field"):
+        keys = [message.split("`")[1]]
+    return (_line_of(text, keys[0], start) if keys else 0) or start
 
 
 def parse_notify(text: str, source: str = "<policy>") -> NotifyPolicy:
@@ -85,24 +104,18 @@ def parse_notify(text: str, source: str = "<policy>") -> NotifyPolicy:
     try:
         policy = msgspec.convert(section, NotifyPolicy)
     except msgspec.ValidationError as exc:
-        # msgspec says "... - at `$.routes[0].sinks[1]`": the last named key finds the line.
-        where = str(exc).rsplit("`$", 1)[-1] if "`$" in str(exc) else ""
-        keys = [k for k in where.replace("[", ".").replace("]", "").strip("`.").split(".")
-                if k and not k.isdigit()]
-        unknown = str(exc).split("`")[1] if str(exc).startswith("Object contains unknown") \
-            else ""
-        key = unknown or (keys[-1] if keys else "notify")
-        line = _line_of(text, key) or _line_of(text, "notify")
-        raise NotifyPolicyError(f"{source}, line {line}: [notify]: {exc}") from None
+        raise NotifyPolicyError(f"{source}, line {_error_line(text, exc)}: [notify]: "
+                                f"{exc}") from None
+    start = _line_of(text, "notify")
     for name, value in (("rate_limit", policy.rate_limit), ("rate_window_s", policy.rate_window_s),
                         ("repeat_s", policy.repeat_s), ("firing_ttl_s", policy.firing_ttl_s)):
         if value < 0:
-            raise NotifyPolicyError(f"{source}, line {_line_of(text, name)}: [notify]: "
+            raise NotifyPolicyError(f"{source}, line {_line_of(text, name, start)}: [notify]: "
                                     f"{name} must not be negative")
     if policy.repeat_s == 0:
-        raise NotifyPolicyError(f"{source}, line {_line_of(text, 'repeat_s')}: [notify]: "
-                                "repeat_s must be positive (Alertmanager resolves an alert "
-                                "that is not re-posted)")
+        raise NotifyPolicyError(f"{source}, line {_line_of(text, 'repeat_s', start)}: "
+                                "[notify]: repeat_s must be positive (Alertmanager resolves an "
+                                "alert that is not re-posted)")
     return policy
 
 

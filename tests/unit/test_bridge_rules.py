@@ -162,6 +162,11 @@ def test_rate_limit_per_group_and_window() -> None:
     ("[notify]\n\n[[notify.routes]]\ncauses = [\"flu\"]\nsinks = []\n",
      "line 4: [notify]: Invalid enum value 'flu'"),
     ("[notify]\nrate_window_s = -1\n", "line 2: [notify]: rate_window_s must not be negative"),
+    # The second route's sinks, not the section's (nor the first route's) on an earlier line.
+    ("[notify]\nsinks = []\n[[notify.routes]]\nsinks = []\n[[notify.routes]]\n"
+     "sinks = [1]\n", "line 6: [notify]: Expected `str`, got `int` - at `$.routes[1].sinks[0]`"),
+    ("[defaults]\nrate_limit = 1\n[notify]\nrate_limit = -3\n",
+     "line 4: [notify]: rate_limit must not be negative"),
     ("[notify]\nrepeat_s = 0\n", "line 2: [notify]: repeat_s must be positive"),
 ])
 def test_a_bad_notify_section_names_its_line(text: str, message: str) -> None:
