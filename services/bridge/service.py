@@ -109,17 +109,21 @@ class BridgeService(Service[BridgeSettings]):
                               frozenset(self.sinks)):
             if not wants(sent, sink, inc):
                 continue
+            delivered = True
             try:
                 await self._deliver(sink, n, sent)
             except SinkError as exc:
-                failed.append(sink)
                 self._count(sink, "failed")
                 log.bind(job=inc.job, incident=inc.id).warning(
-                    "notifying %s of incident %s rev %d failed: %s", sink, inc.id, inc.rev, exc)
-                continue
+                    "notifying %s of incident %s rev %d failed%s: %s", sink, inc.id, inc.rev,
+                    " for good (the sink refused it)" if exc.permanent else "; will retry", exc)
+                if not exc.permanent:
+                    failed.append(sink)
+                    continue
+                delivered = False  # refused for good: recorded, so not sent again
             sent.revs[sink] = inc.rev
             await self.records.save(sent, firing=bool(sent.labels))
-            if published is not None and self._delay is not None:
+            if delivered and published is not None and self._delay is not None:
                 self._delay.labels(sink).observe(max(0.0, time.time() - published))
         if failed:
             raise Retry(min(30.0, 2.0 ** delivery.deliveries))

@@ -14,7 +14,7 @@ import urllib.error
 import urllib.request
 from urllib.parse import urlsplit
 
-from trainguard.errors import TrainguardError
+from trainguard.errors import ConfigError, TrainguardError
 
 from .payloads import Request
 
@@ -26,6 +26,13 @@ class SinkError(TrainguardError):
         self.sink, self.status = sink, status
         host = urlsplit(url).netloc or url[:40]
         super().__init__(f"{sink} at {host}: {why}")
+
+    @property
+    def permanent(self) -> bool:
+        """The sink refused this request itself (a 4xx other than 408/429): sending it
+        again would be refused again."""
+        return self.status is not None and 400 <= self.status < 500 \
+            and self.status not in (408, 429)
 
 
 def _post(sink: str, url: str, req: Request, timeout: float) -> int:
@@ -50,10 +57,9 @@ async def post(sink: str, url: str, req: Request, timeout: float) -> int:
 def check_url(setting: str, url: str) -> str:
     """``url`` if it is an http(s) URL; a :class:`~trainguard.errors.ConfigError` naming
     ``setting`` otherwise."""
-    from trainguard.errors import ConfigError
-
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ConfigError(f"setting {setting}={url[:60]!r} is not an http(s) URL: expected "
+        # Only the start of the value: a webhook URL's path is its secret.
+        raise ConfigError(f"setting {setting}={url[:12]!r}... is not an http(s) URL: expected "
                           "http://host:port/...")
     return url.rstrip("/") if setting == "alertmanager_url" else url

@@ -232,3 +232,25 @@ async def test_routes_and_rate_limits_come_from_the_policy_file(
         await wait_until(lambda: receiver.at("/ce"), what="the oom page on the default route")
     assert len(receiver.at("/slack")) == 1
     assert "inc-3" in receiver.at("/ce")[0].headers["ce-subject"]
+
+
+async def test_a_sink_that_refuses_for_good_is_recorded_not_retried(
+        nats_url: str, redis_url: str, prefix: str, job: str, bus: Bus,
+        receiver: Receiver) -> None:
+    """A 4xx (a revoked Slack hook, say) would be refused again: counted, logged, and the
+    revision is settled instead of being retried for ever."""
+    receiver.status = 404
+    settings = bridge_settings(nats_url, redis_url, prefix, receiver, None)
+    async with running(BridgeService(settings)) as rt:
+        await publish(bus, prefix, incident(job, 1, "open"))
+        svc = rt.service
+        assert isinstance(svc, BridgeService)
+
+        async def settled() -> bool:
+            sent = await svc.records.load(job, "inc-1")
+            return sent is not None and sent.revs == {"webhook": 1, "slack": 1}
+
+        await wait_until(settled, what="the revision settled for both sinks")
+        assert rt.metrics.registry.get_sample_value(
+            "trainguard_notifications_total", {"sink": "webhook", "outcome": "failed"}) == 1
+    assert len(receiver.at("/ce")) == 1 and len(receiver.at("/slack")) == 1

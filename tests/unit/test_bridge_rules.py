@@ -173,3 +173,19 @@ def test_a_bad_notify_section_names_its_line(text: str, message: str) -> None:
     with pytest.raises(NotifyPolicyError) as err:
         parse_notify(text, "p.toml")
     assert f"p.toml, {message}" in str(err.value)
+
+
+def test_sink_urls_are_checked_and_a_bridge_without_sinks_is_skipped() -> None:
+    from trainguard.config import load_settings
+    from trainguard.errors import ConfigError
+    from trainguard.services.bridge.service import BridgeService
+    from trainguard.services.bridge.settings import BridgeSettings
+
+    bare = load_settings(BridgeSettings, env={})
+    assert "no sink configured" in (BridgeService.unconfigured(bare) or "")
+    env = {"TRAINGUARD_SLACK_WEBHOOK_URL": "hooks.slack.com/services/T/B/secret"}
+    with pytest.raises(ConfigError, match=r"slack_webhook_url=.* is not an http"):
+        BridgeService(load_settings(BridgeSettings, env=env))
+    ok = load_settings(BridgeSettings, env={"TRAINGUARD_ALERTMANAGER_URL": "http://am:9093/"})
+    assert BridgeService.unconfigured(ok) is None
+    assert BridgeService(ok).sinks == {"alertmanager": "http://am:9093"}
