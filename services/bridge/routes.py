@@ -4,7 +4,7 @@
 [notify]
 sinks = ["alertmanager", "webhook", "slack"]   # where an incident goes when no route matches
 group_by = ["job", "cause"]     # incidents of one group share a rate limit (and AM groups)
-rate_limit = 10                 # push notifications per group per rate_window_s (0: none)
+rate_limit = 10                 # new-incident pages per sink and group per rate_window_s
 rate_window_s = 3600
 repeat_s = 60                   # re-post firing alerts to Alertmanager this often
 firing_ttl_s = 86400            # an escalated or failed incident stays firing this long

@@ -136,8 +136,8 @@ class BridgeService(Service[BridgeSettings]):
             return
         state = state_of(n.incident)
         labels = labels_of(n.incident, n.severity)
-        if state == "firing" and not self.limiter.allow(group_of(self.policy, labels),
-                                                        time.time()):
+        if state == "firing" and not self.limiter.allow(
+                f"{sink}|{group_of(self.policy, labels)}", time.time()):  # each sink its own
             sent.states[sink] = state
             if sink not in sent.suppressed:
                 sent.suppressed.append(sink)

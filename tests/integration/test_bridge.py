@@ -9,6 +9,7 @@ from each incident event to the webhook is printed. A restarted bridge pages nob
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -26,6 +27,7 @@ from trainguard.bus import Bus
 from trainguard.codec import decode_durable
 from trainguard.config import load_settings
 from trainguard.schemas import Incident, IncidentStep
+from trainguard.service import Runtime
 from trainguard.services.bridge.service import BridgeService
 from trainguard.services.bridge.settings import BridgeSettings
 from trainguard.subjects import Subjects
@@ -90,8 +92,8 @@ async def test_a_drill_incident_pages_alertmanager_webhook_and_slack_then_resolv
         receiver: Receiver, alertmanager: Alertmanager) -> None:
     agents, seen = await stage(nc, redis_url, prefix, job)
     events = await incident_events(nc, prefix, job)
-    bridge = BridgeService(bridge_settings(nats_url, redis_url, prefix, receiver, alertmanager))
-    async with running(bridge), leading(nats_url, redis_url, prefix, tmp_path,
+    async with bridging(bridge_settings(nats_url, redis_url, prefix, receiver, alertmanager)), \
+            leading(nats_url, redis_url, prefix, tmp_path,
                                         "launcher_grace_s = 0"):
         bus = Bus(nc, Subjects(prefix), source="test")
         await bus.publish_durable(Subjects(prefix).event(job, "diagnosis"), diagnosis(job, "d1"))
@@ -147,6 +149,18 @@ async def test_a_drill_incident_pages_alertmanager_webhook_and_slack_then_resolv
     assert all(d >= -1.0 for d in delays)  # clocks of one machine: sane, not a timing test
 
 
+@contextlib.asynccontextmanager
+async def bridging(settings: BridgeSettings) -> AsyncIterator[Runtime]:
+    """A bridge whose consumer is bound: it takes new events only, so one published before
+    the consumer exists would never reach it."""
+    async with running(BridgeService(settings)) as rt:
+        async def ready() -> bool:
+            return (await rt.ready())[0]
+
+        await wait_until(ready, what="the bridge's consumer bound")
+        yield rt
+
+
 async def publish(bus: Bus, prefix: str, inc: Incident) -> None:
     await bus.publish_durable(Subjects(prefix).event(inc.job, "incident"), inc)
 
@@ -168,14 +182,14 @@ async def test_a_restarted_bridge_does_not_page_twice(nats_url: str, redis_url: 
                                                       prefix: str, job: str, bus: Bus,
                                                       receiver: Receiver) -> None:
     settings = bridge_settings(nats_url, redis_url, prefix, receiver, None)
-    async with running(BridgeService(settings)):
+    async with bridging(settings):
         await publish(bus, prefix, incident(job, 1, "open"))
         await wait_until(lambda: len(receiver.at("/ce")) == 1, what="the first page")
     # While it is down: the same revision again (a publisher's retry), and a mitigating one.
     await publish(bus, prefix, incident(job, 1, "open"))
     await publish(bus, prefix, incident(job, 2, "mitigating", actions=[
         IncidentStep(action="restart", status="done")]))
-    async with running(BridgeService(settings)) as rt:
+    async with bridging(settings) as rt:
         await publish(bus, prefix, incident(job, 1, "open"))  # and once more, replayed
         await publish(bus, prefix, incident(job, 3, "resolved", resolved_at=time.time()))
         await wait_until(lambda: len(receiver.at("/ce")) == 2, what="the resolve")
@@ -195,7 +209,7 @@ async def test_a_failing_sink_is_retried_without_resending_to_the_others(
     policy.write_text('[notify]\nsinks = ["webhook", "slack"]\n')
     receiver.status = 503
     settings = bridge_settings(nats_url, redis_url, prefix, receiver, None, str(policy))
-    async with running(BridgeService(settings)) as rt:
+    async with bridging(settings) as rt:
         await publish(bus, prefix, incident(job, 1, "open"))
         await wait_until(lambda: len(receiver.got) >= 2, what="first tries")
         receiver.status = 200
@@ -218,7 +232,7 @@ async def test_routes_and_rate_limits_come_from_the_policy_file(
     policy.write_text('[notify]\nsinks = ["webhook"]\nrate_limit = 1\n'
                       '[[notify.routes]]\ncauses = ["rank_hang"]\nsinks = ["slack"]\n')
     settings = bridge_settings(nats_url, redis_url, prefix, receiver, None, str(policy))
-    async with running(BridgeService(settings)) as rt:
+    async with bridging(settings) as rt:
         await publish(bus, prefix, incident(job, 1, "open"))
         second = incident(job, 1, "open")
         second.id = "inc-2"
@@ -241,7 +255,7 @@ async def test_a_sink_that_refuses_for_good_is_recorded_not_retried(
     revision is settled instead of being retried for ever."""
     receiver.status = 404
     settings = bridge_settings(nats_url, redis_url, prefix, receiver, None)
-    async with running(BridgeService(settings)) as rt:
+    async with bridging(settings) as rt:
         await publish(bus, prefix, incident(job, 1, "open"))
         svc = rt.service
         assert isinstance(svc, BridgeService)
