@@ -170,12 +170,16 @@ def test_up_refuses_a_taken_port(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("args", "message"), [
     (("service", "nonexistent"), "unknown service 'nonexistent'"),
+    (("service", "bridge"), "service bridge: no sink configured: set TRAINGUARD_ALERTMANAGER_URL"),
     (("up", "--nats", "localhost:4222"), "is not a valid URL"),
     (("up", "--redis", "http://x"), "redis_url='http://x' is not a valid URL"),
     (("up", "--nats-port", "70000"), "use a TCP port between 1 and 65535"),
 ])
 def test_bad_arguments_say_what_is_wrong(args: tuple[str, ...], message: str) -> None:
-    out = subprocess.run(_trainguard(*args), capture_output=True, text=True, timeout=60)
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_URL")
+           or not k.startswith("TRAINGUARD_")}
+    out = subprocess.run(_trainguard(*args), capture_output=True, text=True, timeout=60,
+                         env=env)
     assert out.returncode == 2, out
     assert message in out.stderr
 
