@@ -268,3 +268,52 @@ async def test_a_sink_that_refuses_for_good_is_recorded_not_retried(
         assert rt.metrics.registry.get_sample_value(
             "trainguard_notifications_total", {"sink": "webhook", "outcome": "failed"}) == 1
     assert len(receiver.at("/ce")) == 1 and len(receiver.at("/slack")) == 1
+
+
+async def test_an_escalation_replaces_the_warning_alert_and_stays_firing(
+        nats_url: str, redis_url: str, prefix: str, job: str, bus: Bus, receiver: Receiver,
+        alertmanager: Alertmanager) -> None:
+    """Severity is a label, so escalating is a new alert: the warning one is resolved, the
+    critical one fires (and is kept firing: nothing will resolve an escalated incident)."""
+    settings = bridge_settings(nats_url, redis_url, prefix, receiver, alertmanager)
+    async with bridging(settings) as rt:
+        await publish(bus, prefix, incident(job, 1, "open"))
+        await wait_until(lambda: [a["labels"]["severity"] for a in our_alerts(
+            alertmanager, "inc-1")] == ["warning"], timeout=20, what="the warning alert")
+        await publish(bus, prefix, incident(job, 2, "escalated",
+                                            escalation="restart budget spent"))
+        await wait_until(lambda: [a["labels"]["severity"] for a in our_alerts(
+            alertmanager, "inc-1")] == ["critical"], timeout=20,
+            what="only the critical alert active")
+        svc = rt.service
+        assert isinstance(svc, BridgeService)
+        assert await svc.records.firing() == [(job, "inc-1")]
+    alert = our_alerts(alertmanager, "inc-1")[0]
+    assert "escalated: restart budget spent" in alert["annotations"]["summary"]
+    assert [h.headers["ce-tgstate"] for h in receiver.at("/ce")] == ["firing", "escalated"]
+    assert receiver.at("/ce")[1].headers["ce-tgseverity"] == "critical"
+
+
+async def test_firing_alerts_are_reposted_until_resolved(
+        nats_url: str, redis_url: str, prefix: str, job: str, bus: Bus, receiver: Receiver,
+        tmp_path: Path) -> None:
+    """Alertmanager drops an alert not re-posted within its resolve_timeout: the bridge
+    re-posts each firing one every repeat_s (here the receiver stands in for it)."""
+    policy = tmp_path / "policy.toml"
+    policy.write_text('[notify]\nsinks = ["alertmanager"]\nrepeat_s = 0.2\n')
+    settings = load_settings(BridgeSettings, env={}, overrides={
+        "nats_url": nats_url, "redis_url": redis_url, "prefix": prefix, "policy": str(policy),
+        "alertmanager_url": receiver.url})
+    async with bridging(settings) as rt:
+        await publish(bus, prefix, incident(job, 1, "open"))
+        posts = await wait_until(lambda: receiver.at("/api/v2/alerts")
+                                 if len(receiver.at("/api/v2/alerts")) >= 3 else None,
+                                 what="the alert re-posted")
+        assert all(p.json() == posts[0].json() for p in posts)  # the same alert, as is
+        assert "endsAt" not in posts[0].json()[0]
+        await publish(bus, prefix, incident(job, 2, "resolved", resolved_at=time.time()))
+        await wait_until(lambda: any("endsAt" in p.json()[0]
+                                     for p in receiver.at("/api/v2/alerts")), what="resolved")
+        svc = rt.service
+        assert isinstance(svc, BridgeService)
+        assert await svc.records.firing() == []
