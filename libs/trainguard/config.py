@@ -39,8 +39,13 @@ class Settings:
     connect_timeout: float = 5.0
     """Bound on the first NATS/Redis connect; reconnects after that go on forever."""
     health_host: str = "127.0.0.1"
+    """Bind address of /livez, /readyz, /metrics: ``0.0.0.0`` in a pod, so the kubelet and
+    Prometheus reach it."""
     health_port: int = 0
-    """Port of /livez, /readyz, /metrics; 0 picks a free one (logged at start)."""
+    """Port of /livez, /readyz, /metrics; 0: ``base_port`` + the service's offset
+    (:mod:`trainguard.ports`), or any free port (logged at start) without a base port."""
+    base_port: int = 0
+    """Base of the fixed health ports (``trainguard up`` defaults to 9460); 0: none."""
     max_deliver: int = 5
     """Deliveries of a message whose handler keeps failing before it is dead-lettered."""
     ack_wait: float = 30.0

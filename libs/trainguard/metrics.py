@@ -1,10 +1,27 @@
-"""The Prometheus series every service exposes, on a registry of its own."""
+"""The Prometheus series every service exposes, on a registry of its own.
+
+Besides the plumbing below, each registry carries ``trainguard_build_info`` and the
+standard process, platform and GC collectors (``process_*``, ``python_*``), so memory, CPU
+and restarts of every service can be graphed and alerted on. The series about jobs and
+incidents are in :mod:`trainguard.jobmetrics`.
+"""
 
 from __future__ import annotations
 
+import platform
 from typing import Literal
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    Info,
+)
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
+
+from . import __version__
 
 ErrorReason = Literal[
     "malformed", "wrong_type", "oversized", "rejected", "handler_error", "publish_too_large",
@@ -21,6 +38,14 @@ class Metrics:
     def __init__(self, service: str) -> None:
         self.registry = CollectorRegistry()
         self.service = service
+        # The default registry's collectors are process-wide; each service's own registry
+        # gets its own instances (several services share a process under `trainguard up`).
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
+        Info("trainguard_build", "The trainguard build serving this endpoint",
+             registry=self.registry).info({"version": __version__, "service": service,
+                                           "python": platform.python_version()})
         self.messages = Counter("trainguard_messages", "Durable messages settled, by outcome",
                                 ["service", "consumer", "outcome"], registry=self.registry)
         self.dead = Counter("trainguard_dead_letters", "Messages sent to the dead-letter subject",

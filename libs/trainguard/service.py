@@ -43,9 +43,10 @@ from .bus import Bus, connect_nats
 from .codec import decode_telemetry
 from .config import Settings
 from .errors import DecodeError, NotStarted
-from .health import HealthServer
+from .health import Check, HealthServer, summary
 from .logs import Log, get_logger
 from .metrics import ErrorReason, Metrics
+from .ports import health_port
 from .schemas import Durable, TelemetryMessage
 from .settle import (
     TRANSIENT_ERRORS,
@@ -269,24 +270,38 @@ class Runtime:
         for consumer in service.consumers():
             self.spawn(self._consume(consumer), f"consume:{consumer.spec.durable}", vital=True)
         self.spawn(self._dead_letter_pump(), "dead-letters", vital=True)
-        self.health = HealthServer(self.metrics.registry, self.ready, self.live)
-        await self.health.start(s.health_host, s.health_port)
+        self.health = HealthServer(self.metrics.registry, self.checks, self.live)
+        await self.health.start(s.health_host,
+                                s.health_port or health_port(service.name, s.base_port))
         await service.start(self)
         log.info("service %s ready (health on %s:%d)", service.name, s.health_host,
                  self.health.port)
 
     async def ready(self) -> tuple[bool, str]:
+        """Ready or not, and the first failure (or the service's word when ready)."""
+        checks = await self.checks()
+        return all(c.ok for c in checks), summary(checks)
+
+    async def checks(self) -> list[Check]:
+        """Every readiness check, in order (``/readyz?verbose`` lists them all)."""
         wanted = {c.spec.durable for c in self.service.consumers()}
-        if self._bus is None or not self._bus.connected:
-            return False, "nats: disconnected"
-        if missing := wanted - self._bound:
-            return False, f"consumers not bound: {', '.join(sorted(missing))}"
+        connected = self._bus is not None and self._bus.connected
+        out = [Check("nats", connected, "connected" if connected else "nats: disconnected")]
+        missing = wanted - self._bound
+        out.append(Check("consumers", not missing,
+                         f"consumers not bound: {', '.join(sorted(missing))}" if missing
+                         else f"bound: {', '.join(sorted(wanted)) or 'none declared'}"))
         try:
             await asyncio.wait_for(self.redis.ping(), 1.0)
+            out.append(Check("redis", True, "answers"))
         except Exception as exc:
-            return False, f"redis: {exc!r}"
-        ok, detail = await self.service.ready()
-        return ok, detail or "ready"
+            out.append(Check("redis", False, f"redis: {exc!r}"))
+        try:
+            ok, detail = await self.service.ready()
+        except Exception as exc:
+            ok, detail = False, f"check failed: {exc!r}"
+        out.append(Check(self.service.name, ok, detail or "ready"))
+        return out
 
     async def stop(self, grace: float = 10.0) -> None:
         self.stopping.set()
@@ -379,6 +394,12 @@ class Service(Generic[S]):
         if self._runtime is None:
             raise NotStarted(self.name)
         return self._runtime
+
+    @classmethod
+    def unconfigured(cls, settings: Settings) -> str | None:
+        """Why this service has nothing to do with ``settings`` (``trainguard up`` skips it
+        and says why), or None to run it."""
+        return None
 
     def consumers(self) -> Sequence[Consumer]:
         return ()

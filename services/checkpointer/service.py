@@ -31,6 +31,7 @@ from trainguard.codec import decode_durable
 from trainguard.commit_record import COMMIT_FILE, CommitRecord
 from trainguard.config import Settings
 from trainguard.errors import ConfigError, DecodeError, NotStarted, Reject, Retry
+from trainguard.jobmetrics import CheckpointMetrics
 from trainguard.logs import get_logger
 from trainguard.rpc import (
     CATALOGUE,
@@ -84,6 +85,7 @@ class CheckpointerService(Service[CheckpointerSettings]):
         self._savenow: SaveNow | None = None
         self._commands: CommandFactory | None = None
         self._serving = False
+        self._ckpt_metrics: CheckpointMetrics | None = None
 
     # -- wiring -------------------------------------------------------------------------
     @property
@@ -119,6 +121,7 @@ class CheckpointerService(Service[CheckpointerSettings]):
 
     async def start(self, rt: Runtime) -> None:
         self._catalogue = Catalogue(rt.redis, self.settings.prefix)
+        self._ckpt_metrics = CheckpointMetrics(rt.metrics.registry)
         self._commands = CommandFactory(self._catalogue, self.settings)
         self._savenow = SaveNow(rt, self._catalogue, self.settings, self._commands)
         s = self.settings.subjects
@@ -209,9 +212,14 @@ class CheckpointerService(Service[CheckpointerSettings]):
         return verdict
 
     async def _close(self, rec: Record, status: str, fields: dict[str, str]) -> None:
-        out = await self.catalogue.close(rec, status, fields, now=time.time())
+        now = time.time()
+        out = await self.catalogue.close(rec, status, fields, now=now)
         if not out.won:
             return
+        if self._ckpt_metrics is not None:
+            self._ckpt_metrics.closed_checkpoint(
+                rec.job, rec.step, "suspect" if out.suspect and status == "committed"
+                else status, rec.t0 or rec.first_at, now)
         log.bind(job=rec.job, step=rec.step).info(
             "checkpoint %s step %d: %s%s", rec.job, rec.step, status,
             f" ({fields.get('reason') or out.suspect})" if fields.get("reason") or out.suspect

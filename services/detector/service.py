@@ -33,6 +33,7 @@ from prometheus_client import Counter, Gauge
 
 from trainguard.config import Settings, load_settings
 from trainguard.errors import Retry
+from trainguard.jobmetrics import JobMetrics
 from trainguard.schemas import (
     CheckpointReport,
     NodeHello,
@@ -89,6 +90,7 @@ class DetectorService(Service[DetectorSettings]):
         self.bus_view = BusView(settings.bus_stale_after, time.time())
         self._probe: BusProbe | None = None
         self._stalls: Any = None
+        self._jobs: JobMetrics | None = None
 
     @property
     def leases(self) -> Leases:
@@ -140,6 +142,7 @@ class DetectorService(Service[DetectorSettings]):
 
     def _metrics(self, rt: Runtime) -> Counter:
         registry = rt.metrics.registry
+        self._jobs = JobMetrics(registry)
         self._stalls = Counter("trainguard_detector_bus_stalls",
                                "Times the detector's view of the bus went stale",
                                registry=registry)
@@ -265,6 +268,8 @@ class DetectorService(Service[DetectorSettings]):
 
     def _drop(self, job: str) -> None:
         self.owned.discard(job)
+        if self._jobs is not None:
+            self._jobs.forget(job)
         self.detector.forget(job)
         log.info("detector %s no longer owns job %s", self.instance, job)
 
@@ -315,6 +320,8 @@ class DetectorService(Service[DetectorSettings]):
             progress = self.detector.progress(job, now)
             if progress is not None and progress.ranks:
                 pipe.set(self.keys.progress(job), encode_progress(progress), ex=expiry)
+                if self._jobs is not None:
+                    self._jobs.observe(progress, now)
         if len(pipe) and not self.redis_outage.down:
             try:
                 await pipe.execute()

@@ -70,10 +70,11 @@ def parse_policy(text: str, source: str = "<policy>") -> Policy:
         line = _line_of(text, needle)
         return PolicyError(f"{source}, line {line}: {why}" if line else f"{source}: {why}")
 
-    unknown_top = set(raw) - {"defaults", "causes"}
+    unknown_top = set(raw) - {"defaults", "causes", "notify"}  # [notify]: the bridge's
     if unknown_top:
         name = sorted(unknown_top)[0]
-        raise fail(name, f"unknown section [{name}] (expected [defaults] and [causes.*])")
+        raise fail(name, f"unknown section [{name}] (expected [defaults], [causes.*] and "
+                         "[notify])")
     d: dict[str, Any] = raw.get("defaults", {})
     known = {"cooldown_s", "restart_budget_per_hour", "ack_timeout_s", "save_deadline_s",
              "resolve_timeout_s", "escalate_unknown", "unknown_grace_s",

@@ -30,6 +30,7 @@ from opentelemetry.context import Context
 from trainguard.codec import decode_as
 from trainguard.envelope import H_TYPE, normalize_headers
 from trainguard.errors import Retry
+from trainguard.jobmetrics import IncidentMetrics
 from trainguard.logs import get_logger
 from trainguard.schemas import (
     Anomaly,
@@ -80,6 +81,9 @@ class RemediatorService(Service[RemediatorSettings]):
         self._running: dict[str, asyncio.Task[None]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._resolved_anomalies: set[str] = set()
+        self._metrics: IncidentMetrics | None = None
+        self._counted: dict[str, None] = {}
+        """Incidents whose end is counted (insertion-ordered, bounded)."""
 
     # -- wiring ---------------------------------------------------------------------------
     def consumers(self) -> Sequence[Consumer]:
@@ -101,6 +105,7 @@ class RemediatorService(Service[RemediatorSettings]):
 
     async def start(self, rt: Runtime) -> None:
         self.leader = Leadership(rt.redis, self.keys, ttl=self.settings.lease_ttl)
+        self._metrics = IncidentMetrics(rt.metrics.registry, "remediator")
         self._store = Store(rt.redis, self.keys, self.leader)
         self._coordinator = Coordinator(rt.bus.nc, self.settings.subjects)
         await rt.subscribe(self.settings.subjects.pattern("ack", tail="remediator"),
@@ -133,7 +138,10 @@ class RemediatorService(Service[RemediatorSettings]):
     async def _lead(self) -> None:
         assert self.leader is not None
         was = self.leader.leading
-        if await self.leader.tick() and not was:
+        leading = await self.leader.tick()
+        if self._metrics is not None:
+            self._metrics.leading(leading)
+        if leading and not was:
             log.info("remediator: leading with epoch %d", self.leader.epoch)
             for inc in await self.store.open_all():
                 log.bind(job=inc.job, incident=inc.id).info("resuming incident %s of %s",
@@ -213,6 +221,11 @@ class RemediatorService(Service[RemediatorSettings]):
         if publish:
             inc.rev += 1
         await self.store.save(inc)
+        if not rules.is_open(inc) and self._metrics is not None and inc.id not in self._counted:
+            self._metrics.ended_incident(inc)
+            self._counted[inc.id] = None
+            if len(self._counted) > 10_000:
+                del self._counted[next(iter(self._counted))]
         if publish:
             await self.runtime.publish_event(self.settings.subjects.event(inc.job, "incident"), inc)
 
@@ -418,9 +431,14 @@ class RemediatorService(Service[RemediatorSettings]):
         and hold the jobs that cannot recover (:func:`.endings.hold_reason`)."""
         assert self.leader is not None
         if not self.leader.leading:
+            if self._metrics is not None:
+                self._metrics.show_open(())  # the leader exports them
             return
         now = time.time()
-        for listed in await self.store.open_all():
+        listing = await self.store.open_all()
+        if self._metrics is not None:
+            self._metrics.show_open(listing)
+        for listed in listing:
             task, lock = self._running.get(listed.id), self._lock(listed.id)
             if (task is not None and not task.done()) or lock.locked():
                 continue

@@ -157,9 +157,36 @@ async def test_health_endpoints(nats_url: str, redis_url: str, prefix: str) -> N
         await wait_until(ready, what="ready")
         code, body = await get("/readyz")
         assert code == 200 and "ready" in body
+        code, body = await get("/readyz?verbose")
+        assert code == 200
+        assert body.splitlines() == ["[+] nats: connected", "[+] consumers: bound: recorder",
+                                     "[+] redis: answers", "[+] recorder: ready",
+                                     "readyz check passed"]
         code, body = await get("/metrics")
         assert code == 200 and "trainguard_handler_seconds" in body
+        assert 'trainguard_build_info{' in body and "process_resident_memory_bytes" in body
         assert (await get("/nope"))[0] == 404
+
+
+class WarmingUp(Recorder):
+    async def ready(self) -> tuple[bool, str]:
+        return False, "warming up"
+
+
+async def test_readyz_verbose_names_the_failing_check(nats_url: str, redis_url: str,
+                                                      prefix: str) -> None:
+    """Regression: ``/readyz?verbose`` was a 404."""
+    async with running(WarmingUp(recorder_settings(nats_url, redis_url, prefix))) as rt:
+        async def bound() -> bool:
+            return all(c.ok for c in await rt.checks() if c.name != "recorder")
+
+        await wait_until(bound, what="everything but the service's own check")
+        code, body = await http_get(rt, "/readyz")
+        assert (code, body) == (503, "warming up\n")
+        code, body = await http_get(rt, "/readyz?verbose")
+        assert code == 503
+        assert body.splitlines()[-2:] == ["[-] recorder: warming up", "readyz check failed"]
+        assert body.startswith("[+] nats: connected\n")
 
 
 async def test_service_survives_a_nats_server_restart(private_nats: NatsServer, redis_url: str,

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 
 from .. import registry, tracing
+from ..errors import ConfigError
 from ..service import run_service
 from .common import add_connection_flags, settings_from
 
@@ -17,12 +18,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                                                    or "none installed"))
     add_connection_flags(p)
     p.add_argument("--health-port", type=int, default=None,
-                   help="port for /livez, /readyz, /metrics (0 = any free port)")
+                   help="port for /livez, /readyz, /metrics (env TRAINGUARD_HEALTH_PORT; "
+                        "default: TRAINGUARD_BASE_PORT + the service's offset, else any free "
+                        "port); bind address: TRAINGUARD_HEALTH_HOST (0.0.0.0 in a pod)")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     cls = registry.load(args.name)
     settings = settings_from(args, cls.settings_type, health_port=args.health_port)
+    if (why := cls.unconfigured(settings)) is not None:
+        raise ConfigError(f"service {cls.name}: {why}")
     tracing.setup_tracing(f"trainguard-{cls.name}", settings.otel_exporter)
     return asyncio.run(run_service(cls(settings)))

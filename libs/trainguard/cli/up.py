@@ -9,6 +9,13 @@ The embedded servers run with auth on: one NATS user and one Redis ACL user per 
 reused on the next start. Each service connects as its own role; agents, ranks and on-call
 tools take theirs from there (``--credentials`` / ``TRAINGUARD_CREDENTIALS``).
 ``--insecure`` starts them without auth, for a quick local try.
+
+Each service's ``/livez``, ``/readyz`` and ``/metrics`` listen on a fixed port, the base
+port (``--base-port``, default 9460) plus the service's offset (``trainguard.ports``:
+detector +1, diagnoser +2, remediator +3, checkpointer +4, bridge +5, dashboard +6), on
+``--health-host`` (default 127.0.0.1; 0.0.0.0 to be scraped from elsewhere).
+``--base-port 0`` takes free ports instead. A service that needs configuration it lacks
+(the bridge without a sink) is skipped with the reason.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -24,8 +32,10 @@ from pathlib import Path
 from .. import registry, tracing
 from ..auth import ensure_credentials, nats_authorization, redis_acl_file, role_of_service
 from ..config import DEFAULT_NATS_PORT, DEFAULT_REDIS_PORT, Settings
-from ..embedded import NatsServer, RedisServer, ServerProcess
+from ..embedded import NatsServer, RedisServer, ServerProcess, port_taken
+from ..envnames import setting
 from ..errors import ConfigError
+from ..ports import DEFAULT_BASE_PORT, health_port
 from ..service import Runtime, Service, run_service
 from .common import add_connection_flags, settings_from, tcp_port
 
@@ -44,6 +54,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="where embedded servers keep their data (default ./.trainguard)")
     p.add_argument("--insecure", action="store_true",
                    help="embedded servers without authentication (a quick local try only)")
+    p.add_argument("--base-port", type=int, default=None,
+                   help=f"health ports are this + each service's offset (env "
+                        f"TRAINGUARD_BASE_PORT; default {DEFAULT_BASE_PORT}: detector "
+                        f"{DEFAULT_BASE_PORT + 1} ...; 0: free ports)")
+    p.add_argument("--health-host", default=None, metavar="ADDR",
+                   help="bind address of the health servers (env TRAINGUARD_HEALTH_HOST; "
+                        "default 127.0.0.1; 0.0.0.0 for scrapes and probes from elsewhere)")
     p.add_argument("--services", default="all",
                    help="comma-separated services to run, or 'all' (default), or 'none'")
     p.set_defaults(run=run)
@@ -67,7 +84,12 @@ def _selected(spec: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     names = _selected(args.services)
-    base = settings_from(args)  # validates URLs given on the command line
+    # validates URLs given on the command line
+    base_port = args.base_port
+    if base_port is None and setting("base_port") not in os.environ:
+        base_port = DEFAULT_BASE_PORT
+    base = settings_from(args, base_port=base_port, health_host=args.health_host)
+    _check_health_ports(names, base)
     servers: list[ServerProcess] = []
     data = Path(args.data_dir).resolve()
     urls = {"nats_url": base.nats_url, "redis_url": base.redis_url}
@@ -124,8 +146,11 @@ async def _serve(names: list[str], base: Settings, creds_dir: Path | None) -> in
         except Exception as exc:  # a broken service must not stop the rest
             _say(f"{name}: cannot load ({exc!r}); skipped")
             continue
-        tasks.append(asyncio.create_task(
-            _supervise(cls(_settings_for(cls, base, creds_dir)), stop), name=name))
+        settings = _settings_for(cls, base, creds_dir)
+        if (why := cls.unconfigured(settings)) is not None:
+            _say(f"{name}: skipped ({why})")
+            continue
+        tasks.append(asyncio.create_task(_supervise(cls(settings), stop), name=name))
     if not names:
         _say("services: none installed")
     _say("trainguard up: running; Ctrl-C or SIGTERM stops everything")
@@ -135,11 +160,24 @@ async def _serve(names: list[str], base: Settings, creds_dir: Path | None) -> in
     return 0
 
 
+def _check_health_ports(names: list[str], base: Settings) -> None:
+    """Refuse to start when a fixed health port is taken (a second ``up``, an exporter):
+    otherwise that service would restart forever, unreachable."""
+    for name in names:
+        port = health_port(name, base.base_port)
+        if port and port_taken(port, "127.0.0.1" if base.health_host == "0.0.0.0"
+                               else base.health_host):
+            raise ConfigError(f"up: health port {port} of {name} (base port "
+                              f"{base.base_port} + {port - base.base_port}) is already in "
+                              "use; stop what holds it or pick another --base-port "
+                              "(0: free ports)")
+
+
 def _settings_for(cls: type[Service], base: Settings, creds_dir: Path | None) -> Settings:
     from ..config import load_settings
 
     shared = {k: getattr(base, k) for k in ("nats_url", "redis_url", "prefix", "otel_exporter",
-                                            "credentials")}
+                                            "credentials", "base_port", "health_host")}
     if creds_dir is not None:  # each service as its own role
         shared["credentials"] = str(creds_dir / f"{role_of_service(cls.name)}.json")
     return load_settings(cls.settings_type, overrides=shared)

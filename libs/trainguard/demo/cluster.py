@@ -138,7 +138,8 @@ class Cluster:
     """Starts and stops the control plane and the two agents; owns their processes."""
 
     def __init__(self, workdir: Path, job: str, *, steps: int, step_time: float,
-                 ckpt_every: int, model: str = "lm", quiet: bool = True) -> None:
+                 ckpt_every: int, model: str = "lm", quiet: bool = True,
+                 plane_env: dict[str, str] | None = None) -> None:
         self.workdir = workdir
         self.job = job
         self.steps = steps
@@ -151,6 +152,8 @@ class Cluster:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.observer = Observer()
         self._nc: Any = None
+        self.plane_env = dict(plane_env or {})
+        """Extra environment of ``trainguard up`` (the bridge's sinks, say)."""
 
     @property
     def spans_path(self) -> Path:
@@ -203,7 +206,9 @@ class Cluster:
         self._spawn("control-plane", [sys.executable, "-m", "trainguard", "up",
                                       "--nats-port", str(self.nats_port),
                                       "--redis-port", str(self.redis_port),
-                                      "--data-dir", str(self.workdir / "plane")])
+                                      "--data-dir", str(self.workdir / "plane"),
+                                      # free health ports: a demo beside a running `up`
+                                      "--base-port", "0"], self.plane_env)
         await self._wait_log("control-plane", "trainguard up: running", timeout)
         # The observer and the drills act as an operator would.
         operator = load_credentials(self.creds_dir / "operator.json")

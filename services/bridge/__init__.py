@@ -1,0 +1,1 @@
+"""The alert bridge: incidents → Alertmanager, a CloudEvents webhook and Slack."""
