@@ -66,6 +66,7 @@ def nats_permissions(role: Role, prefix: str = "tg", job: str = "*") -> dict[str
     on-call tool only read the event and dead-letter streams (ordered consumers, with their
     flow control). Nobody but the services may delete a consumer or touch a stream.
     """
+    from .fencing import bucket_name
     from .topology import stream_name
 
     p = f"{prefix}.{job if role in ('rank', 'agent') else '*'}"
@@ -96,8 +97,8 @@ def nats_permissions(role: Role, prefix: str = "tg", job: str = "*") -> dict[str
         case "detector" | "diagnoser" | "remediator" | "checkpointer" | "service":
             publish = [f"{p}.event.*", f"{p}.dead", "$JS.API.>", JS_ACK]
             subscribe += [f"{prefix}.>", "$JS.EVENT.>"]
-            if role == "remediator":
-                publish += [f"{p}.cmd.>", f"{p}.rpc.*"]
+            if role == "remediator":  # and draw its fencing epochs (trainguard.fencing)
+                publish += [f"{p}.cmd.>", f"{p}.rpc.*", f"$KV.{bucket_name(prefix)}.>"]
             if role == "checkpointer":
                 publish += [f"{p}.cmd.>"]
                 responses = True
