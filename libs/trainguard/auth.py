@@ -125,14 +125,16 @@ def redis_acl(role: Role, password: str, prefix: str = "tg") -> str | None:
             # Read only: Redis 6.2 cannot grant a write on one key pattern alone, so any
             # write would reach the blocklist and the epoch too. Its node record is the
             # control plane's, from its durable hellos.
+            # No ``+client|setinfo``: Redis 7.0 refuses the rule (the subcommand came in 7.2)
+            # and redis-py ignores the refusal of the command, so the file loads everywhere.
             keys = f"~{prefix}:blocklist ~{prefix}:epoch:*"
-            cmds = "+ping +get +hget +client|setinfo +client|setname"
+            cmds = "+ping +get +hget +client|setname"
         case "oncall":
             keys = f"~{prefix}:*"
-            cmds = "+@read +ping +scan +client|setinfo +client|setname"
+            cmds = "+@read +ping +scan +client|setname"
         case _:
             keys = f"~{prefix}:*"
-            cmds = "+@all -@dangerous +info +client|setinfo +client|setname"
+            cmds = "+@all -@dangerous +info +client|setname"
     return f"user {role} on >{password} resetkeys {keys} resetchannels {cmds}"
 
 
