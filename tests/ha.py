@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import time
@@ -104,6 +105,21 @@ class NatsCluster:
         info = await nc.jetstream(timeout=5.0).stream_info(stream)
         assert info.cluster is not None and info.cluster.leader, f"{stream} has no leader"
         return self.node(info.cluster.leader)
+
+    async def co_lead(self, streams: Sequence[str], nc: Any, timeout: float = 30.0) -> ClusterNode:
+        """Move the leadership of every stream to the first one's leader (a stream leader
+        step-down naming the preferred server), so killing one node hits them all."""
+        target = await self.leader_of(streams[0], nc)
+        deadline = time.monotonic() + timeout
+        for stream in streams[1:]:
+            while (await self.leader_of(stream, nc)) is not target:
+                assert time.monotonic() < deadline, f"{stream} would not move to {target.name}"
+                with contextlib.suppress(Exception):
+                    await nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}",
+                                     json.dumps({"placement": {"preferred": target.name}})
+                                     .encode(), timeout=5.0)
+                await asyncio.sleep(0.5)
+        return target
 
 
 class ReplicaServer(RedisServer):
