@@ -81,22 +81,27 @@ class NatsCluster:
             with contextlib.suppress(Exception):
                 node.stop()
 
-    async def wait_ready(self, timeout: float = 30.0) -> None:
-        """Until JetStream answers through every node (a meta leader is elected and every
-        node has joined it)."""
+    async def wait_ready(self, timeout: float = 60.0) -> None:
+        """Until JetStream answers through every node and places a stream on all of them
+        (a meta leader is elected and every server joined it as a peer)."""
         deadline = time.monotonic() + timeout
         for node in self.nodes:
             nc = await nats.connect(node.url, max_reconnect_attempts=-1)
             try:
+                js = nc.jetstream(timeout=5.0)
+                probe = f"READY_{node.name.upper()}"
                 while True:
                     try:
-                        await nc.jetstream(timeout=2.0).account_info()
+                        await js.add_stream(name=probe, subjects=[f"ready.{node.name}"],
+                                            num_replicas=len(self.nodes))
+                        await js.delete_stream(probe)
                         break
                     except Exception:
                         if time.monotonic() > deadline:
                             raise AssertionError(
-                                f"NATS cluster: no JetStream through {node.name} within "
-                                f"{timeout:.0f}s:\n{node.log_tail()}") from None
+                                f"NATS cluster: no R{len(self.nodes)} stream through "
+                                f"{node.name} within {timeout:.0f}s:\n{node.log_tail()}"
+                            ) from None
                         await asyncio.sleep(0.2)
             finally:
                 await nc.close()
