@@ -194,13 +194,15 @@ async def missing_streams(js: JetStreamContext, specs: list[StreamSpec]) -> list
 
 
 async def ensure_consumer(js: JetStreamContext, prefix: str, spec: ConsumerSpec,
-                          replicas: int = 1) -> str:
+                          replicas: int | None = None) -> str:
     """Create or update a durable consumer explicitly; returns its stream's name.
 
     ``pull_subscribe`` would silently keep an existing durable's old config, so the
-    config is always (re)applied before binding (``replicas`` included: a consumer of a
-    scaled-up stream is scaled with it).
+    config is always (re)applied before binding, ``replicas`` included (None: as many as
+    its stream has, for clients such as agents that do not provision the streams).
     """
     name = stream_name(prefix, spec.stream)
+    if replicas is None:
+        replicas = (await js.stream_info(name)).config.num_replicas or 1
     await js.add_consumer(name, spec.config(replicas))
     return name

@@ -180,7 +180,7 @@ class AgentLink:
             if not await self._streams_ready(bus):
                 return
             spec = consumer_spec(s)
-            stream = await ensure_consumer(bus.js, s.prefix, spec, s.stream_replicas)
+            stream = await ensure_consumer(bus.js, s.prefix, spec)  # the stream's replicas
             sub = await bus.js.pull_subscribe_bind(spec.durable, stream)
             self.hello.time = time.time()
             await bus.publish_durable(s.subjects.reg_node(s.job, s.host), self.hello)

@@ -44,6 +44,9 @@ async def test_provisioning_scales_existing_streams_to_the_replica_setting(
         spec = ConsumerSpec("events", "svc", (Subjects(prefix).pattern("event", tail=">"),))
         await ensure_consumer(js, prefix, spec, replicas=3)
         assert (await js.consumer_info(events, "svc")).config.num_replicas == 3
+        agent = ConsumerSpec("cmds", "agent-a", (Subjects(prefix).cmd_all("j"),))
+        cmds = await ensure_consumer(js, prefix, agent)  # an agent: the stream's count
+        assert (await js.consumer_info(cmds, "agent-a")).config.num_replicas == 3
     finally:
         await nc.close()
 
