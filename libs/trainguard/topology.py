@@ -162,7 +162,10 @@ async def provision(js: JetStreamContext, specs: list[StreamSpec]) -> list[str]:
                 await js.update_stream(want)
                 changed.append(f"updated {spec.name}")
         except APIError as exc:
-            raise _replicas_refused(spec.name, spec.replicas, exc) or exc from None
+            refused = _replicas_refused(spec.name, spec.replicas, exc)
+            if refused is None:
+                raise
+            raise refused from None
     return changed
 
 
