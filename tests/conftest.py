@@ -20,6 +20,8 @@ from trainguard.embedded import EmbeddedControlPlane, NatsServer, RedisServer, f
 
 T = TypeVar("T")
 
+pytest_plugins = ["tests.ha"]  # the NATS cluster and Sentinel fixtures
+
 
 @pytest.fixture(scope="session")
 def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedControlPlane]:

@@ -42,11 +42,12 @@ class Tap:
 
 
 @contextlib.asynccontextmanager
-async def tapped(url: str, prefix: str, job: str) -> AsyncIterator[tuple[Tap, Bus]]:
+async def tapped(url: str, prefix: str, job: str,
+                 replicas: int = 1) -> AsyncIterator[tuple[Tap, Bus]]:
     """Provision the topology, subscribe to everything of ``job``; yield the tap and a bus."""
-    nc = await nats.connect(url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+    nc = await nats.connect(url.split(","), max_reconnect_attempts=-1, reconnect_time_wait=0.2)
     s = Subjects(prefix)
-    await provision(nc.jetstream(), streams(prefix))
+    await provision(nc.jetstream(timeout=10.0), streams(prefix, replicas=replicas))
     tap = Tap()
 
     async def on_tel(msg: Any) -> None:

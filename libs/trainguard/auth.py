@@ -66,6 +66,7 @@ def nats_permissions(role: Role, prefix: str = "tg", job: str = "*") -> dict[str
     on-call tool only read the event and dead-letter streams (ordered consumers, with their
     flow control). Nobody but the services may delete a consumer or touch a stream.
     """
+    from .fencing import bucket_name
     from .topology import stream_name
 
     p = f"{prefix}.{job if role in ('rank', 'agent') else '*'}"
@@ -96,8 +97,8 @@ def nats_permissions(role: Role, prefix: str = "tg", job: str = "*") -> dict[str
         case "detector" | "diagnoser" | "remediator" | "checkpointer" | "service":
             publish = [f"{p}.event.*", f"{p}.dead", "$JS.API.>", JS_ACK]
             subscribe += [f"{prefix}.>", "$JS.EVENT.>"]
-            if role == "remediator":
-                publish += [f"{p}.cmd.>", f"{p}.rpc.*"]
+            if role == "remediator":  # and draw its fencing epochs (trainguard.fencing)
+                publish += [f"{p}.cmd.>", f"{p}.rpc.*", f"$KV.{bucket_name(prefix)}.>"]
             if role == "checkpointer":
                 publish += [f"{p}.cmd.>"]
                 responses = True
@@ -129,14 +130,16 @@ def redis_acl(role: Role, password: str, prefix: str = "tg") -> str | None:
             # Read only: Redis 6.2 cannot grant a write on one key pattern alone, so any
             # write would reach the blocklist and the epoch too. Its node record is the
             # control plane's, from its durable hellos.
+            # No ``+client|setinfo``: Redis 7.0 refuses the rule (the subcommand came in 7.2)
+            # and redis-py ignores the refusal of the command, so the file loads everywhere.
             keys = f"~{prefix}:blocklist ~{prefix}:epoch:*"
-            cmds = "+ping +get +hget +client|setinfo +client|setname"
+            cmds = "+ping +get +hget +client|setname"
         case "oncall":
             keys = f"~{prefix}:*"
-            cmds = "+@read +ping +scan +client|setinfo +client|setname"
+            cmds = "+@read +ping +scan +client|setname"
         case _:
             keys = f"~{prefix}:*"
-            cmds = "+@all -@dangerous +info +client|setinfo +client|setname"
+            cmds = "+@all -@dangerous +info +client|setname"
     return f"user {role} on >{password} resetkeys {keys} resetchannels {cmds}"
 
 

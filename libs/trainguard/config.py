@@ -21,10 +21,13 @@ from .auth import Access, TlsFiles, access_from
 from .envnames import setting
 from .errors import ConfigError, InvalidToken
 from .logs import DEFAULT_FORMAT, FORMATS
+from .redisurl import SENTINEL_SCHEMES, parse_sentinel_url
 from .subjects import DEFAULT_PREFIX, Subjects
 
 DEFAULT_NATS_PORT = 4222
 DEFAULT_REDIS_PORT = 6379
+MAX_REPLICAS = 5
+"""JetStream's own bound on a stream's replicas."""
 
 S = TypeVar("S", bound="Settings")
 
@@ -70,6 +73,10 @@ class Settings:
     """CA bundle for ``rediss://`` URLs."""
     redis_tls_cert: str = ""
     redis_tls_key: str = ""
+    stream_replicas: int = 1
+    """Replicas of every JetStream stream, durable consumer and KV bucket (1: one
+    nats-server; 3 on a 3-node cluster, as in ``deploy/``). Provisioning applies a change to
+    existing streams."""
 
     @property
     def subjects(self) -> Subjects:
@@ -156,9 +163,16 @@ def load_settings(
         raise ConfigError(f"setting log_format={settings.log_format!r}: use one of "
                           f"{', '.join(FORMATS)}")
     settings.access  # noqa: B018 - a missing or malformed credentials file fails here
-    for url_field, schemes in (("nats_url", ("nats", "tls")), ("redis_url", ("redis", "rediss",
-                                                                            "unix"))):
+    if not 1 <= settings.stream_replicas <= MAX_REPLICAS:
+        raise ConfigError(f"setting stream_replicas={settings.stream_replicas}: JetStream "
+                          f"keeps 1 to {MAX_REPLICAS} replicas; use 1 on one server, 3 on a "
+                          "3-node cluster")
+    for url_field, schemes in (("nats_url", ("nats", "tls")),
+                               ("redis_url", ("redis", "rediss", "unix", *SENTINEL_SCHEMES))):
         url = getattr(settings, url_field)
+        if url_field == "redis_url" and url.split("://", 1)[0] in SENTINEL_SCHEMES:
+            parse_sentinel_url(url)  # a ConfigError names what is wrong
+            continue
         for part in url.split(","):
             scheme = part.split("://", 1)[0] if "://" in part else ""
             if scheme not in schemes:

@@ -48,7 +48,9 @@ def connect_options(
         pending_size: bytes buffered while disconnected (None: nats-py's 2 MiB).
     """
     options: dict[str, Any] = {
-        "servers": url.split(","),
+        # Every server of a cluster: nats-py tries them in random order, fails over to the
+        # next on a lost connection, and adds the servers the cluster announces.
+        "servers": [u.strip() for u in url.split(",") if u.strip()],
         "name": name,
         "allow_reconnect": True,
         "max_reconnect_attempts": -1,

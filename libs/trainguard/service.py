@@ -266,7 +266,7 @@ class Runtime:
                                 tracer=self.tracer, max_deliver=s.max_deliver,
                                 log_for=self.log_for)
         service._runtime = self  # from here on its handlers may run
-        await provision(self.bus.js, streams(s.prefix))
+        await provision(self.bus.js, streams(s.prefix, replicas=s.stream_replicas))
         for consumer in service.consumers():
             self.spawn(self._consume(consumer), f"consume:{consumer.spec.durable}", vital=True)
         self.spawn(self._dead_letter_pump(), "dead-letters", vital=True)
@@ -328,7 +328,8 @@ class Runtime:
         settle = self._settler.settle
         while not self.stopping.is_set():
             try:
-                stream = await ensure_consumer(self.bus.js, self.settings.prefix, spec)
+                stream = await ensure_consumer(self.bus.js, self.settings.prefix, spec,
+                                              self.settings.stream_replicas)
                 sub = await self.bus.js.pull_subscribe_bind(spec.durable, stream)
                 break
             except Exception as exc:

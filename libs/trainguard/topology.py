@@ -13,6 +13,11 @@ Why each stream looks the way it does is in CONVENTIONS.md; in short:
 
 Stream names derive from the subject prefix (``tg`` -> ``TG_EVENTS``), so two
 deployments with different prefixes can share one server.
+
+Every stream and durable consumer gets ``replicas`` copies (``TRAINGUARD_STREAM_REPLICAS``):
+1 on one server, 3 on a 3-node cluster, where a stream then survives the loss of any one
+node (its Raft group elects a new leader; acknowledged messages are on a quorum).
+Provisioning scales an existing stream to the configured count instead of failing.
 """
 
 from __future__ import annotations
@@ -23,8 +28,9 @@ from typing import Any, Final, Literal
 
 from nats.js import JetStreamContext
 from nats.js import api as js_api
-from nats.js.errors import NotFoundError
+from nats.js.errors import APIError, NotFoundError
 
+from .errors import ConfigError
 from .subjects import Subjects
 
 StreamRole = Literal["events", "cmds", "reports", "dead", "telemetry"]
@@ -41,10 +47,12 @@ class StreamSpec:
     max_age: float
     duplicate_window: float = 120.0
     max_msg_size: int = 1024 * 1024
+    replicas: int = 1
 
     def config(self) -> js_api.StreamConfig:
         return js_api.StreamConfig(
             name=self.name,
+            num_replicas=self.replicas,
             subjects=list(self.subjects),
             retention=self.retention,
             storage=self.storage,
@@ -71,9 +79,10 @@ class ConsumerSpec:
     deliver_new: bool = False
     inactive_threshold: float | None = None
 
-    def config(self) -> js_api.ConsumerConfig:
+    def config(self, replicas: int = 1) -> js_api.ConsumerConfig:
         return js_api.ConsumerConfig(
             durable_name=self.durable,
+            num_replicas=replicas,
             ack_policy=js_api.AckPolicy.EXPLICIT,
             deliver_policy=js_api.DeliverPolicy.NEW if self.deliver_new
             else js_api.DeliverPolicy.ALL,
@@ -92,7 +101,8 @@ def stream_name(prefix: str, role: StreamRole) -> str:
     return f"{base}_{suffix}"
 
 
-def streams(prefix: str, *, telemetry_capture: bool = False) -> list[StreamSpec]:
+def streams(prefix: str, *, replicas: int = 1,
+            telemetry_capture: bool = False) -> list[StreamSpec]:
     """The streams of one deployment, in the order they are provisioned."""
     s = Subjects(prefix)
     limits, interest = js_api.RetentionPolicy.LIMITS, js_api.RetentionPolicy.INTEREST
@@ -118,12 +128,12 @@ def streams(prefix: str, *, telemetry_capture: bool = False) -> list[StreamSpec]
             "telemetry", stream_name(prefix, "telemetry"),
             tuple(s.pattern(k, tail=">") for k in ("hb", "step", "fp", "gpu", "node")),
             limits, memory, 600.0, duplicate_window=0.0))
-    return specs
+    return [dataclasses.replace(spec, replicas=replicas) for spec in specs]
 
 
 def _differs(want: js_api.StreamConfig, have: js_api.StreamConfig) -> bool:
     fields: tuple[str, ...] = ("subjects", "retention", "storage", "max_age", "max_msg_size",
-                               "duplicate_window")
+                               "duplicate_window", "num_replicas")
     current: dict[str, Any] = {f: getattr(have, f) for f in fields}
     current["subjects"] = sorted(current["subjects"] or [])
     wanted: dict[str, Any] = {f: getattr(want, f) for f in fields}
@@ -135,21 +145,43 @@ async def provision(js: JetStreamContext, specs: list[StreamSpec]) -> list[str]:
     """Create each stream, or update it where its config differs. Returns what changed.
 
     ``add_stream`` with a different config fails (JetStream error 10058), hence "add,
-    else compare and update".
+    else compare and update". More replicas than the server can hold (one server, or a
+    cluster smaller than the count) is a :class:`ConfigError` naming the setting.
     """
     changed: list[str] = []
     for spec in specs:
         want = spec.config()
         try:
-            info = await js.stream_info(spec.name)
-        except NotFoundError:
-            await js.add_stream(want)
-            changed.append(f"created {spec.name}")
-            continue
-        if _differs(want, info.config):
-            await js.update_stream(want)
-            changed.append(f"updated {spec.name}")
+            try:
+                info = await js.stream_info(spec.name)
+            except NotFoundError:
+                await js.add_stream(want)
+                changed.append(f"created {spec.name}")
+                continue
+            if _differs(want, info.config):
+                await js.update_stream(want)
+                changed.append(f"updated {spec.name}")
+        except APIError as exc:
+            refused = _replicas_refused(spec.name, spec.replicas, exc)
+            if refused is None:
+                raise
+            raise refused from None
     return changed
+
+
+_REPLICA_ERRORS: Final = (10074, 10005)
+"""JetStream's "replicas > 1 not supported in non-clustered mode" and "insufficient
+resources" (fewer servers than replicas)."""
+
+
+def _replicas_refused(what: str, replicas: int, exc: APIError) -> ConfigError | None:
+    """A clear error where the server refused ``replicas`` copies of ``what``."""
+    if replicas <= 1 or exc.err_code not in _REPLICA_ERRORS:
+        return None
+    return ConfigError(
+        f"NATS refused {replicas} replicas of {what} ({exc.description}): "
+        f"TRAINGUARD_STREAM_REPLICAS={replicas} needs a JetStream cluster of at least "
+        f"{replicas} servers; set it to 1 for a single nats-server")
 
 
 async def missing_streams(js: JetStreamContext, specs: list[StreamSpec]) -> list[str]:
@@ -164,12 +196,16 @@ async def missing_streams(js: JetStreamContext, specs: list[StreamSpec]) -> list
     return missing
 
 
-async def ensure_consumer(js: JetStreamContext, prefix: str, spec: ConsumerSpec) -> str:
+async def ensure_consumer(js: JetStreamContext, prefix: str, spec: ConsumerSpec,
+                          replicas: int | None = None) -> str:
     """Create or update a durable consumer explicitly; returns its stream's name.
 
     ``pull_subscribe`` would silently keep an existing durable's old config, so the
-    config is always (re)applied before binding.
+    config is always (re)applied before binding, ``replicas`` included (None: as many as
+    its stream has, for clients such as agents that do not provision the streams).
     """
     name = stream_name(prefix, spec.stream)
-    await js.add_consumer(name, spec.config())
+    if replicas is None:
+        replicas = (await js.stream_info(name)).config.num_replicas or 1
+    await js.add_consumer(name, spec.config(replicas))
     return name

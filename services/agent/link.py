@@ -181,7 +181,7 @@ class AgentLink:
             if not await self._streams_ready(bus):
                 return
             spec = consumer_spec(s)
-            stream = await ensure_consumer(bus.js, s.prefix, spec)
+            stream = await ensure_consumer(bus.js, s.prefix, spec)  # the stream's replicas
             sub = await bus.js.pull_subscribe_bind(spec.durable, stream)
             self.hello.time = time.time()
             await bus.publish_durable(s.subjects.reg_node(s.job, s.host), self.hello)
@@ -205,7 +205,7 @@ class AgentLink:
         else by the services (with auth only they may), which an agent that starts first
         waits for while its ranks train."""
         assert self._stop is not None
-        specs = streams(self.settings.prefix)
+        specs = streams(self.settings.prefix, replicas=self.settings.stream_replicas)
         if not self.settings.access.credentials:
             with contextlib.suppress(Exception):
                 await provision(bus.js, specs)

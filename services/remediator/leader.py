@@ -1,10 +1,12 @@
 """One acting remediator: a leader lease with a fencing token.
 
 The holder renews the lease every ``ttl / 4``; a replica takes over within ``ttl`` of the
-holder's death. Each new holder draws a fresh epoch (INCR), carried on every command so
-agents and ranks reject a deposed leader's late commands, and every write to shared state
+holder's death. Each new holder draws a fresh epoch, carried on every command so agents
+and ranks reject a deposed leader's late commands, and every write to shared state
 (blocklist, incidents) is fenced by the lease, so a deposed leader writes nothing. The
-lease mechanics live in :mod:`trainguard.lease`; the epoch is this module's.
+lease mechanics live in :mod:`trainguard.lease`; epochs come from the replicated NATS
+bucket of :mod:`trainguard.fencing` (a Redis ``INCR`` could repeat after a failover), and
+the leader keeps their Redis mirror raised for the readers that only speak Redis.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import NoReturn
 import redis.asyncio as aioredis
 
 from trainguard.errors import TrainguardError
+from trainguard.fencing import Epochs, raise_mirror, read_mirror
 from trainguard.lease import LeaseHolder
 from trainguard.state import Keys
 
@@ -24,10 +27,11 @@ class NotLeader(TrainguardError):
 
 
 class Leadership:
-    def __init__(self, redis: aioredis.Redis, keys: Keys, role: str = "remediator",
-                 ttl: float = 3.0) -> None:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, epochs: Epochs,
+                 role: str = "remediator", ttl: float = 3.0) -> None:
         self.redis = redis
         self.keys = keys
+        self.epochs = epochs
         self.role = role
         self.lock = keys.leader(role)
         self.lease = LeaseHolder(redis, uuid.uuid4().hex, ttl)
@@ -36,12 +40,20 @@ class Leadership:
 
     async def tick(self) -> bool:
         """Renew or try to take the lease; returns whether this replica leads now."""
+        mirror = self.keys.epoch(self.role)
         if self.leading:
             if not await self.lease.renew([self.lock]):
+                await raise_mirror(self.redis, mirror, self.epoch)  # heals a failover's loss
                 return True
             self.leading = False
         if await self.lease.acquire(self.lock):
-            self.epoch = int(await self.redis.incr(self.keys.epoch(self.role)))
+            try:
+                self.epoch = await self.epochs.draw(self.role,
+                                                    floor=await read_mirror(self.redis, mirror))
+                await raise_mirror(self.redis, mirror, self.epoch)
+            except BaseException:
+                await self.lease.release([self.lock])  # no epoch: let another replica lead
+                raise
             self.leading = True
         return self.leading
 

@@ -30,6 +30,7 @@ from opentelemetry.context import Context
 from trainguard.codec import decode_as
 from trainguard.envelope import H_TYPE, normalize_headers
 from trainguard.errors import Retry
+from trainguard.fencing import Epochs
 from trainguard.jobmetrics import IncidentMetrics
 from trainguard.logs import get_logger
 from trainguard.schemas import (
@@ -104,7 +105,8 @@ class RemediatorService(Service[RemediatorSettings]):
         ]
 
     async def start(self, rt: Runtime) -> None:
-        self.leader = Leadership(rt.redis, self.keys, ttl=self.settings.lease_ttl)
+        epochs = Epochs(rt.bus.js, self.settings.prefix, self.settings.stream_replicas)
+        self.leader = Leadership(rt.redis, self.keys, epochs, ttl=self.settings.lease_ttl)
         self._metrics = IncidentMetrics(rt.metrics.registry, "remediator")
         self._store = Store(rt.redis, self.keys, self.leader)
         self._coordinator = Coordinator(rt.bus.nc, self.settings.subjects)

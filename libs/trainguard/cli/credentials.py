@@ -7,6 +7,8 @@ this writes what they and each trainguard process need::
                                                        # redis-users.acl (mode 0600)
     nats-server -c deploy/nats-server.conf            # include the generated nats-auth.conf
     redis-server deploy/redis.conf --aclfile /etc/trainguard/redis-users.acl
+    # replicated: deploy/redis-ha.conf and deploy/sentinel.conf include the
+    # redis-replication.conf and sentinel-auth.conf written here
     TRAINGUARD_CREDENTIALS=/etc/trainguard/agent.json trainguard launch ...
 
 ``--job J`` narrows the rank and agent permissions to one job (one file set per job).
@@ -29,6 +31,7 @@ from ..auth import (
     write_private,
 )
 from ..errors import ConfigError
+from ..redisha import HaSecrets
 from ..subjects import DEFAULT_PREFIX, check_token
 
 
@@ -58,9 +61,13 @@ def run(args: argparse.Namespace) -> int:
     creds = generate(ROLES)
     paths = write_credentials(out, creds)
     write_private(out / "nats-auth.conf", nats_authorization(creds, args.prefix, args.job))
-    write_private(out / "redis-users.acl", redis_acl_file(creds, args.prefix))
+    ha = HaSecrets.generate()  # replicas' and sentinels' logins (deploy/redis-ha.conf)
+    write_private(out / "redis-users.acl", redis_acl_file(creds, args.prefix) + ha.acl_lines())
+    write_private(out / "redis-replication.conf", ha.data_node_conf())
+    write_private(out / "sentinel-auth.conf", ha.sentinel_conf())
     for role, path in paths.items():
         print(f"{role}: {path}")
     print(f"nats-server: include {out / 'nats-auth.conf'} in its config")
-    print(f"redis-server: --aclfile {out / 'redis-users.acl'}")
+    print(f"redis-server: --aclfile {out / 'redis-users.acl'} (replicas and sentinels: "
+          f"include {out / 'redis-replication.conf'} / {out / 'sentinel-auth.conf'})")
     return 0
