@@ -267,7 +267,8 @@ class _Group:
         self.p2p = False
 
 
-def _groups(records: list[RankRecord], expected: set[int]) -> dict[str, _Group]:
+def _groups(records: list[RankRecord], expected: set[int],
+            scope: set[int] | None) -> dict[str, _Group]:
     groups: dict[str, _Group] = {}
     for rec in records:
         for name, st in rec.groups.items():
@@ -280,21 +281,27 @@ def _groups(records: list[RankRecord], expected: set[int]) -> dict[str, _Group]:
         if g.desc == "default_pg" or (g.name == "0" and not any(s.ranks
                                                                for s in g.seen.values())):
             g.members |= expected
+        if scope is not None:
+            g.members &= scope | set(g.seen)
     return groups
 
 
-def analyse(records: Iterable[RankRecord], expected: Iterable[int] = ()) -> Analysis:
+def analyse(records: Iterable[RankRecord], expected: Iterable[int] = (),
+            scope: Iterable[int] | None = None) -> Analysis:
     """The culprits of a hang from the dumps of its ranks (the module docstring says how).
 
     ``expected``: ranks that should have dumped (the world), beyond those the groups list.
+    ``scope``: when only some ranks were asked (one host's), group members outside it are
+    left out: not asked is not missing.
     """
     recs = sorted(records, key=lambda r: r.rank)
     readable = [r for r in recs if not r.error]
     unreadable = {str(r.rank): r.error for r in recs if r.error}
-    groups = _groups(readable, set(expected))
+    scoped = None if scope is None else set(scope) | set(expected)
+    groups = _groups(readable, set(expected), scoped)
     known = {r.rank for r in readable}
     everyone = set(expected) | {m for g in groups.values() for m in g.members} \
-        | {r.rank for r in recs}
+        | {r.rank for r in recs} | (scoped or set())
     missing = sorted(everyone - known - {r.rank for r in recs if r.error})
     waits: dict[int, set[int]] = defaultdict(set)
     findings: list[GroupFinding] = []

@@ -108,7 +108,7 @@ def streams(prefix: str, *, telemetry_capture: bool = False) -> list[StreamSpec]
                    7 * DAY),
         StreamSpec("cmds", names["cmds"], (s.pattern("cmd", tail=">"),), interest, file, DAY),
         StreamSpec("reports", names["reports"],
-                   tuple(s.pattern(k) for k in ("ack", "exit", "ckpt", "reg")), limits, file,
+                   tuple(s.pattern(k) for k in ("ack", "exit", "fr", "ckpt", "reg")), limits, file,
                    7 * DAY),
         StreamSpec("dead", stream_name(prefix, "dead"), (s.dead_pattern(), *advisories),
                    limits, file, 14 * DAY),
