@@ -45,7 +45,7 @@ class FlightRecorder:
         recent = [r for r in kept if now - r.time <= self.window]
         analysis, hosts = analyse(recent)
         target = _open_hang(rules, job)
-        if target is None or not analysis.culprits:
+        if target is None or not analysis.culprits or _says(target, analysis):
             return Decision()
         return Decision([_update(target, analysis, hosts)])
 
@@ -70,6 +70,12 @@ def _open_hang(rules: Diagnoser, job: str) -> Diagnosis | None:
         if d.status == "open" and d.cause in HANG_CAUSES:
             return d
     return None
+
+
+def _says(d: Diagnosis, a: flightrec.Analysis) -> bool:
+    """``d`` already carries this analysis' verdict (a later dump that agrees)."""
+    return d.cause == "rank_hang" and d.ranks == a.culprits and any(
+        e.source == "flight_recorder" for e in d.evidence)
 
 
 def _update(d: Diagnosis, a: flightrec.Analysis, hosts: dict[int, str]) -> Diagnosis:

@@ -252,7 +252,9 @@ class Diagnoser:
         if ev.majority_phase == "comm":
             facts.append(EvidenceItem(fact="every rank waits in the collective",
                                       source="detector", value=ev.phase_counts))
-            return Verdict("network", 0.7, a.ranks, a.hosts, facts)
+            # The flight-recorder dumps a dump collects can still name who stopped short.
+            return Verdict("network", 0.7, a.ranks, a.hosts, facts,
+                           recommended=("dump", "restart"))
         if ev.majority_phase == "data":
             return Verdict("data_pipeline", 0.6, a.ranks, a.hosts, facts)
         return Verdict("unknown", 0.3, a.ranks, a.hosts, facts)
