@@ -173,11 +173,6 @@ def match(text: str, k: Knowledge | None = None) -> Match | None:
     return best
 
 
-def is_peer(text: str) -> bool:
-    """The text is an error ranks show when *another* rank failed (collateral)."""
-    return bool(knowledge().peer.search(text))
-
-
 def killed(exit_code: int | None, signal: str | None) -> Match | None:
     """The SIGKILL fallback: a worker killed with no text that says why."""
     k = knowledge().sigkill

@@ -31,6 +31,13 @@ async def runner(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Runn
         await cluster.stop()
 
 
+async def test_the_job_trains(runner: Runner) -> None:
+    """The cluster's start has its own test (and time limit), as in the chaos suite."""
+    start = runner.obs.max_step
+    await wait_until(lambda: runner.obs.max_step >= start + 20, timeout=120,
+                     what="20 steps of training")
+
+
 def from_dumps(runner: Runner, since: float) -> list[Diagnosis]:
     return [d for d in runner.obs.diagnoses if d.time >= since
             and any(e.source == "flight_recorder" for e in d.evidence)]
