@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from trainguard import schemas as s
-from trainguard.evidence import LossSpikeEvidence
+from trainguard.evidence import FlightRecorderEvidence, LossSpikeEvidence
+from trainguard.flightrec import GroupStatus, RankRecord
 
 TELEMETRY: list[s.TelemetryMessage] = [
     s.Heartbeat(job="j1", time=1.5, seq=3, rank=2, attempt=1, host="node-a", pid=42, step=10,
@@ -30,6 +31,11 @@ DURABLE: list[s.Durable] = [
                 drills_allowed=True, hosts_store=True),
     s.WorkerExit(id="e1", job="j1", host="node-a", rank=1, exit_code=1, signal=None,
                  stderr_tail="RuntimeError: CUDA error", initiated_by="launcher"),
+    s.FlightRecorderReport(id="f1", job="j1", host="node-b", command_id="cmd1", attempt=1,
+                           evidence=FlightRecorderEvidence(asked=[2, 3], records=[
+                               RankRecord(rank=2, entries=3, groups={"0": GroupStatus(
+                                   name="0", ranks=[0, 1, 2, 3], enqueued=8, completed=7,
+                                   frontier="gloo:all_reduce")})])),
     s.CheckpointReport(id="c1", job="j1", rank=0, step=100, path="/ckpt/j1/step-100",
                        world_size=4, bytes=1024, files={"__0_0.distcp": s.FileDigest(
                            bytes=1024, crc32=12345)}),

@@ -31,6 +31,9 @@ ALLOW_DRILLS: Final = setting("allow_drills")
 CREDENTIALS: Final = setting("credentials")
 """The rank role's credentials file (the agent's ``rank_credentials``)."""
 NATS_TLS_CA: Final = setting("nats_tls_ca")
+FR_REQUEST: Final = setting("fr_request")
+"""The file the agent writes a request id to when it wants the ranks' flight-recorder dumps
+(:mod:`trainguard.client.frdump`)."""
 
 # -- read by the Guard only --------------------------------------------------------------
 DISABLED: Final = setting("disabled")

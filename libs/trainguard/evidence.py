@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Final, TypeAlias, cast
 
 import msgspec
 
+from .flightrec import Analysis, RankRecord
+
 
 class _Evidence(msgspec.Struct, kw_only=True):
     KIND: ClassVar[str] = ""
@@ -267,6 +269,23 @@ class GpuHealthEvidence(_Evidence, kw_only=True):
         rises = {"ecc_uncorrected_volatile": self.ecc_uncorrected_volatile,
                  "ecc_uncorrected_aggregate": self.ecc_uncorrected_aggregate}
         return {name: rise for name, rise in rises.items() if rise is not None}
+
+
+# -- flight recorder -------------------------------------------------------------------
+
+
+class FlightRecorderEvidence(msgspec.Struct, kw_only=True):
+    """The c10d flight-recorder dumps of some ranks (an agent's, for the diagnoser), and
+    what they say about a hang (:func:`trainguard.flightrec.analyse`, by the diagnoser).
+
+    Not an anomaly kind's evidence: agents publish it in a ``FlightRecorderReport`` when
+    asked for a ``dump``, and the diagnoser attaches the analysis to the hang's diagnosis.
+    """
+
+    asked: list[int] = []
+    """Ranks whose dumps were requested; a rank asked with no record is missing."""
+    records: list[RankRecord] = []
+    analysis: Analysis | None = None
 
 
 Evidence: TypeAlias = (

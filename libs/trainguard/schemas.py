@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Literal, get_args
 
 import msgspec
 
-from .evidence import EvidenceField, typed_evidence, unset_evidence
+from .evidence import EvidenceField, FlightRecorderEvidence, typed_evidence, unset_evidence
 
 # -- telemetry (MessagePack, tagged) ---------------------------------------------------
 
@@ -263,6 +263,19 @@ class WorkerExit(Durable, kw_only=True):
     time: float = 0.0
 
 
+class FlightRecorderReport(Durable, kw_only=True):
+    """An agent's flight-recorder dumps of its ranks, collected on a ``dump`` command."""
+
+    KIND: ClassVar[str] = "flight_recorder"
+    id: str
+    job: str
+    host: str
+    command_id: str = ""
+    evidence: FlightRecorderEvidence = msgspec.field(default_factory=FlightRecorderEvidence)
+    attempt: int = 0
+    time: float = 0.0
+
+
 class FileDigest(msgspec.Struct, kw_only=True):
     bytes: int
     crc32: int | None = None
@@ -496,7 +509,7 @@ class DeadLetter(Durable, kw_only=True):
 
 
 DURABLE_TYPES: tuple[type[Durable], ...] = (
-    RankHello, NodeHello, WorkerExit, CheckpointReport, Anomaly, Diagnosis, Action,
-    Incident, CheckpointCommitted, Command, CommandAck, ResumePoint, DeadLetter,
+    RankHello, NodeHello, WorkerExit, FlightRecorderReport, CheckpointReport, Anomaly,
+    Diagnosis, Action, Incident, CheckpointCommitted, Command, CommandAck, ResumePoint, DeadLetter,
 )
 BY_CE_TYPE: dict[str, type[Durable]] = {t.ce_type(): t for t in DURABLE_TYPES}

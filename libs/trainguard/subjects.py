@@ -4,6 +4,7 @@ Layout (DESIGN.md section 3), with the default prefix ``tg``::
 
     tg.<job>.hb.<rank>          tg.<job>.step.<rank>        tg.<job>.fp.<rank>
     tg.<job>.gpu.<host>         tg.<job>.node.<host>        tg.<job>.exit.<host>
+    tg.<job>.fr.<host>          (an agent's flight-recorder dumps)
     tg.<job>.ckpt.<rank>        tg.<job>.event.<kind>       tg.<job>.dead
     tg.<job>.reg.<rank>         tg.<job>.reg.host-<host>    (rank and node hellos)
     tg.<job>.cmd.all            tg.<job>.cmd.host.<host>    tg.<job>.cmd.rank.<rank>
@@ -94,6 +95,10 @@ class Subjects:
     # -- durable (JetStream) ---------------------------------------------------------
     def exit(self, job: str, host: str) -> str:
         return f"{self._job(job)}.exit.{check_token('host', host)}"
+
+    def fr(self, job: str, host: str) -> str:
+        """An agent's flight-recorder dumps (``FlightRecorderReport``)."""
+        return f"{self._job(job)}.fr.{check_token('host', host)}"
 
     def ckpt(self, job: str, rank: int) -> str:
         return f"{self._job(job)}.ckpt.{check_rank(rank)}"
@@ -186,7 +191,7 @@ class ParsedSubject:
     @property
     def host(self) -> str | None:
         """The host of a per-host subject (gpu, node, exit, cmd.host, reg.host-)."""
-        if self.kind in ("gpu", "node", "exit") and self.rest:
+        if self.kind in ("gpu", "node", "exit", "fr") and self.rest:
             return self.rest[0]
         if self.kind == "cmd" and len(self.rest) == 2 and self.rest[0] == "host":
             return self.rest[1]

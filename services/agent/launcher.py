@@ -39,7 +39,7 @@ from trainguard import envnames
 from trainguard.embedded import free_port, port_taken
 from trainguard.schemas import NodeHello, WorkerExit
 
-from . import procs
+from . import flightrec, procs
 from .gpu import GpuSource, ScriptedSource, open_source
 from .link import AgentLink
 from .node import FLIGHT_RECORDER_PREFIX, Failure, LocalNode, Worker
@@ -133,6 +133,7 @@ def worker_environment(settings: AgentSettings, log_dir: str) -> dict[str, str]:
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
         "TORCH_FR_BUFFER_SIZE": "2000",
         "TORCH_FR_DUMP_TEMP_FILE": os.path.join(log_dir, FLIGHT_RECORDER_PREFIX),
+        envnames.FR_REQUEST: flightrec.request_path(log_dir),
         "TORCH_NCCL_ENABLE_MONITORING": "1",
     }
     for k, v in defaults.items():
@@ -209,6 +210,8 @@ def launch(settings: AgentSettings, torchrun_argv: list[str]) -> int:
 
     node = LocalNode(settings, hosts_store=hosts_store, gpu=gpu, publish_exit=publish_exit,
                      log_dir=log_dir)
+    node.publish_fr = lambda r: link_box[0].publish(
+        settings.subjects.fr(settings.job, settings.host), r)
     min_nodes, max_nodes = run_mod.parse_min_max_nnodes(ns.nnodes)
     hello = NodeHello(job=settings.job, host=settings.host,
                       local_ranks=list(range(int(ns.nproc_per_node)

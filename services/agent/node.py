@@ -19,9 +19,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from trainguard.envelope import uuid7
-from trainguard.schemas import GpuStats, ProcessState, WorkerExit, XidEvent, is_stopped
+from trainguard.schemas import (
+    FlightRecorderReport,
+    GpuStats,
+    ProcessState,
+    WorkerExit,
+    XidEvent,
+    is_stopped,
+)
 
-from . import procs
+from . import flightrec, hostmem, procs
 from .gpu import GpuSource, ScriptedSource
 from .settings import AgentSettings
 
@@ -62,6 +69,9 @@ class LocalNode:
         self.drills_allowed = settings.allow_drills
         self.gpu = gpu
         self._publish_exit = publish_exit
+        self.publish_fr: Callable[[FlightRecorderReport], None] | None = None
+        """Where flight-recorder dumps collected on ``dump`` go (the launcher's link)."""
+        self.oom = hostmem.OomWatch()
         self._lock = threading.Lock()
         self.workers: dict[int, Worker] = {}
         self.initiated: dict[int, str] = {}
@@ -118,6 +128,8 @@ class LocalNode:
             except ValueError:
                 sig = f"SIG{-code}"
         error = message if message and not message.startswith("Signal") else ""
+        if code != 0 and by is None and (oom := self.oom.evidence()):
+            error = (error + "\n" if error else "") + oom  # the kernel's OOM killer acted
         if self.log_dir:
             dumps = sorted(glob.glob(os.path.join(self.log_dir,
                                                   f"{FLIGHT_RECORDER_PREFIX}{w.rank}*")))
@@ -212,6 +224,13 @@ class LocalNode:
                 time.sleep(0.05)
         parts = [f"--- rank {r} (pid {pids[r]}) stderr tail ---\n"
                  f"{procs.stderr_tail(files.get(r), 6000)}" for r in ranks]
+        if self.log_dir and self.publish_fr is not None:  # every local rank's, for the diagnoser
+            stopped = {r for r, p in pids.items() if is_stopped(procs.state_of(p))}
+            fr = flightrec.collect(self.log_dir, os.path.join(self.log_dir,
+                                   FLIGHT_RECORDER_PREFIX), pids, stopped)
+            self.publish_fr(flightrec.report(self.settings.job, self.host, fr,
+                                             self.restart_count))
+            parts.insert(0, flightrec.summary(fr))
         return "\n".join(parts)
 
     def signal_rank(self, rank: int, action: str) -> str:

@@ -33,8 +33,8 @@ from trainguard.evidence import (
 )
 from trainguard.schemas import Anomaly, Cause, Diagnosis, EvidenceItem, GpuSample, WorkerExit
 
+from . import signatures
 from .knowledge import (
-    EXIT_PATTERNS,
     HOT_C,
     PEER_ERROR,
     POWER_REASONS,
@@ -60,6 +60,8 @@ class Verdict:
     collateral: bool = False
     """The anomaly is a consequence of another rank's failure (a peer error)."""
     signature: str = ""
+    recommended: tuple[str, ...] | None = None
+    """Actions that replace the cause's defaults (an XID's, from NVIDIA's catalog)."""
 
 
 @dataclass
@@ -169,7 +171,7 @@ class Diagnoser:
     def _diagnosis(self, a: Anomaly, v: Verdict, now: float,
                    history: dict[str, HostRecord]) -> Diagnosis:
         confidence = v.confidence
-        recommended = list(RECOMMENDED[v.cause])
+        recommended = list(RECOMMENDED[v.cause] if v.recommended is None else v.recommended)
         for host in v.hosts:
             seen = history.get(host, HostRecord()).counts.get(v.cause, 0)
             if seen:
@@ -250,7 +252,9 @@ class Diagnoser:
         if ev.majority_phase == "comm":
             facts.append(EvidenceItem(fact="every rank waits in the collective",
                                       source="detector", value=ev.phase_counts))
-            return Verdict("network", 0.7, a.ranks, a.hosts, facts)
+            # The flight-recorder dumps a dump collects can still name who stopped short.
+            return Verdict("network", 0.7, a.ranks, a.hosts, facts,
+                           recommended=("dump", "restart"))
         if ev.majority_phase == "data":
             return Verdict("data_pipeline", 0.6, a.ranks, a.hosts, facts)
         return Verdict("unknown", 0.3, a.ranks, a.hosts, facts)
@@ -266,17 +270,13 @@ class Diagnoser:
         if hw:
             cause, item = hw[0]
             return Verdict(cause, 0.95, a.ranks, a.hosts, [*facts, item])
-        best = None
-        for pattern in EXIT_PATTERNS:
-            m = pattern.regex.search(text)
-            if m and (best is None or pattern.weight > best[0].weight):
-                best = (pattern, m.group(0))
         signature = traceback_signature(text)
-        if best is not None:
-            pattern, matched = best
-            facts.append(EvidenceItem(fact=pattern.fact, source="exit", value=matched))
-            return Verdict(pattern.cause, pattern.weight, a.ranks, a.hosts, facts,
-                           signature=signature)
+        found = signatures.match(text) or signatures.killed(ev.exit_code, ev.signal)
+        if found is not None:
+            facts.append(EvidenceItem(fact=found.fact, source="exit", value=found.matched))
+            ranks, hosts = self._behind(a, found, text, facts, now)
+            return Verdict(found.cause, found.weight, ranks, hosts, facts,
+                           signature=signature, recommended=found.recommended)
         sig = ev.signal
         if TRACEBACK.search(text) or sig or ev.exit_code:
             facts.append(EvidenceItem(
@@ -287,6 +287,25 @@ class Diagnoser:
                            a.hosts, facts, signature=signature)
         return Verdict("unknown", 0.3, a.ranks, a.hosts, facts)
 
+    def _behind(self, a: Anomaly, found: signatures.Match, text: str,
+                facts: list[EvidenceItem], now: float) -> tuple[list[int], list[str]]:
+        """For a collective timeout, the ranks NCCL's watchdog numbers say are behind
+        (from this exit and the job's other recent exits); else the anomaly's ranks."""
+        if found.name not in signatures.WATCHDOG:
+            return a.ranks, a.hosts
+        recent = [e for e in self.exits.get(a.job, ()) if now - e.time <= self.window]
+        progress = signatures.watchdog_progress(text)
+        for e in recent:
+            progress += signatures.watchdog_progress(f"{e.error}\n{e.stderr_tail}")
+        late = signatures.behind(progress)
+        if not late:
+            return a.ranks, a.hosts
+        facts.append(EvidenceItem(fact=f"ranks {sorted(late)} are behind their group "
+                                  "(NCCL watchdog sequence numbers)", source="exit",
+                                  value={str(r): why for r, why in late.items()}))
+        hosts = sorted({e.host for e in recent if e.rank in late}) or a.hosts
+        return sorted(late), hosts
+
     def _gpu_health(self, a: Anomaly, ev: GpuHealthEvidence, facts: list[EvidenceItem],
                     hw: list[tuple[Cause, EvidenceItem]]) -> Verdict:
         for x in ev.xids:
@@ -294,7 +313,8 @@ class Diagnoser:
             if xid is not None:
                 facts.append(EvidenceItem(fact=f"XID {x.code}: {xid.meaning}", source="nvml",
                                           value=x.code))
-                return Verdict(xid.cause, 0.95 if xid.fatal else 0.7, a.ranks, a.hosts, facts)
+                return Verdict(xid.cause, 0.95 if xid.fatal else 0.7, a.ranks, a.hosts, facts,
+                               recommended=signatures.xid_actions(xid))
         rises = ev.ecc_rises()
         if rises:
             facts.append(EvidenceItem(fact="uncorrectable ECC count rising", source="nvml",

@@ -5,11 +5,18 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from trainguard.schemas import Anomaly, GpuSample, TelemetryMessage, WorkerExit
+from trainguard.schemas import (
+    Anomaly,
+    FlightRecorderReport,
+    GpuSample,
+    TelemetryMessage,
+    WorkerExit,
+)
 from trainguard.service import Consumer, Delivery, Runtime, Service
 from trainguard.state import Keys
 from trainguard.topology import ConsumerSpec
 
+from .flightrec import FlightRecorder
 from .rules import Diagnoser, HostRecord
 from .settings import DiagnoserSettings
 
@@ -25,6 +32,7 @@ class DiagnoserService(Service[DiagnoserSettings]):
                                same_cause_window=settings.same_cause_window,
                                symptom_window=settings.symptom_window)
         self.keys = Keys(settings.prefix)
+        self.flight_recorder = FlightRecorder(settings.correlation_window)
 
     def consumers(self) -> Sequence[Consumer]:
         s = self.settings.subjects
@@ -33,6 +41,8 @@ class DiagnoserService(Service[DiagnoserSettings]):
                      self.on_exit, (WorkerExit,)),
             Consumer(ConsumerSpec("events", "diagnoser", (s.pattern("event", tail="anomaly"),)),
                      self.on_anomaly, (Anomaly,)),
+            Consumer(ConsumerSpec("reports", "diagnoser-fr", (s.pattern("fr"),)),
+                     self.on_flight_recorder, (FlightRecorderReport,)),
         ]
 
     async def start(self, rt: Runtime) -> None:
@@ -44,6 +54,14 @@ class DiagnoserService(Service[DiagnoserSettings]):
 
     async def on_exit(self, ex: WorkerExit, delivery: Delivery) -> None:
         self.rules.observe_exit(ex)
+
+    async def on_flight_recorder(self, report: FlightRecorderReport,
+                                 delivery: Delivery) -> None:
+        """Dumps the agents collected on ``dump``: the culprits of the open hang."""
+        decision = self.flight_recorder.on_report(self.rules, report, time.time())
+        subject = self.settings.subjects.event(report.job, "diagnosis")
+        for d in decision.publish:
+            await self.runtime.publish_event(subject, d, ctx=delivery.ctx)
 
     async def on_anomaly(self, a: Anomaly, delivery: Delivery) -> None:
         redis = self.runtime.redis

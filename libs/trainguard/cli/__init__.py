@@ -8,9 +8,9 @@ from collections.abc import Sequence
 
 from .. import logs
 from ..errors import ConfigError, TrainguardError
-from . import checkpoints, credentials, demo, inject, oncall, service_cmd, unblock, up
+from . import checkpoints, credentials, demo, fr, inject, oncall, service_cmd, unblock, up
 
-COMMANDS = (up, service_cmd, inject, oncall, checkpoints, demo, credentials, unblock)
+COMMANDS = (up, service_cmd, inject, oncall, checkpoints, demo, credentials, unblock, fr)
 
 
 def _plugin_commands() -> list[object]:

@@ -31,6 +31,7 @@ from ..errors import DecodeError, TrainguardError
 from ..rpc import RESUME, ResumeRequest, decode_resume
 from ..schemas import RANK_DRILLS, CheckpointReport, Command, RankHello, ResumePoint
 from ..subjects import DEFAULT_PREFIX, Subjects
+from . import frdump
 from .commands import CommandDesk, Handler
 from .drills import Drills
 from .identity import Identity, environment_record, resolve_identity
@@ -144,6 +145,8 @@ class Guard:
         t = self.transport
         self.commands.listen()
         t.every(self.heartbeat_interval, self._beat)
+        if (fr := frdump.Trigger.from_env(self.rank)) is not None:
+            t.every(frdump.POLL_S, fr.poll)  # the agent's flight-recorder dump requests
         hello = RankHello(job=self.job, rank=self.rank, world_size=self.world_size,
                           local_rank=self.identity.local_rank, host=self.host,
                           pid=os.getpid(), attempt=self.identity.attempt,

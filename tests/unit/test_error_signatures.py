@@ -1,0 +1,137 @@
+"""The exit-text knowledge against real error lines users pasted into public threads
+(tests/fixtures/error-lines.jsonl: each row cites its thread), plus the rules around it:
+the host's OOM evidence, a bare SIGKILL, the watchdog's sequence numbers, the data file's
+own checks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from trainguard import xids
+from trainguard.evidence import CrashEvidence
+from trainguard.schemas import Anomaly, WorkerExit
+from trainguard.services.diagnoser import signatures
+from trainguard.services.diagnoser.rules import Diagnoser
+
+LINES = Path(__file__).resolve().parent.parent / "fixtures" / "error-lines.jsonl"
+NOW = 1_000_000.0
+
+
+def rows() -> list[dict[str, Any]]:
+    return [json.loads(line) for line in LINES.read_text().splitlines() if line.strip()]
+
+
+def crash(text: str, *, exit_code: int | None = 1, signal: str | None = None,
+          error: str = "", rank: int = 0) -> Anomaly:
+    return Anomaly(id=f"a{rank}", job="j", kind="crash", ranks=[rank], hosts=["node-a"],
+                   evidence=CrashEvidence(source="worker_exit", exit_code=exit_code,
+                                          signal=signal, stderr_tail=text, error=error),
+                   onset_at=NOW - 5, detected_at=NOW - 1)
+
+
+def test_the_table_cites_a_public_thread_for_every_line() -> None:
+    table = rows()
+    assert len(table) >= 80
+    for row in table:
+        assert row["url"].startswith("https://github.com/"), row
+        assert row["cause"] in signatures.CAUSES, row
+
+
+@pytest.mark.parametrize("row", rows(), ids=lambda r: r["url"].removeprefix(
+    "https://github.com/")[:60])
+def test_real_line_is_classified(row: dict[str, Any]) -> None:
+    verdict = Diagnoser().classify(crash(row["text"]), NOW)
+    assert verdict.cause == row["cause"], verdict.facts
+
+
+def test_dataloader_killed_with_host_oom_evidence_is_oom() -> None:
+    text = "RuntimeError: DataLoader worker (pid 1817) is killed by signal: Killed."
+    alone = Diagnoser().classify(crash(text), NOW)
+    assert alone.cause == "data_pipeline"
+    evidence = "host OOM evidence: cgroup memory.events oom_kill 0 -> 1"
+    with_oom = Diagnoser().classify(crash(text, error=evidence), NOW)
+    assert with_oom.cause == "oom"
+
+
+@pytest.mark.parametrize(("exit_code", "signal"), [(-9, "SIGKILL"), (137, None)])
+def test_bare_sigkill_is_oom_but_weakly(exit_code: int, signal: str | None) -> None:
+    v = Diagnoser().classify(crash("", exit_code=exit_code, signal=signal), NOW)
+    assert v.cause == "oom" and v.confidence < 0.9
+
+
+def test_other_signals_without_text_stay_process_crash() -> None:
+    v = Diagnoser().classify(crash("", exit_code=-11, signal="SIGSEGV"), NOW)
+    assert v.cause == "process_crash"
+
+
+def exit_of(rank: int, host: str, text: str) -> WorkerExit:
+    return WorkerExit(id=f"e{rank}", job="j", host=host, rank=rank, exit_code=-6,
+                      stderr_tail=text, time=NOW - 1)
+
+
+def watchdog(rank: int, enqueued: int, completed: int) -> str:
+    """The line format of ProcessGroupNCCL.cpp (as in LlamaFactory#6269), numbers varied."""
+    return (f"[rank{rank}]:[E1206 18:44:12.715588844 ProcessGroupNCCL.cpp:1664] [PG 1 Rank "
+            f"{rank}] Exception (either an error or timeout) detected by watchdog at work: "
+            f"{completed + 1}, last enqueued NCCL work: {enqueued}, last completed NCCL "
+            f"work: {completed}.")
+
+
+def test_the_rank_behind_in_the_watchdog_numbers_is_the_suspect() -> None:
+    d = Diagnoser()
+    d.observe_exit(exit_of(0, "node-a", watchdog(0, 7755, 7752)))
+    d.observe_exit(exit_of(1, "node-a", watchdog(1, 7755, 7752)))
+    d.observe_exit(exit_of(3, "node-b", watchdog(3, 7752, 7752)))
+    v = d.classify(crash(watchdog(0, 7755, 7752)), NOW)
+    assert v.cause == "network"
+    assert v.ranks == [3] and v.hosts == ["node-b"]
+
+
+def test_behind_uses_completions_when_every_rank_enqueued_the_same() -> None:
+    progress = signatures.watchdog_progress("\n".join(
+        [watchdog(0, 811, 807), watchdog(1, 811, 805), watchdog(2, 811, 807)]))
+    assert list(signatures.behind(progress)) == [1]
+    assert signatures.behind(signatures.watchdog_progress(watchdog(0, 811, 807))) == {}
+
+
+def test_every_catalogued_xid_has_a_cause_and_an_action() -> None:
+    for code, x in xids.table().items():
+        m = signatures.match(f"NVRM: Xid (PCI:0000:3b:00): {code}, pid=1")
+        assert m is not None and m.cause == x.cause, code
+        expected = ("alert",) if x.action == "IGNORE" and not x.fatal else \
+            ("restart",) if not x.fatal else None
+        assert m.recommended == expected, code
+
+
+def test_fatal_xid_in_text_isolates_and_ignore_xid_only_alerts() -> None:
+    d = Diagnoser()
+    gone = d.on_anomaly(crash("NVRM: Xid (PCI:0000:44:00): 79, GPU has fallen off the bus"),
+                        NOW).publish[-1]
+    assert gone.cause == "gpu_lost" and "isolate" in gone.recommended
+    d2 = Diagnoser()
+    noted = d2.on_anomaly(crash("NVRM: Xid (PCI:0000:00:05): 43, pid=1045242"),
+                          NOW).publish[-1]
+    assert noted.recommended == ["alert"]
+
+
+@pytest.mark.parametrize(("text", "fix"), [
+    ('[xid]\npattern="x"\nfatal_weight=1\nrestart_weight=1\nignore_weight=1\n'
+     '[sigkill]\ncause="oom"\nweight=0.5\nfact="f"\nexit_codes=[]\n'
+     '[[signature]]\nname="a"\ncause="bogus"\nweight=0.5\nfact="f"\npatterns=["x"]\n',
+     "cause"),
+    ('[xid]\npattern="x"\nfatal_weight=1\nrestart_weight=1\nignore_weight=1\n'
+     '[sigkill]\ncause="oom"\nweight=0.5\nfact="f"\nexit_codes=[]\n'
+     '[[signature]]\nname="a"\ncause="oom"\nweight=0.5\nfact="f"\npatterns=["("]\n',
+     "bad regular expression"),
+    ('[xid]\npattern="x"\nfatal_weight=1\nrestart_weight=1\nignore_weight=1\n'
+     '[sigkill]\ncause="oom"\nweight=0.5\nfact="f"\nexit_codes=[]\n'
+     '[[signature]]\nname="a"\ncause="oom"\nweight=0.5\nfact="f"\npatterns=["x"]\nwieght=1\n',
+     "wieght"),
+])
+def test_mistakes_in_the_data_file_name_the_key(text: str, fix: str) -> None:
+    with pytest.raises(signatures.SignatureError, match=fix):
+        signatures.parse(text)
