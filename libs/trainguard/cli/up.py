@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
                  f"{creds_dir / 'oncall.json'})")
         elif any(embedded):
             _say("auth:  off (--insecure): any local process can command the job")
-        tracing.setup_tracing("trainguard-up", base.otel_exporter)
+        tracing.setup_tracing("trainguard-up", base.otel_exporter, several=True)
         return asyncio.run(_serve(names, base.replace(**urls),
                                   creds_dir if secure else None))
     finally:
