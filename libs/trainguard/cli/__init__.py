@@ -9,9 +9,9 @@ from typing import Any
 
 from .. import __version__, logs
 from ..errors import ConfigError, TrainguardError
-from . import checkpoints, credentials, demo, inject, oncall, service_cmd, up
+from . import checkpoints, credentials, dashboard, demo, inject, oncall, service_cmd, up
 
-COMMANDS = (up, service_cmd, inject, oncall, checkpoints, demo, credentials)
+COMMANDS = (up, service_cmd, inject, oncall, checkpoints, demo, credentials, dashboard)
 
 
 def _plugin_commands() -> list[object]:
