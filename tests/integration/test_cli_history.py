@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
 import sys
 import time
 from typing import Any
 
 import redis.asyncio as aioredis
 
+from tests.integration.test_cli_oncall import cli
 from trainguard.bus import Bus
 from trainguard.codec import encode_durable
 from trainguard.evidence import HangEvidence
@@ -30,11 +30,6 @@ from trainguard.schemas import (
 from trainguard.state import Keys
 from trainguard.subjects import Subjects
 from trainguard.topology import provision, streams
-
-
-async def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "trainguard", *args],
-                                   capture_output=True, text=True, timeout=120)
 
 
 def history(job: str, now: float) -> list[tuple[str, Any]]:

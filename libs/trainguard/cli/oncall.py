@@ -136,16 +136,19 @@ async def _status(args: argparse.Namespace) -> int:
         await redis.aclose()
 
 
-async def _incidents(args: argparse.Namespace) -> int:
-    settings = settings_from(args)
+async def _all_incidents(settings: Settings, job: str | None) -> list[Incident]:
     keys = Keys(settings.prefix)
     redis = await connect_redis(settings.redis_url, timeout=settings.connect_timeout,
                                 access=settings.access.redis_options())
     try:
-        rows = [i for job in await _jobs(redis, keys, args.job)
-                for i in await _load_incidents(redis, keys, job)]
+        return [i for j in await _jobs(redis, keys, job)
+                for i in await _load_incidents(redis, keys, j)]
     finally:
         await redis.aclose()
+
+
+async def _incidents(args: argparse.Namespace) -> int:
+    rows = await _all_incidents(settings_from(args), args.job)
     if args.json:
         for i in rows:
             print(json.dumps(msgspec.to_builtins(i)))
@@ -164,14 +167,7 @@ async def _incidents(args: argparse.Namespace) -> int:
 
 async def _incident_show(args: argparse.Namespace) -> int:
     settings = settings_from(args)
-    keys = Keys(settings.prefix)
-    redis = await connect_redis(settings.redis_url, timeout=settings.connect_timeout,
-                                access=settings.access.redis_options())
-    try:
-        inc = incident_show.pick([i for job in await _jobs(redis, keys, args.job)
-                                  for i in await _load_incidents(redis, keys, job)], args.id)
-    finally:
-        await redis.aclose()
+    inc = incident_show.pick(await _all_incidents(settings, args.job), args.id)
     nc = await connect_nats(settings.nats_url, name="trainguard-incidents",
                             timeout=settings.connect_timeout,
                             access=settings.access.nats_options())
