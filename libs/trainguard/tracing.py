@@ -23,6 +23,7 @@ read by the SDK's own classes where it has them:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 from collections.abc import Callable, Mapping
@@ -38,6 +39,7 @@ from .errors import ConfigError
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 
+log = logging.getLogger("trainguard.tracing")
 EXPORTER_ENV: Final = setting("otel_exporter")
 _setup_lock = threading.Lock()
 _configured = False
@@ -46,17 +48,27 @@ _providers: dict[str, trace.TracerProvider] = {}
 _propagator: TextMapPropagator | None = None
 
 
-def propagator() -> TextMapPropagator:
+def propagator(*, strict: bool = False) -> TextMapPropagator:
     """The propagator ``OTEL_PROPAGATORS`` names (W3C trace context and baggage by
-    default); an unknown name is a :class:`ConfigError` naming the variable."""
+    default). An unknown name is a :class:`ConfigError` naming the variable with
+    ``strict`` (a process's setup); otherwise, so that a rank's publish never fails on it,
+    W3C trace context with a warning."""
     global _propagator
     if _propagator is None:
         try:
             from opentelemetry import propagate
         except Exception as exc:  # the API raises whatever loading an entry point raised
-            raise ConfigError(f"OTEL_PROPAGATORS={os.environ.get('OTEL_PROPAGATORS')!r}: "
-                              f"{exc!r}; use tracecontext, baggage (or install the "
-                              "propagator's package)") from None
+            why = (f"OTEL_PROPAGATORS={os.environ.get('OTEL_PROPAGATORS')!r}: {exc!r}; use "
+                   "tracecontext, baggage (or install the propagator's package)")
+            if strict:
+                raise ConfigError(why) from None
+            from opentelemetry.trace.propagation.tracecontext import (
+                TraceContextTextMapPropagator,
+            )
+
+            log.warning("%s; using W3C trace context", why)
+            _propagator = TraceContextTextMapPropagator()
+            return _propagator
         _propagator = propagate.get_global_textmap()
     return _propagator
 
@@ -183,7 +195,7 @@ def setup_tracing(service_name: str, exporter: str | None = None, *,
     with _setup_lock:
         if _configured:
             return
-        propagator()  # a bad OTEL_PROPAGATORS fails at start
+        propagator(strict=True)  # a bad OTEL_PROPAGATORS fails at start
         if not _sdk_disabled():
             processors = _processor_factory(exporters(exporter))
             trace.set_tracer_provider(_provider(service_name, processors, explicit=False))

@@ -209,6 +209,13 @@ def test_otel_propagators_decide_what_goes_into_headers() -> None:
     assert run_python(code, OTEL_PROPAGATORS="baggage").stdout.strip() == "[]"
     out = run_python(code, OTEL_PROPAGATORS="nosuch")
     assert out.returncode != 0 and "OTEL_PROPAGATORS='nosuch'" in out.stderr
+    # A rank's publish never fails on it: W3C trace context, and a warning.
+    lib = ("from trainguard import tracing; from opentelemetry import trace; "
+           "from opentelemetry.sdk.trace import TracerProvider; "
+           "span = TracerProvider().get_tracer('t').start_span('x'); "
+           "print(sorted(tracing.inject({}, trace.set_span_in_context(span))))")
+    out = run_python(lib, OTEL_PROPAGATORS="nosuch")
+    assert out.stdout.strip() == "['traceparent']" and "using W3C trace context" in out.stderr
 
 
 def test_each_service_of_one_process_has_its_own_service_name(tmp_path: Path) -> None:
