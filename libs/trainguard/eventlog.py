@@ -12,6 +12,7 @@ The history ends at the message whose pending count is zero.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from .errors import DecodeError
 from .schemas import Durable
 from .topology import stream_name
 
+FOLLOW_POLL = 1.0
 STALL_TIMEOUT = 15.0
 """Reading history, the longest wait for the next message the server still owes us before
 giving up (a stream purged under the reader): generous, a busy machine is slow."""
@@ -66,20 +68,24 @@ async def matching(js: JetStreamContext, prefix: str, subject: str) -> int:
 
 
 async def read(js: JetStreamContext, prefix: str, subject: str, *,
-               follow: bool = False, stall: float = STALL_TIMEOUT) -> AsyncIterator[Event]:
+               follow: bool = False, stall: float = STALL_TIMEOUT,
+               stop: asyncio.Event | None = None) -> AsyncIterator[Event]:
     """Every event matching ``subject`` from the start of the history, in stream order.
 
     Without ``follow`` the iterator ends with the last message that matched when the
-    server delivered it; with ``follow`` it goes on with new events until cancelled.
+    server delivered it; with ``follow`` it goes on with new events until ``stop`` is set
+    (checked every second) or it is cancelled. A long-running reader should stop by
+    ``stop``: Python 3.11's ``asyncio.wait_for`` (inside nats-py's ``next_msg``) loses a
+    cancel that lands as a message arrives, and the reader would go on.
     """
     if not follow and await matching(js, prefix, subject) == 0:
         return
     sub = await js.subscribe(subject, ordered_consumer=True,
                              stream=stream_name(prefix, "events"))
     try:
-        while True:
+        while not (stop is not None and stop.is_set()):
             try:
-                msg = await sub.next_msg(timeout=stall if not follow else 3600.0)
+                msg = await sub.next_msg(timeout=stall if not follow else FOLLOW_POLL)
             except TimeoutError:
                 if follow:
                     continue

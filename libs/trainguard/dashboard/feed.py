@@ -11,6 +11,7 @@ dead-letters (that is the services' job).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -31,6 +32,7 @@ class Feed:
         self.job = job or "*"
         self.undecodable = 0
         self._tasks: list[asyncio.Task[None]] = []
+        self._stop = asyncio.Event()
 
     async def start(self) -> None:
         s = Subjects(self.prefix)
@@ -40,7 +42,9 @@ class Feed:
         self._tasks.append(asyncio.create_task(self._events(), name="dashboard:events"))
 
     async def stop(self) -> None:
-        for t in self._tasks:
+        self._stop.set()  # the events reader ends within a second (eventlog.read: why)
+        _, late = await asyncio.wait(self._tasks, timeout=5.0) if self._tasks else ((), ())
+        for t in late:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
@@ -52,10 +56,10 @@ class Feed:
 
     async def _events(self) -> None:
         subject = Subjects(self.prefix).pattern("event", job=self.job, tail=">")
-        while True:  # the stream may not exist yet (no service provisioned it): retry
+        while not self._stop.is_set():  # the stream may not exist yet: retry
             try:
                 async for e in eventlog.read(self.nc.jetstream(), self.prefix, subject,
-                                             follow=True):
+                                             follow=True, stop=self._stop):
                     if e.event is None:
                         self.undecodable += 1
                     else:
@@ -64,4 +68,5 @@ class Feed:
                 raise
             except Exception as exc:
                 log.debug("reading events failed (%r); retrying", exc)
-            await asyncio.sleep(2.0)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), 2.0)
