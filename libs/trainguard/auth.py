@@ -104,7 +104,9 @@ def nats_permissions(role: Role, prefix: str = "tg", job: str = "*") -> dict[str
                 responses = True
         case "oncall":
             publish = [f"{p}.rpc.save", f"{p}.rpc.checkpoints", *readers]
-            subscribe += [f"{p}.event.>", f"{p}.dead"]
+            # Telemetry too, read only: the dashboard's heat map of ranks.
+            subscribe += [f"{p}.event.>", f"{p}.dead", f"{p}.hb.*", f"{p}.step.*",
+                          f"{p}.node.*"]
         case "operator":
             # Drills (``trainguard inject``, the demo) and what on-call does. It can command
             # a job like the control plane: a person's credentials, never a process's.

@@ -3,24 +3,31 @@
 Values come from, lowest to highest: the dataclass defaults (which work with the
 embedded control plane of ``trainguard up``), ``TRAINGUARD_<FIELD>`` environment
 variables (named by :func:`trainguard.envnames.setting`, the rule the client's variables
-follow too), and explicit overrides (CLI flags). Services subclass :class:`Settings` to add
-their own fields; the same loader handles them. An unknown override key or a value of the
-wrong type is a :class:`ConfigError` that names the setting.
+follow too), and explicit overrides (CLI flags). A ``TRAINGUARD_*`` variable that no
+setting reads is an error naming the nearest known name (:func:`check_variables`).
+Services subclass :class:`Settings` to add their own fields; the same loader handles them.
+An unknown override key or a value of the wrong type is a :class:`ConfigError` that names
+the setting.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import difflib
+import functools
 import os
 import types
 import typing
 from collections.abc import Mapping
 from typing import Any, TypeVar, get_type_hints
 
+import msgspec
+
 from .auth import Access, TlsFiles, access_from
-from .envnames import setting
+from .envnames import GUARD_KEYS, PREFIX, TRUE, setting
 from .errors import ConfigError, InvalidToken
-from .logs import DEFAULT_FORMAT, FORMATS
+from .logs import DEFAULT_FORMAT, FORMATS, level_of
 from .redisurl import SENTINEL_SCHEMES, parse_sentinel_url
 from .subjects import DEFAULT_PREFIX, Subjects
 
@@ -98,36 +105,85 @@ class Settings:
         return load_settings(type(self), env={}, overrides={**dataclasses.asdict(self), **changes})
 
 
+@functools.cache
+def _load_installed_settings() -> None:
+    """Import every installed service and command once, so their settings classes exist
+    (``Settings.__subclasses__``) and their fields are known names. A plugin that does not
+    load is reported where it is run; here it only adds no names."""
+    from importlib.metadata import entry_points
+
+    for group in ("trainguard.services", "trainguard.commands"):
+        for ep in entry_points(group=group):
+            with contextlib.suppress(Exception):
+                ep.load()
+
+
+def _settings_classes(root: type[Settings]) -> list[type[Settings]]:
+    out, todo = [], [root]
+    while todo:
+        cls = todo.pop()
+        out.append(cls)
+        todo.extend(cls.__subclasses__())
+    return out
+
+
+def known_variables(cls: type[Settings] | None = None, *,
+                    installed: bool = True) -> frozenset[str]:
+    """Every ``TRAINGUARD_*`` variable a trainguard process may be given, derived, never
+    listed by hand: the fields of every settings class (the shared :class:`Settings`, every
+    installed service's and command's, ``cls``), and the names the Guard reads or a job
+    forwards (:data:`trainguard.envnames.GUARD_KEYS`). One environment serves every service
+    of ``trainguard up``, so a detector threshold is known to the diagnoser too.
+    ``installed`` False: only the classes imported so far (cheap; no service imported)."""
+    if installed:
+        _load_installed_settings()
+    classes = _settings_classes(Settings) + ([cls] if cls is not None else [])
+    return frozenset({setting(f.name) for c in classes for f in dataclasses.fields(c)}
+                     | GUARD_KEYS)
+
+
+def check_variables(env: Mapping[str, str], cls: type[Settings] | None = None) -> None:
+    """:class:`ConfigError` for a ``TRAINGUARD_*`` variable that no setting reads (a typo
+    would otherwise be ignored in silence), naming the nearest known name."""
+    names = sorted(k for k in env if k.startswith(PREFIX))
+    if not names:
+        return
+    known = known_variables(cls, installed=False)
+    if all(k in known for k in names):
+        return
+    known = known_variables(cls)  # importing the services costs ~1 s: only when needed
+    unknown = [k for k in names if k not in known]
+    if not unknown:
+        return
+    name = unknown[0]
+    near = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+    hint = f"; did you mean {near[0]}?" if near else ""
+    more = f" (and {len(unknown) - 1} more: {', '.join(unknown[1:])})" if len(unknown) > 1 else ""
+    raise ConfigError(f"unknown environment variable {name}{hint}{more}: no trainguard "
+                      f"setting reads it (the settings are in the README, Configuration)")
+
+
 def _coerce(name: str, raw: Any, hint: Any) -> Any:
+    """``raw`` (an environment string or a flag's value) as the field's type, decoded by
+    msgspec in lax mode (``"5"`` is an int); a :class:`ConfigError` naming the setting."""
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         if raw is None or (isinstance(raw, str) and raw.lower() in ("", "none", "null")):
             return None
         return _coerce(name, raw, args[0])
+    if hint is str:
+        return str(raw)
+    if hint is bool and isinstance(raw, str):  # the spellings envnames.flag accepts too
+        text = raw.strip().lower()
+        raw = True if text in TRUE else False if text in ("0", "false", "no", "off") else raw
     try:
-        if hint is bool:
-            if isinstance(raw, bool):
-                return raw
-            text = str(raw).strip().lower()
-            if text in ("1", "true", "yes", "on"):
-                return True
-            if text in ("0", "false", "no", "off"):
-                return False
-            raise ValueError("expected true/false")
-        if hint is int:
-            if isinstance(raw, bool):
-                raise ValueError("expected an integer")
-            return int(raw)
-        if hint is float:
-            return float(raw)
-        if hint is str:
-            return str(raw)
-    except (TypeError, ValueError) as exc:
+        return msgspec.convert(raw.strip() if isinstance(raw, str) else raw, hint,
+                               strict=False)
+    except msgspec.ValidationError as exc:
         raise ConfigError(
             f"setting {name}={raw!r} is not a valid {getattr(hint, '__name__', hint)}: {exc}"
         ) from None
-    return raw
 
 
 def load_settings(
@@ -141,6 +197,7 @@ def load_settings(
     they are.
     """
     env = os.environ if env is None else env
+    check_variables(env, cls)
     hints = get_type_hints(cls)
     fields = {f.name for f in dataclasses.fields(cls)}
     values: dict[str, Any] = {}
@@ -159,6 +216,7 @@ def load_settings(
         settings.subjects  # noqa: B018 - validates the prefix early
     except InvalidToken as exc:
         raise ConfigError(str(exc)) from None
+    level_of(settings.log_level, "setting log_level")  # TRAINGUARD_LOG_LEVEL: the CLI's
     if settings.log_format not in FORMATS:
         raise ConfigError(f"setting log_format={settings.log_format!r}: use one of "
                           f"{', '.join(FORMATS)}")

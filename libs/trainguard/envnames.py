@@ -56,6 +56,13 @@ inherited from the agent by its ranks except as the agent hands them on, never p
 CONNECTION: Final = frozenset({NATS_URL, REDIS_URL, SUBJECT_PREFIX, JOB, HOST, *ACCESS})
 """Where and who, not how to judge the job: kept out of :func:`job_settings`."""
 
+GUARD_KEYS: Final = frozenset({JOB, HOST, NATS_URL, SUBJECT_PREFIX, ALLOW_DRILLS, CREDENTIALS,
+                               NATS_TLS_CA, DISABLED, CHECKPOINT_ROOT, REDIS_URL})
+"""The names the Guard reads (above). With every settings field's name they are what
+:func:`trainguard.config.known_variables` accepts; the per-job keys a job forwards in its
+hello (:func:`job_settings`) are detector settings (``TRAINGUARD_HANG_FLOOR``), known as
+such."""
+
 TRUE: Final = ("1", "true", "yes", "on")
 
 

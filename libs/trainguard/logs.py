@@ -36,6 +36,9 @@ KEYS: Final = ("job", "rank", "host", "step", "incident", "trace_id")
 FORMATS: Final = ("text", "json")
 DEFAULT_FORMAT: Final = "text"
 FORMAT_ENV: Final = setting("log_format")
+LEVELS: Final = ("DEBUG", "INFO", "WARNING", "ERROR")
+DEFAULT_LEVEL: Final = "INFO"
+LEVEL_ENV: Final = setting("log_level")
 TEXT_FORMAT: Final = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
@@ -118,11 +121,22 @@ def formatter(fmt: str) -> logging.Formatter:
     raise ConfigError(f"{FORMAT_ENV}={fmt!r}: use one of {', '.join(FORMATS)}")
 
 
-def configure(level: str = "INFO", fmt: str | None = None, *,
+def level_of(text: str, what: str = LEVEL_ENV) -> str:
+    """``text`` as a level name (any case); :class:`ConfigError` naming ``what`` otherwise."""
+    level = text.strip().upper()
+    if level not in LEVELS:
+        raise ConfigError(f"{what}={text!r}: use one of {', '.join(LEVELS)}")
+    return level
+
+
+def configure(level: str | None = None, fmt: str | None = None, *,
               env: Mapping[str, str] | None = None, stream: IO[str] | None = None) -> None:
     """Set up the root logger once per process (like :func:`logging.basicConfig`, a no-op
-    if it already has handlers). ``fmt`` None: ``TRAINGUARD_LOG_FORMAT``, else text."""
+    if it already has handlers). None: ``TRAINGUARD_LOG_LEVEL`` (else INFO) and
+    ``TRAINGUARD_LOG_FORMAT`` (else text)."""
     env = os.environ if env is None else env
+    chosen = level_of(level, "--log-level") if level else \
+        level_of(env.get(LEVEL_ENV) or DEFAULT_LEVEL)
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(formatter(fmt or env.get(FORMAT_ENV) or DEFAULT_FORMAT))
-    logging.basicConfig(level=level, handlers=[handler])
+    logging.basicConfig(level=chosen, handlers=[handler])

@@ -84,7 +84,7 @@ class Runtime:
         self.service = service
         self.settings = settings
         self.metrics = Metrics(service.name)
-        self.tracer = tracing.tracer(f"trainguard.{service.name}")
+        self.tracer = tracing.service_tracer(service.name)
         self._bus: Bus | None = None
         self._redis: aioredis.Redis | None = None
         self._tasks: set[asyncio.Task[Any]] = set()

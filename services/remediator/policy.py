@@ -1,20 +1,22 @@
 """Remediation policy as data: a TOML file (defaults shipped beside this module).
 
-A bad file is refused at start with the line and the reason, never half-applied.
+A bad file is refused at start with the line and the reason, never half-applied: it is
+decoded by msgspec against the Structs below (:mod:`trainguard.tomldecode`), so a wrong
+type, a negative number, an unknown key or action names the key and its line.
 """
 
 from __future__ import annotations
 
-import tomllib
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, get_args
+from typing import Annotated, Any, Final, Literal, get_args
 
-from trainguard.errors import ConfigError
+import msgspec
+
 from trainguard.schemas import Cause
+from trainguard.tomldecode import TomlError, convert, fail, parse
 
-ACTIONS: Final = frozenset({"save_now", "dump", "isolate", "restart", "rollback", "alert",
-                            "escalate", "hold", "none"})
 CAUSES: Final = frozenset(get_args(Cause))
 DEFAULT_POLICY: Final = Path(__file__).with_name("default_policy.toml")
 
@@ -49,66 +51,78 @@ class Policy:
         return self.causes.get(cause) or self.causes.get("unknown") or CausePolicy(("escalate",))
 
 
-class PolicyError(ConfigError):
+class PolicyError(TomlError):
     pass
 
 
-def _line_of(text: str, needle: str) -> int:
-    for i, line in enumerate(text.splitlines(), 1):
-        if needle in line:
-            return i
-    return 0
+NonNegative = Annotated[float, msgspec.Meta(ge=0)]
+Count = Annotated[int, msgspec.Meta(ge=0)]
+PolicyAction = Literal["save_now", "dump", "isolate", "restart", "rollback", "alert",
+                       "escalate", "hold", "none"]
+ACTIONS: Final = frozenset(get_args(PolicyAction))
+
+
+class DefaultsFile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``[defaults]`` as written: a key left out is UNSET, so an override file changes
+    only what it names."""
+
+    cooldown_s: NonNegative | msgspec.UnsetType = msgspec.UNSET
+    restart_budget_per_hour: Count | msgspec.UnsetType = msgspec.UNSET
+    ack_timeout_s: NonNegative | msgspec.UnsetType = msgspec.UNSET
+    save_deadline_s: NonNegative | msgspec.UnsetType = msgspec.UNSET
+    resolve_timeout_s: NonNegative | msgspec.UnsetType = msgspec.UNSET
+    escalate_unknown: bool | msgspec.UnsetType = msgspec.UNSET
+    unknown_grace_s: NonNegative | msgspec.UnsetType = msgspec.UNSET
+    launcher_grace_s: NonNegative | msgspec.UnsetType = msgspec.UNSET
+
+    def given(self) -> dict[str, Any]:
+        return {f: v for f in self.__struct_fields__
+                if (v := getattr(self, f)) is not msgspec.UNSET}
+
+
+class CauseFile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """One ``[causes.<cause>]`` table."""
+
+    actions: list[PolicyAction]
+    escalate_after: Count = 0
+    isolate_if_sustained_s: NonNegative = 0.0
+
+
+class PolicyFile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    defaults: DefaultsFile = msgspec.field(default_factory=DefaultsFile)
+    causes: dict[str, dict[str, Any]] = {}
+    notify: dict[str, Any] = {}
+    """``[notify]``: the bridge's routes; it decodes them itself."""
+
+
+def _decode(text: str, source: str) -> tuple[DefaultsFile, dict[str, CausePolicy]]:
+    try:
+        doc = convert(parse(text, source), PolicyFile, text=text, source=source)
+        causes: dict[str, CausePolicy] = {}
+        for cause, body in doc.causes.items():
+            if cause not in CAUSES:
+                raise fail(text, source, ("causes", cause),
+                           f"unknown cause {cause!r}; known: {', '.join(sorted(CAUSES))}")
+            c = convert(body, CauseFile, text=text, source=source, at=("causes", cause))
+            causes[cause] = CausePolicy(tuple(c.actions), c.escalate_after,
+                                        float(c.isolate_if_sustained_s))
+    except TomlError as exc:  # the remediator's own type, for callers that catch it
+        raise PolicyError(exc.source, exc.line, _known(exc.message)) from None
+    return doc.defaults, causes
+
+
+def _known(message: str) -> str:
+    """msgspec names a bad enum value; on-call also wants the choices."""
+    if (m := re.search(r"\.actions: Invalid enum value (\S+)", message)):
+        return (f"{message[:m.start()]}.actions: unknown action {m.group(1)}; known: "
+                f"{', '.join(sorted(ACTIONS))}")
+    return message
 
 
 def parse_policy(text: str, source: str = "<policy>") -> Policy:
-    try:
-        raw = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise PolicyError(f"{source}: {exc}") from None
-
-    def fail(needle: str, why: str) -> PolicyError:
-        line = _line_of(text, needle)
-        return PolicyError(f"{source}, line {line}: {why}" if line else f"{source}: {why}")
-
-    unknown_top = set(raw) - {"defaults", "causes", "notify"}  # [notify]: the bridge's
-    if unknown_top:
-        name = sorted(unknown_top)[0]
-        raise fail(name, f"unknown section [{name}] (expected [defaults], [causes.*] and "
-                         "[notify])")
-    d: dict[str, Any] = raw.get("defaults", {})
-    known = {"cooldown_s", "restart_budget_per_hour", "ack_timeout_s", "save_deadline_s",
-             "resolve_timeout_s", "escalate_unknown", "unknown_grace_s",
-             "launcher_grace_s"}
-    for key, value in d.items():
-        if key not in known:
-            raise fail(key, f"unknown setting {key!r} in [defaults]; known: "
-                            f"{', '.join(sorted(known))}")
-        wants_bool = key == "escalate_unknown"
-        if wants_bool != isinstance(value, bool) or not isinstance(value, (bool, int, float)):
-            raise fail(key, f"{key} must be a {'boolean' if wants_bool else 'number'}")
-        if not wants_bool and value < 0:
-            raise fail(key, f"{key} must not be negative")
-    causes: dict[str, CausePolicy] = {}
-    for cause, body in raw.get("causes", {}).items():
-        if cause not in CAUSES:
-            raise fail(f"causes.{cause}", f"unknown cause {cause!r}; known: "
-                                          f"{', '.join(sorted(CAUSES))}")
-        if not isinstance(body, dict) or "actions" not in body:
-            raise fail(f"causes.{cause}", f"[causes.{cause}] needs an actions list")
-        actions = body["actions"]
-        if not isinstance(actions, list) or not all(isinstance(a, str) for a in actions):
-            raise fail(f"causes.{cause}", f"[causes.{cause}] actions must be a list of strings")
-        for action in actions:
-            if action not in ACTIONS:
-                raise fail(f'"{action}"', f"unknown action {action!r} for {cause}; known: "
-                                          f"{', '.join(sorted(ACTIONS))}")
-        extra = set(body) - {"actions", "escalate_after", "isolate_if_sustained_s"}
-        if extra:
-            key = sorted(extra)[0]
-            raise fail(key, f"unknown key {key!r} in [causes.{cause}]")
-        causes[cause] = CausePolicy(tuple(actions), int(body.get("escalate_after", 0)),
-                                    float(body.get("isolate_if_sustained_s", 0.0)))
-    return Policy(causes=causes, source=source, **d)
+    """A policy file's text as a :class:`Policy` (unset defaults: the built-in ones)."""
+    defaults, causes = _decode(text, source)
+    return Policy(causes=causes, source=source, **defaults.given())
 
 
 def load_policy(path: str | Path | None = None) -> Policy:
@@ -120,13 +134,7 @@ def load_policy(path: str | Path | None = None) -> Policy:
     try:
         text = p.read_text()
     except OSError as exc:
-        raise PolicyError(f"cannot read policy file {p}: {exc.strerror}") from None
-    override = parse_policy(text, str(p))
-    raw = tomllib.loads(text).get("defaults", {})
-    merged = {k: getattr(override, k) if k in raw else getattr(base, k)
-              for k in ("cooldown_s", "restart_budget_per_hour", "ack_timeout_s",
-                        "save_deadline_s", "resolve_timeout_s", "escalate_unknown",
-                        "unknown_grace_s", "launcher_grace_s")}
-    return Policy(causes={**base.causes, **override.causes}, source=str(p), **merged)
-
-
+        raise PolicyError(str(p), 0, f"cannot read policy file: {exc.strerror}") from None
+    defaults, causes = _decode(text, str(p))
+    merged = {k: getattr(base, k) for k in DefaultsFile.__struct_fields__} | defaults.given()
+    return Policy(causes={**base.causes, **causes}, source=str(p), **merged)

@@ -182,10 +182,11 @@ def test_resolution_needs_a_new_attempt_past_the_failure_step() -> None:
 def test_bad_policy_files_are_refused_with_the_line(tmp_path: Path) -> None:
     bad = tmp_path / "policy.toml"
     bad.write_text('[defaults]\ncooldown_s = 30\n\n[causes.oom]\nactions = ["reboot"]\n')
-    with pytest.raises(PolicyError, match=r"policy.toml, line 5: unknown action 'reboot'"):
+    with pytest.raises(PolicyError, match=r"policy.toml, line 5: causes.oom.actions: unknown "
+                                         r"action 'reboot'"):
         load_policy(bad)
     bad.write_text('[causes.oom]\nactions = ["restart"]\ncoolness = 1\n')
-    with pytest.raises(PolicyError, match=r"line 3: unknown key 'coolness'"):
+    with pytest.raises(PolicyError, match=r"line 3: causes.oom.coolness: unknown key 'coolness'"):
         load_policy(bad)
     bad.write_text("[defaults\n")
     with pytest.raises(PolicyError, match=r"policy\.toml"):

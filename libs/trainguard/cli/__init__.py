@@ -5,12 +5,25 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any
 
-from .. import logs
+from .. import __version__, logs
 from ..errors import ConfigError, TrainguardError
-from . import checkpoints, credentials, demo, fr, inject, oncall, service_cmd, unblock, up
+from . import (
+    checkpoints,
+    credentials,
+    dashboard,
+    demo,
+    fr,
+    inject,
+    oncall,
+    service_cmd,
+    unblock,
+    up,
+)
 
-COMMANDS = (up, service_cmd, inject, oncall, checkpoints, demo, credentials, unblock, fr)
+COMMANDS = (up, service_cmd, inject, oncall, checkpoints, demo, credentials, unblock, fr,
+            dashboard)
 
 
 def _plugin_commands() -> list[object]:
@@ -33,12 +46,27 @@ def build_parser() -> argparse.ArgumentParser:
         prog="trainguard",
         description="Detect, diagnose and remediate failures of long PyTorch training jobs.",
     )
-    parser.add_argument("--log-level", default=None,
-                        help="DEBUG, INFO, WARNING or ERROR (default: INFO)")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    parser.add_argument("--version", action="version", version=f"trainguard {__version__}")
+    _add_log_level(parser, default=None)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
+                                parser_class=CommandParser)
     for module in (*COMMANDS, *_plugin_commands()):
         module.register(sub)  # type: ignore[attr-defined]
     return parser
+
+
+def _add_log_level(p: argparse.ArgumentParser, default: object) -> None:
+    p.add_argument("--log-level", default=default, type=str.upper, choices=logs.LEVELS,
+                   help=f"{', '.join(logs.LEVELS)} (env {logs.LEVEL_ENV}; default INFO)")
+
+
+class CommandParser(argparse.ArgumentParser):
+    """A sub-command's parser: takes ``--log-level`` after the sub-command too. Its
+    default is SUPPRESS, so a sub-command not given one keeps the value given before it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _add_log_level(self, default=argparse.SUPPRESS)
 
 
 def _raw_command(argv: list[str]) -> argparse.Namespace | None:
@@ -59,11 +87,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     if args is None:
         args = parser.parse_args(raw)
-    level = (args.log_level or "INFO").upper()
-    if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
-        parser.error(f"--log-level {args.log_level!r}: use DEBUG, INFO, WARNING or ERROR")
-    try:
-        logs.configure(level)  # the format from TRAINGUARD_LOG_FORMAT (default: text)
+    try:  # level and format from the flag or TRAINGUARD_LOG_LEVEL / TRAINGUARD_LOG_FORMAT
+        logs.configure(args.log_level)
     except ConfigError as exc:
         parser.error(str(exc))
     try:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import sys
 import time
@@ -18,20 +17,23 @@ import msgspec
 from rich.console import Console
 from rich.table import Table
 
+from .. import eventlog
 from ..bus import connect_nats
-from ..codec import decode_any_durable, decode_durable
+from ..codec import decode_durable
 from ..config import Settings
-from ..envelope import normalize_headers
-from ..schemas import Incident
+from ..schemas import Anomaly, Diagnosis, Incident
 from ..state import Keys, decode_progress, read_blocklist_entry
 from ..store import connect_redis
+from ..subjects import EVENT_KINDS
+from . import incident_show
 from .common import add_connection_flags, settings_from
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     for name, helptext, fn in (
         ("status", "jobs, ranks, open incidents and the blocklist", _status),
-        ("incidents", "incidents with their timings", _incidents),
+        ("incidents", "incidents with their timings (`incidents show ID`: one in full)",
+         _incidents),
         ("events", "the event history (anomalies, diagnoses, actions, incidents, ...)", _events),
     ):
         p = sub.add_parser(name, help=helptext, description=helptext)
@@ -39,9 +41,21 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         p.add_argument("--json", action="store_true", help="one JSON object per line")
         if name == "events":
             p.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
-            p.add_argument("--kind", help="anomaly, diagnosis, action, incident or checkpoint")
+            p.add_argument("--kind", choices=EVENT_KINDS, help="only events of this kind")
         add_connection_flags(p)
         p.set_defaults(run=lambda args, fn=fn: asyncio.run(fn(args)))
+        if name == "incidents":
+            shows = p.add_subparsers(dest="incidents_command", metavar="show ID")
+            q = shows.add_parser("show", help="one incident: timeline, evidence and actions",
+                                 description="One incident: its timeline, the evidence "
+                                             "behind its cause, and every action with its "
+                                             "status and commands.")
+            q.add_argument("id", help="incident id, or a unique prefix of it")
+            q.add_argument("--job", help="only look in this job")
+            q.add_argument("--json", action="store_true",
+                           help="one JSON object: incident, diagnoses, anomalies")
+            add_connection_flags(q)
+            q.set_defaults(run=lambda args: asyncio.run(_incident_show(args)))
 
 
 async def _jobs(redis: Any, keys: Keys, only: str | None) -> list[str]:
@@ -126,16 +140,19 @@ async def _status(args: argparse.Namespace) -> int:
         await redis.aclose()
 
 
-async def _incidents(args: argparse.Namespace) -> int:
-    settings = settings_from(args)
+async def _all_incidents(settings: Settings, job: str | None) -> list[Incident]:
     keys = Keys(settings.prefix)
     redis = await connect_redis(settings.redis_url, timeout=settings.connect_timeout,
                                 access=settings.access.redis_options())
     try:
-        rows = [i for job in await _jobs(redis, keys, args.job)
-                for i in await _load_incidents(redis, keys, job)]
+        return [i for j in await _jobs(redis, keys, job)
+                for i in await _load_incidents(redis, keys, j)]
     finally:
         await redis.aclose()
+
+
+async def _incidents(args: argparse.Namespace) -> int:
+    rows = await _all_incidents(settings_from(args), args.job)
     if args.json:
         for i in rows:
             print(json.dumps(msgspec.to_builtins(i)))
@@ -152,42 +169,54 @@ async def _incidents(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _incident_show(args: argparse.Namespace) -> int:
+    settings = settings_from(args)
+    inc = incident_show.pick(await _all_incidents(settings, args.job), args.id)
+    nc = await connect_nats(settings.nats_url, name="trainguard-incidents",
+                            timeout=settings.connect_timeout,
+                            access=settings.access.nats_options())
+    try:
+        history = [e async for e in eventlog.read(
+            nc.jetstream(), settings.prefix,
+            settings.subjects.pattern("event", job=inc.job, tail=">"))]
+    finally:
+        await nc.close()
+    entities = eventlog.latest(history)
+    diagnoses = [d for i in inc.diagnosis_ids
+                 if isinstance(d := entities.get(i), Diagnosis)]
+    anomaly_ids = dict.fromkeys([*inc.anomaly_ids, *(a for d in diagnoses
+                                                     for a in d.anomaly_ids)])
+    anomalies = [a for i in anomaly_ids if isinstance(a := entities.get(i), Anomaly)]
+    if args.json:
+        print(json.dumps({"incident": msgspec.to_builtins(inc),
+                          "diagnoses": msgspec.to_builtins(diagnoses),
+                          "anomalies": msgspec.to_builtins(anomalies)}))
+    else:
+        print("\n".join(incident_show.render(inc, diagnoses, anomalies)))
+    return 0
+
+
 async def _events(args: argparse.Namespace) -> int:
     settings = settings_from(args)
-    s = settings.subjects
-    subject = s.pattern("event", job=args.job or "*", tail=args.kind or ">")
+    subject = settings.subjects.pattern("event", job=args.job or "*", tail=args.kind or ">")
     nc = await connect_nats(settings.nats_url, name="trainguard-events",
                             timeout=settings.connect_timeout,
                             access=settings.access.nats_options())
     console = _console()
     try:
-        js = nc.jetstream()
-        sub = await js.subscribe(subject, ordered_consumer=True)
-        while True:
-            try:
-                msg = await sub.next_msg(timeout=1.0 if not args.follow else 3600)
-            except TimeoutError:
-                if args.follow:
-                    continue
-                return 0
-            headers = normalize_headers(msg.headers)
-            try:
-                event = decode_any_durable(msg.data, headers.get("ce-type"))
-            except Exception as exc:
-                console.print(f"[red]undecodable event on {msg.subject}: {exc}[/]")
-                continue
-            if args.json:
-                print(json.dumps({"subject": msg.subject, "type": headers.get("ce-type"),
-                                  "event": json.loads(msg.data)}), flush=True)
+        async for e in eventlog.read(nc.jetstream(), settings.prefix, subject,
+                                     follow=args.follow):
+            if e.event is None:
+                console.print(f"[red]undecodable event on {e.subject}: {e.error}[/]")
+            elif args.json:
+                print(json.dumps({"subject": e.subject, "type": e.ce_type,
+                                  "event": json.loads(e.data)}), flush=True)
             else:
-                body = msgspec.to_builtins(event)
+                body = msgspec.to_builtins(e.event)
                 what = body.get("kind") or body.get("cause") or body.get("action") or \
                     body.get("status")
-                console.print(f"{headers.get('ce-time', '')} {msg.subject} [bold]{what}[/] "
+                console.print(f"{e.time} {e.subject} [bold]{what}[/] "
                               f"{body.get('summary') or body.get('ranks') or ''}")
-            with contextlib.suppress(Exception):
-                pending = (await sub.consumer_info()).num_pending
-                if pending == 0 and not args.follow:
-                    return 0
+        return 0
     finally:
         await nc.close()

@@ -32,6 +32,8 @@ from pathlib import Path
 from .. import registry, tracing
 from ..auth import ensure_credentials, nats_authorization, redis_acl_file, role_of_service
 from ..config import DEFAULT_NATS_PORT, DEFAULT_REDIS_PORT, Settings
+from ..dashboard import DEFAULT_PORT as DASHBOARD_PORT
+from ..dashboard import run_dashboard
 from ..embedded import NatsServer, RedisServer, ServerProcess, port_taken
 from ..envnames import setting
 from ..errors import ConfigError
@@ -63,6 +65,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                         "default 127.0.0.1; 0.0.0.0 for scrapes and probes from elsewhere)")
     p.add_argument("--services", default="all",
                    help="comma-separated services to run, or 'all' (default), or 'none'")
+    p.add_argument("--dashboard-port", type=tcp_port, default=None,
+                   help="port of the web dashboard (default: the base port + 6, "
+                        f"{DASHBOARD_PORT} with the default base)")
+    p.add_argument("--no-dashboard", action="store_true", help="do not serve the dashboard")
     p.set_defaults(run=run)
 
 
@@ -126,15 +132,19 @@ def run(args: argparse.Namespace) -> int:
                  f"{creds_dir / 'oncall.json'})")
         elif any(embedded):
             _say("auth:  off (--insecure): any local process can command the job")
-        tracing.setup_tracing("trainguard-up", base.otel_exporter)
+        tracing.setup_tracing("trainguard-up", base.otel_exporter, several=True)
+        dashboard = None if args.no_dashboard else (
+            args.dashboard_port if args.dashboard_port is not None
+            else health_port("dashboard", base.base_port))
         return asyncio.run(_serve(names, base.replace(**urls),
-                                  creds_dir if secure else None))
+                                  creds_dir if secure else None, dashboard))
     finally:
         for server in reversed(servers):
             server.stop()
 
 
-async def _serve(names: list[str], base: Settings, creds_dir: Path | None) -> int:
+async def _serve(names: list[str], base: Settings, creds_dir: Path | None,
+                 dashboard: int | None = None) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -151,6 +161,8 @@ async def _serve(names: list[str], base: Settings, creds_dir: Path | None) -> in
             _say(f"{name}: skipped ({why})")
             continue
         tasks.append(asyncio.create_task(_supervise(cls(settings), stop), name=name))
+    if dashboard is not None:
+        tasks.append(asyncio.create_task(_dashboard(base, creds_dir, dashboard, stop)))
     if not names:
         _say("services: none installed")
     _say("trainguard up: running; Ctrl-C or SIGTERM stops everything")
@@ -181,6 +193,18 @@ def _settings_for(cls: type[Service], base: Settings, creds_dir: Path | None) ->
     if creds_dir is not None:  # each service as its own role
         shared["credentials"] = str(creds_dir / f"{role_of_service(cls.name)}.json")
     return load_settings(cls.settings_type, overrides=shared)
+
+
+async def _dashboard(base: Settings, creds_dir: Path | None, port: int,
+                     stop: asyncio.Event) -> None:
+    """The web dashboard, as the on-call role; one that cannot start stops nothing else."""
+    settings = base.replace(credentials=str(creds_dir / "oncall.json")) if creds_dir else base
+    try:
+        await run_dashboard(settings, host=base.health_host, port=port, stop=stop,
+                            started=lambda s: _say(f"dashboard: http://{base.health_host}:"
+                                                   f"{s.port}/"))
+    except Exception as exc:
+        _say(f"dashboard: not started ({exc})")
 
 
 async def _supervise(service: Service, stop: asyncio.Event) -> None:

@@ -1,0 +1,53 @@
+"""The live web dashboard: ``trainguard dashboard`` (and ``trainguard up``).
+
+One page for on-call: a per-rank heat map of step time and phase (who is slow, who is
+stuck), the incident timeline with cause, culprit, actions and times, goodput and the
+checkpoint line, updating live over server-sent events.
+
+It lives in the library, not in ``services/``: it reads the bus only (no Redis, no durable
+consumer, no leader) as the on-call role, like ``trainguard events``, and the CLI runs it
+directly; ``board`` is the pure state, ``feed`` the bus side, ``server`` the HTTP side and
+``static/index.html`` the page (HTML, CSS and JS in one packaged file, no build step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Final
+
+from ..bus import connect_nats
+from ..config import Settings
+from ..ports import DEFAULT_BASE_PORT, OFFSETS
+from .board import Board
+from .feed import Feed
+from .server import DashboardServer
+
+__all__ = ["DEFAULT_PORT", "Board", "DashboardServer", "Feed", "run_dashboard"]
+
+DEFAULT_PORT: Final = DEFAULT_BASE_PORT + OFFSETS["dashboard"]
+"""9466: the dashboard's place among the fixed ports (``trainguard.ports``)."""
+
+
+async def run_dashboard(settings: Settings, *, host: str = "127.0.0.1",
+                        port: int = DEFAULT_PORT, job: str | None = None,
+                        stop: asyncio.Event | None = None,
+                        started: Callable[[DashboardServer], None] | None = None) -> None:
+    """Serve the dashboard until ``stop`` is set (forever without one)."""
+    stop = stop or asyncio.Event()
+    nc = await connect_nats(settings.nats_url, name="trainguard-dashboard",
+                            timeout=settings.connect_timeout,
+                            access=settings.access.nats_options())
+    board = Board(only_job=job)
+    feed = Feed(nc, board, settings.prefix, job)
+    server = DashboardServer(board)
+    try:
+        await feed.start()
+        await server.start(host, port)
+        if started:
+            started(server)
+        await stop.wait()
+    finally:
+        await server.stop()
+        await feed.stop()
+        await nc.close()
