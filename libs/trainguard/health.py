@@ -16,14 +16,13 @@ or a Prometheus scrape from another pod).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from urllib.parse import parse_qs, urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from .errors import NotStarted
+from .httpd import SmallHttpServer, reply
 
 
 @dataclass(frozen=True)
@@ -40,48 +39,18 @@ LiveCheck = Callable[[], str | None]
 """Why the process is not alive, or None: synchronous, so a busy loop cannot time it out."""
 
 
-class HealthServer:
+class HealthServer(SmallHttpServer):
+    what = "the health server"
+
     def __init__(self, registry: CollectorRegistry, ready: ReadyCheck,
                  live: LiveCheck | None = None) -> None:
+        super().__init__()
         self._registry = registry
         self._ready = ready
         self._live = live
-        self._server: asyncio.Server | None = None
 
-    @property
-    def port(self) -> int:
-        if self._server is None:
-            raise NotStarted("the health server")
-        return int(self._server.sockets[0].getsockname()[1])
-
-    async def start(self, host: str, port: int) -> None:
-        self._server = await asyncio.start_server(self._handle, host, port)
-
-    async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 2.0)
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            request = await asyncio.wait_for(reader.readline(), 5.0)
-            while (await asyncio.wait_for(reader.readline(), 5.0)) not in (b"\r\n", b"\n", b""):
-                pass
-            parts = request.decode("latin-1").split()
-            path = parts[1] if len(parts) >= 2 else ""
-            status, ctype, body = await self._route(path)
-            writer.write(
-                f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n"
-                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body
-            )
-            await writer.drain()
-        except (TimeoutError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+    async def respond(self, method: str, target: str, writer: asyncio.StreamWriter) -> None:
+        await reply(writer, *await self._route(target))
 
     async def _route(self, target: str) -> tuple[str, str, bytes]:
         url = urlsplit(target)

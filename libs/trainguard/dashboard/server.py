@@ -15,7 +15,7 @@ import time
 from importlib import resources
 from typing import Final
 
-from ..errors import NotStarted
+from ..httpd import SmallHttpServer, reply
 from ..logs import get_logger
 from .board import Board, to_json
 
@@ -25,66 +25,42 @@ INTERVAL: Final = 0.5
 KEEPALIVE: Final = 15.0
 
 
+async def _reply(writer: asyncio.StreamWriter, status: str, ctype: str, body: bytes) -> None:
+    await reply(writer, status, ctype, body, extra="Cache-Control: no-store\r\n")
+
+
 def page() -> bytes:
     """The packaged single page (HTML, CSS and JS in one file; no build step)."""
     return (resources.files(__package__) / "static" / "index.html").read_bytes()
 
 
-class DashboardServer:
+class DashboardServer(SmallHttpServer):
+    what = "the dashboard server"
+
     def __init__(self, board: Board, *, interval: float = INTERVAL) -> None:
+        super().__init__()
         self.board = board
         self.interval = interval
-        self._server: asyncio.Server | None = None
         self._page = page()
         self._closing = asyncio.Event()
 
-    @property
-    def port(self) -> int:
-        if self._server is None:
-            raise NotStarted("the dashboard server")
-        return int(self._server.sockets[0].getsockname()[1])
-
-    async def start(self, host: str, port: int) -> None:
-        self._server = await asyncio.start_server(self._handle, host, port)
-
     async def stop(self) -> None:
         self._closing.set()
-        if self._server is not None:
-            self._server.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 2.0)
+        await super().stop()
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            request = await asyncio.wait_for(reader.readline(), 5.0)
-            while (await asyncio.wait_for(reader.readline(), 5.0)) not in (b"\r\n", b"\n", b""):
-                pass
-            parts = request.decode("latin-1").split()
-            method, path = (parts[0], parts[1].split("?", 1)[0]) if len(parts) >= 2 else ("", "")
-            if method not in ("GET", "HEAD"):
-                await self._reply(writer, "405 Method Not Allowed", "text/plain", b"GET only\n")
-            elif path in ("/", "/index.html"):
-                await self._reply(writer, "200 OK", "text/html; charset=utf-8", self._page)
-            elif path == "/api/state":
-                await self._reply(writer, "200 OK", "application/json",
-                                  to_json(self.board.snapshot(time.time())))
-            elif path == "/events":
-                await self._stream(writer)
-            else:
-                await self._reply(writer, "404 Not Found", "text/plain", b"not found\n")
-        except (TimeoutError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
-
-    @staticmethod
-    async def _reply(writer: asyncio.StreamWriter, status: str, ctype: str, body: bytes) -> None:
-        writer.write(f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: "
-                     f"{len(body)}\r\nCache-Control: no-store\r\nConnection: close\r\n\r\n"
-                     .encode() + body)
-        await writer.drain()
+    async def respond(self, method: str, target: str, writer: asyncio.StreamWriter) -> None:
+        path = target.split("?", 1)[0]
+        if method not in ("GET", "HEAD"):
+            await _reply(writer, "405 Method Not Allowed", "text/plain", b"GET only\n")
+        elif path in ("/", "/index.html"):
+            await _reply(writer, "200 OK", "text/html; charset=utf-8", self._page)
+        elif path == "/api/state":
+            await _reply(writer, "200 OK", "application/json",
+                         to_json(self.board.snapshot(time.time())))
+        elif path == "/events":
+            await self._stream(writer)
+        else:
+            await _reply(writer, "404 Not Found", "text/plain", b"not found\n")
 
     async def _stream(self, writer: asyncio.StreamWriter) -> None:
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
