@@ -12,11 +12,9 @@ import contextlib
 import json
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
-from rich.console import Console
-from rich.table import Table
 
 from ..bus import connect_nats
 from ..codec import decode_any_durable, decode_durable
@@ -24,8 +22,10 @@ from ..config import Settings
 from ..envelope import normalize_headers
 from ..schemas import Incident
 from ..state import Keys, decode_progress, read_blocklist_entry
-from ..store import connect_redis
 from .common import add_connection_flags, settings_from
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -65,6 +65,8 @@ async def _load_incidents(redis: Any, keys: Keys, job: str) -> list[Incident]:
 
 def _console() -> Console:
     """Rich wraps to 80 columns when piped; tables of incidents need more."""
+    from rich.console import Console  # the services extra: loaded by the command only
+
     return Console(width=None if sys.stdout.isatty() else 200)
 
 
@@ -79,6 +81,8 @@ def _span(a: float | None, b: float | None) -> str:
 async def _status(args: argparse.Namespace) -> int:
     settings: Settings = settings_from(args)
     keys = Keys(settings.prefix)
+    from ..store import connect_redis
+
     redis = await connect_redis(settings.redis_url, timeout=settings.connect_timeout,
                                 access=settings.access.redis_options())
     console = _console()
@@ -125,6 +129,8 @@ async def _status(args: argparse.Namespace) -> int:
 async def _incidents(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     keys = Keys(settings.prefix)
+    from ..store import connect_redis
+
     redis = await connect_redis(settings.redis_url, timeout=settings.connect_timeout,
                                 access=settings.access.redis_options())
     try:
@@ -136,6 +142,8 @@ async def _incidents(args: argparse.Namespace) -> int:
         for i in rows:
             print(json.dumps(msgspec.to_builtins(i)))
         return 0
+    from rich.table import Table
+
     table = Table("incident", "job", "cause", "status", "hosts", "detect", "mitigate",
                   "recover", "steps lost", "actions")
     for i in rows:

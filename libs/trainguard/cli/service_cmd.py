@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from .. import registry, tracing
-from ..service import run_service
+from .. import extras, registry, tracing
 from .common import add_connection_flags, settings_from
 
 
@@ -22,6 +21,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    extras.require("services", "trainguard service")
+    from ..service import run_service
+
     cls = registry.load(args.name)
     settings = settings_from(args, cls.settings_type, health_port=args.health_port)
     tracing.setup_tracing(f"trainguard-{cls.name}", settings.otel_exporter)

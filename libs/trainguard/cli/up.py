@@ -20,14 +20,17 @@ import logging
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .. import registry, tracing
+from .. import extras, registry, tracing
 from ..auth import ensure_credentials, nats_authorization, redis_acl_file, role_of_service
 from ..config import DEFAULT_NATS_PORT, DEFAULT_REDIS_PORT, Settings
 from ..embedded import NatsServer, RedisServer, ServerProcess
 from ..errors import ConfigError
-from ..service import Runtime, Service, run_service
 from .common import add_connection_flags, settings_from, tcp_port
+
+if TYPE_CHECKING:
+    from ..service import Runtime, Service
 
 log = logging.getLogger("trainguard.up")
 
@@ -66,6 +69,7 @@ def _selected(spec: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    extras.require("services", "trainguard up")
     names = _selected(args.services)
     base = settings_from(args)  # validates URLs given on the command line
     servers: list[ServerProcess] = []
@@ -147,6 +151,8 @@ def _settings_for(cls: type[Service], base: Settings, creds_dir: Path | None) ->
 
 async def _supervise(service: Service, stop: asyncio.Event) -> None:
     """Run one service; if it crashes, report it and start it again with backoff."""
+    from ..service import run_service
+
     delay = 1.0
     while not stop.is_set():
         def _started(rt: Runtime) -> None:

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint.staging import DefaultStager
 
 from ..checksum import METADATA_FILE, file_digest
-from ..client.handle import GuardHandle
+from ..client.handle import RESUME_TIMEOUT, GuardHandle
 from ..codec import decode_durable, encode_durable
 from ..envelope import uuid7
 from ..schemas import CheckpointReport, Command, FileDigest, ResumePoint
@@ -336,7 +336,7 @@ class Checkpointer:
         self.guard.publish_checkpoint_report(report)
 
     # -- loading --------------------------------------------------------------------------
-    def resume_point(self, timeout: float = 2.0) -> ResumePoint | None:
+    def resume_point(self, timeout: float = RESUME_TIMEOUT) -> ResumePoint | None:
         """``guard.resume_point()`` asked once, on group rank 0, and shared with every rank.
 
         Collective. Ranks asking on their own could straddle a commit and load different
