@@ -147,3 +147,40 @@ def test_resume_lookup_is_bounded_when_the_bus_is_down_or_frozen(
     # The bound is 0.5 s; the old lookup waited 2 s for a connection. Generous for a
     # busy machine, still below what an unbounded wait costs.
     assert took < 1.5, took
+
+
+CHECKPOINTER = """
+import os, sys, threading, time
+import torch, torch.distributed as dist
+import trainguard, trainguard.torch as tgt
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}", RANK="0", WORLD_SIZE="1")
+dist.init_process_group("gloo")
+guard = trainguard.Guard(job="imports", host="h", nats_url="nats://127.0.0.1:{dead}",
+                         heartbeat_interval=60)
+ckpt = tgt.Checkpointer(guard, root="{root}")
+assert ckpt.resume_point() is None
+SAVER = "torch.distributed.checkpoint.state_dict_saver"
+with guard.step(0):
+    pass
+print("before-first-step-done", SAVER in sys.modules)
+with guard.step(1):
+    pass
+deadline = time.monotonic() + 120
+while SAVER not in sys.modules and time.monotonic() < deadline:
+    time.sleep(0.02)
+print("after-first-step", SAVER in sys.modules)
+guard.close()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("disabled", ["0", "1"])
+def test_a_checkpointer_imports_dcp_only_after_the_first_step(disabled: str,
+                                                             tmp_path: Path) -> None:
+    code = CHECKPOINTER.format(port=free_port(), dead=free_port(), root=tmp_path)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=180, env={**os.environ, "GLOO_SOCKET_IFNAME": "lo",
+                                           "TRAINGUARD_DISABLED": disabled})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "before-first-step-done False" in out.stdout
+    assert "after-first-step True" in out.stdout

@@ -319,7 +319,10 @@ class Guard:
 
     def _exit(self, step: Step, duration: float, *, failed: bool) -> None:
         self.state.phase = None
-        if not self.enabled or failed:
+        if failed:
+            return
+        if not self.enabled:  # still tracked: a Checkpointer warms up after the first step
+            self.commands.note_completed(step.n)
             return
         try:
             if self._phase_accounting is not None:
