@@ -19,14 +19,18 @@ FIRST_STEP_BOUND = 120.0
 plain torch rank takes a few seconds here); both variants must meet the same one."""
 
 
-async def _first_steps(nats_url: str, prefix: str, job: str, out: Path, log: Path,
-                       procs: list[Any], **env: str) -> list[dict[str, Any]]:
+def _start(nats_url: str, prefix: str, job: str, out: Path, log: Path,
+           procs: list[subprocess.Popen[bytes]], **env: str) -> subprocess.Popen[bytes]:
     out.mkdir()
     proc = torchrun(2, ["--mode", "trainguard", "--job", job, "--out", str(out)],
                     job_env(nats_url, prefix, **env), log,
                     module="trainguard.examples.first_step")
     procs.append(proc)
-    code = await asyncio.to_thread(proc.wait, 150)
+    return proc
+
+
+async def _records(proc: subprocess.Popen[bytes], out: Path, log: Path) -> list[dict[str, Any]]:
+    code = await asyncio.to_thread(proc.wait, 160)
     assert code == 0, log.read_text()[-4000:]
     records = [json.loads(f.read_text()) for f in sorted(out.glob("rank-*.json"))]
     assert [r["rank"] for r in records] == [0, 1]
@@ -36,11 +40,14 @@ async def _first_steps(nats_url: str, prefix: str, job: str, out: Path, log: Pat
 async def test_disabled_and_enabled_ranks_reach_their_first_step_within_one_bound(
         nats_url: str, prefix: str, job: str, tmp_path: Path,
         procs: list[subprocess.Popen[bytes]]) -> None:
+    on_dir, off_dir = tmp_path / "on", tmp_path / "off"
     async with tapped(nats_url, prefix, job) as (tap, _):
-        on = await _first_steps(nats_url, prefix, job, tmp_path / "on", tmp_path / "on.log",
-                                procs)
-        off = await _first_steps(nats_url, prefix, job + "-off", tmp_path / "off",
-                                 tmp_path / "off.log", procs, TRAINGUARD_DISABLED="1")
+        # Both jobs start together, so a busy machine burdens them alike.
+        on_proc = _start(nats_url, prefix, job, on_dir, tmp_path / "on.log", procs)
+        off_proc = _start(nats_url, prefix, job + "-off", off_dir, tmp_path / "off.log",
+                          procs, TRAINGUARD_DISABLED="1")
+        on, off = await asyncio.gather(_records(on_proc, on_dir, tmp_path / "on.log"),
+                                       _records(off_proc, off_dir, tmp_path / "off.log"))
         # The enabled job really ran trainguard: both ranks said hello and reported steps.
         await wait_until(lambda: {r.rank for r in tap.of(StepReport)} == {0, 1}, timeout=30,
                          what="step reports from both enabled ranks")
