@@ -22,8 +22,9 @@ plain torch rank takes a few seconds here); both variants must meet the same one
 def _start(nats_url: str, prefix: str, job: str, out: Path, log: Path,
            procs: list[subprocess.Popen[bytes]], **env: str) -> subprocess.Popen[bytes]:
     out.mkdir()
+    # job_env drops an inherited TRAINGUARD_DISABLED; this test sets its own after it.
     proc = torchrun(2, ["--mode", "trainguard", "--job", job, "--out", str(out)],
-                    job_env(nats_url, prefix, **env), log,
+                    {**job_env(nats_url, prefix), **env}, log,
                     module="trainguard.examples.first_step")
     procs.append(proc)
     return proc

@@ -102,6 +102,7 @@ class Transport:
         self._thread: threading.Thread | None = None
         self._stop: asyncio.Event | None = None
         self._started = threading.Event()
+        self._linger = 0.0
 
     # -- called from the training thread ------------------------------------------------
     def publish(self, subject: str, msg: TelemetryMessage) -> None:
@@ -164,6 +165,7 @@ class Transport:
         loop, stop, thread = self._loop, self._stop, self._thread
         if thread is None or loop is None or stop is None:
             return
+        self._linger = timeout / 2
         with contextlib.suppress(RuntimeError):  # loop already closed
             loop.call_soon_threadsafe(stop.set)
         thread.join(timeout)
@@ -204,6 +206,11 @@ class Transport:
                     await asyncio.wait_for(self._stop.wait(), self.flush_interval)
             for task in periodic:
                 task.cancel()
+            if self._nc is None and not self.stats.connect_failures:
+                # Closed while the first connect is still under way (a short job on a busy
+                # machine): let that attempt finish, within half of close's bound, so what
+                # is queued still goes out. A bus that refused us is not waited for.
+                await asyncio.wait({connector}, timeout=self._linger)
             # Final flush: whatever is queued gets one chance to go out.
             await self._drain()
             if self._nc is not None and self._nc.is_connected:
