@@ -255,7 +255,7 @@ class Guard:
         """The newest committed checkpoint: asks the coordinator, else reads
         ``<root>/<job>/LATEST``. None only when neither has one, so a restart while the
         bus is down never silently starts from step 0. Asking costs at most ``timeout``
-        (connecting included), and nothing once a connect attempt was refused."""
+        (connecting included), and nothing once a connect attempt has failed."""
         self.start()
         if self.enabled:
             reply = self._transport_request(timeout)
