@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 PYTEST := $(BIN)/python -m pytest --durations=25
 
-.PHONY: setup test test-fast test-e2e lint up demo bench clean
+.PHONY: setup test test-fast test-e2e test-torch-matrix check-client-install lint up demo bench clean
 
 setup: $(STAMP)
 
@@ -14,11 +14,11 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "torch==2.13.0"
-	$(BIN)/python -m pip install -q -e ".[dev,torch,gpu]"
+	$(BIN)/python -m pip install -q -e ".[dev,torch,gpu,services,embedded]"
 	touch $(STAMP)
 
 lint: setup
-	$(BIN)/ruff check libs services tests
+	$(BIN)/ruff check libs services tests bench scripts
 	$(BIN)/mypy libs/trainguard services
 
 test-fast: setup
@@ -30,6 +30,27 @@ test-e2e: setup
 # What CI runs: lint, then every tier (unit, integration, end-to-end gloo jobs).
 test: lint
 	$(PYTEST) tests
+
+# The end-to-end tier on the other of the two newest torch releases that install here:
+# .venv has 2.13.0 (CPU); this builds .venv-torch-2.14.1 (a CUDA build, ~5.5 GB) once and
+# runs tests/e2e there. Not part of `make test` (CI time). TORCH_MATRIX=X.Y.Z picks another
+# release, TORCH_MATRIX_TESTS a narrower set of test files.
+TORCH_MATRIX       ?= 2.14.1
+TORCH_MATRIX_TESTS ?= tests/e2e
+MATRIX_VENV        := .venv-torch-$(TORCH_MATRIX)
+
+test-torch-matrix:
+	test -x $(MATRIX_VENV)/bin/python || $(PYTHON) -m venv $(MATRIX_VENV)
+	$(MATRIX_VENV)/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$(TORCH_MATRIX)')" 2>/dev/null \
+		|| $(MATRIX_VENV)/bin/python -m pip install -q "torch==$(TORCH_MATRIX)"
+	$(MATRIX_VENV)/bin/python -m pip install -q -e ".[dev,torch,gpu,services,embedded]"
+	$(MATRIX_VENV)/bin/python -c "import torch; print('torch', torch.__version__)"
+	$(MATRIX_VENV)/bin/python -m pytest --durations=25 $(TORCH_MATRIX_TESTS)
+
+# A fresh venv with only the base (client) requirements runs a Guard against a real
+# nats-server, and the control plane's commands name the extra they lack.
+check-client-install: setup
+	$(BIN)/python scripts/check_client_install.py
 
 bench: setup
 	$(BIN)/python bench/run_all.py

@@ -1,31 +1,35 @@
-"""Recovery: one job, four faults, under plain torchrun and under trainguard.
+"""Recovery: one job, four faults, under torchrun, NVRx and trainguard, in one run.
 
 The job is the demo's: ``trainguard.examples.toy_trainer`` (a small character-level
 transformer LM, gloo on CPU), 4 ranks on two agents ``node-a`` / ``node-b`` with 2 ranks
-each, a checkpoint every 10 steps. The faults are the demo's drills on rank 1 (rank 0 for
-NaN): a crash (an exception), a hang (blocked in the data phase), a straggler (compute 2x
-slower) and NaN written into the parameters. Each runs under
+each, a checkpoint every 10 steps. The faults strike rank 1 (rank 0 for NaN): a crash (an
+exception), a hang (blocked in the data phase), SIGSTOP, and NaN written into the
+parameters (a straggler, compute 2x slower, on request). Each runs under
 
-- (a) torchrun ``--max-restarts 3`` with torch's default process-group timeout (30 min);
-- (b) the same with a 30 s process-group timeout;
-- (c) trainguard: ``trainguard up`` and two ``trainguard launch`` agents
+- torchrun ``--max-restarts 3``, c10d rendezvous with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
+  (stock restarts fail on gloo with "Gloo connectFullMesh failed", pytorch/pytorch#135712)
+  and a 10 s process-group timeout;
+- NVRx 0.4.1's ``ft_launcher`` (nvidia-resiliency-ext, installed with ``--no-deps`` into
+  the bench-only, git-ignored ``.bench-venv`` with its pure-Python requirements) with
+  ``--ft-rank-heartbeat-timeout 5``, the same rendezvous and timeout, the trainer sending a
+  ``RankMonitorClient`` heartbeat after every step (``--ft-heartbeat``);
+- trainguard: ``trainguard up`` and two ``trainguard launch`` agents
   (:class:`trainguard.demo.cluster.Cluster`), the faults played by
   :class:`trainguard.demo.runner.Runner` one after another on the same job.
 
-Stock torchrun (static rendezvous, the agent's TCPStore shared with the workers) cannot
-restart a gloo job: the new attempt fails with "Gloo connectFullMesh failed"
-(pytorch/pytorch#135712, #167288). That is measured and shown as it is; the baselines are
-also run with the workaround (c10d rendezvous and ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``,
-what ``trainguard launch`` uses) so that the comparison is fair. The baselines run the same
-trainer with ``TRAINGUARD_DISABLED=1``, its own fault flags (``--raise-at``, ``--hang-at``,
-``--slow``, ``--nan-at``) and plain ``torch.save`` checkpoints (``--plain-ckpt``).
+The baselines run the same trainer with ``TRAINGUARD_DISABLED=1``, its own fault flags
+(``--raise-at``, ``--hang-at``, ``--stop-at``, ``--nan-at``, ``--slow``) and plain
+``torch.save`` checkpoints (``--plain-ckpt``); ``--setups`` adds the stock rendezvous or
+torch's default 30 min timeout.
 
 Every number comes from rank 0's progress file (``--progress-file``: one line per step with
 time and pid), the agents' logs (baselines) or the anomalies on the bus (trainguard):
 
-- time to detect: fault -> torchrun's agent reports the failed worker / trainguard's
-  anomaly. A baseline that never reacts (straggler, NaN) is "not detected";
-- time to recover: fault -> the restarted job completes a step past the last one before
+- detected: fault -> the launcher reports the failed worker (or NVRx the missing
+  heartbeat) / trainguard's anomaly. A baseline that never reacts (straggler, NaN) is
+  "not detected";
+- first step after the fault: fault -> the restarted job's first completed step;
+- back where it was: fault -> the restarted job completes a step past the last one before
   the fault (a straggler, too, is over only when its process has been replaced);
 - steps lost: steps done before the fault that the restart had to redo (NaN without
   detection: every step since the onset, which trained on NaN);
@@ -69,18 +73,25 @@ FAULT_RANK = 1
 NAN_RANK = 0
 SLOW_FACTOR = 2.0
 MAX_RESTARTS = 3
-SHORT_PG_TIMEOUT = 30.0
+SHORT_PG_TIMEOUT = 10.0
 DEFAULT_PG_TIMEOUT = 1800.0  # torch.distributed.constants.default_pg_timeout (checked below)
+NVRX_HEARTBEAT_TIMEOUT = 5.0
+STARTUP_BOUND = 300.0
+"""Seconds a job may take to reach the fault (4 ranks importing torch on a busy machine)."""
 CRASH_MESSAGE = "RuntimeError: injected crash (bench_recovery)"
 HOSTS = ("node-a", "node-b")
-FAULT_NAMES = ("crash", "hang", "straggler", "nan")
+FAULT_NAMES = ("crash", "hang", "sigstop", "nan", "straggler")
+DEFAULT_FAULTS = ("crash", "hang", "sigstop", "nan")
 
 # Observation window per fault, seconds after the fault (the same for every setup).
-WINDOWS = {"crash": 30.0, "hang": 60.0, "straggler": 25.0, "nan": 25.0}
-QUICK_WINDOWS = {"crash": 25.0, "hang": 50.0, "straggler": 15.0, "nan": 20.0}
+WINDOWS = {"crash": 25.0, "hang": 45.0, "sigstop": 50.0, "nan": 15.0, "straggler": 25.0}
+QUICK_WINDOWS = {"crash": 20.0, "hang": 35.0, "sigstop": 40.0, "nan": 10.0,
+                 "straggler": 15.0}
 
 AGENT_FAILURE = re.compile(r"torch/distributed/elastic/\S+\] (failed \(exitcode|"
-                           r"Sending process \d+ closing signal)")
+                           r"Sending process \d+ closing signal)|"
+                           r"\[ft_launcher\d+@\S+\] failed \(exitcode|"
+                           r"Did not get subsequent heartbeat")
 RESTART_FAILURE = "Gloo connectFullMesh failed"
 
 
@@ -204,6 +215,37 @@ class Agent:
         self._reader.join(timeout=5)
 
 
+# -- the NVRx baseline's venv ----------------------------------------------------------------
+
+NVRX = "nvidia-resiliency-ext==0.4.1"
+NVRX_DEPS = ("defusedxml", "packaging", "psutil", "pyyaml", "nvidia-ml-py")
+"""NVRx's pure-Python requirements (its ``torch`` and ``pynvml`` come from the project's
+venv, reached through a ``.pth``); NVRx itself goes in with ``--no-deps``."""
+BENCH_VENV = Path(__file__).resolve().parent.parent / ".bench-venv"
+
+
+def nvrx_python(venv: Path = BENCH_VENV) -> Path:
+    """The bench-only venv with NVRx, made on first use (git-ignored): its interpreter sees
+    the project's packages (torch, trainguard) through a ``.pth`` that adds this
+    interpreter's site directories, so the trainer is the same code in both."""
+    py = venv / "bin" / "python"
+    ft = venv / "bin" / "ft_launcher"
+    if py.exists() and ft.exists():
+        return py
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    site_dirs = [p for p in sys.path if p.endswith("site-packages") and Path(p).is_dir()]
+    purelib = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()"
+                              "['purelib'])"], check=True, capture_output=True,
+                             text=True).stdout.strip()
+    # An `import` line in a .pth runs at start-up: addsitedir also processes the .pth files
+    # of those directories (the editable trainguard install, a chained venv).
+    (Path(purelib) / "zz_project_venv.pth").write_text(
+        "import site; " + "; ".join(f"site.addsitedir({d!r})" for d in site_dirs) + "\n")
+    subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", NVRX, *NVRX_DEPS],
+                   check=True)
+    return py
+
+
 # -- progress ----------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -255,7 +297,10 @@ class Measure:
     last_step_before_restart: int | None = None
     resume_step: int | None = None
     restarts: int = 0
+    first_step_s: float | None = None
+    """Fault -> the first step of the restarted job (whatever step it resumed at)."""
     recover_s: float | None = None
+    """Fault -> back where it was: a step past the last one completed before the fault."""
     steps_lost: int | None = None
     poisoned_steps: int | None = None
     goodput: float | None = None
@@ -290,10 +335,11 @@ def measure(recs: list[Rec], t0: float, window: float, fault: str,
         target = first_bad - 1
         useful = [r for r in recs if r.t <= end and not (r.pid == pid0 and r.step >= first_bad)]
     else:
-        target = k_old if fault in ("crash", "hang") else k0
+        target = k_old if fault in ("crash", "hang", "sigstop") else k0
         useful = [r for r in recs if r.t <= end]
     if new:
         m.resume_step = new[0].step
+        m.first_step_s = new[0].t - t0
         m.steps_lost = max(0, k_old - new[0].step + 1)
         past = [r for r in new if r.step > target]
         if past:  # a straggler, too, is over only when its process is replaced
@@ -318,13 +364,19 @@ class Setup:
     label: str
     pg_timeout: float
     stock: bool
+    launcher: str = "torchrun"
+    """``torchrun`` or ``nvrx`` (NVRx's ``ft_launcher``, the trainer sending heartbeats)."""
 
 
 SETUPS = {s.key: s for s in (
-    Setup("a-stock", "(a) torchrun, stock rendezvous", DEFAULT_PG_TIMEOUT, True),
-    Setup("a", "(a) torchrun + workaround", DEFAULT_PG_TIMEOUT, False),
-    Setup("b-stock", "(b) torchrun 30 s timeout, stock rendezvous", SHORT_PG_TIMEOUT, True),
-    Setup("b", "(b) torchrun 30 s timeout + workaround", SHORT_PG_TIMEOUT, False),
+    Setup("torchrun", "torchrun, c10d + workaround, 10 s PG timeout", SHORT_PG_TIMEOUT, False),
+    Setup("nvrx", f"NVRx 0.4.1 ft_launcher, {NVRX_HEARTBEAT_TIMEOUT:.0f} s heartbeat timeout",
+          SHORT_PG_TIMEOUT, False, "nvrx"),
+    # Older comparisons, on request (--setups): the stock rendezvous cannot restart gloo.
+    Setup("torchrun-stock", "torchrun, stock rendezvous, 10 s PG timeout", SHORT_PG_TIMEOUT,
+          True),
+    Setup("torchrun-default", "torchrun + workaround, default PG timeout (30 min)",
+          DEFAULT_PG_TIMEOUT, False),
 )}
 
 
@@ -334,6 +386,7 @@ def fault_flags(fault: str) -> list[str]:
         "hang": ["--hang-at", f"{FAULT_RANK}:{FAULT_STEP}"],
         "straggler": ["--slow", f"{FAULT_RANK}:{SLOW_FACTOR}", "--slow-from", str(FAULT_STEP)],
         "nan": ["--nan-at", f"{NAN_RANK}:{FAULT_STEP}"],
+        "sigstop": ["--stop-at", f"{FAULT_RANK}:{FAULT_STEP}"],
     }[fault]
 
 
@@ -375,14 +428,23 @@ def run_baseline(fault: str, setup: Setup, window: float, root: Path,
             else:
                 rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
                         "--rdzv-id", "bench"]
-            argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", *rdzv,
+            if setup.launcher == "nvrx":
+                launcher = [str(nvrx_python().parent / "ft_launcher"),
+                            "--ft-rank-heartbeat-timeout", str(NVRX_HEARTBEAT_TIMEOUT),
+                            # No NICs or GPUs to watch here (it only logs that it has none).
+                            "--ft-enable-nic-monitor", "false"]
+                extra = ["--ft-heartbeat"]
+            else:
+                launcher, extra = [sys.executable, "-m", "torch.distributed.run"], []
+            argv = [*launcher, "--nnodes", "2", *rdzv,
                     "--nproc-per-node", "2", "--local-addr", "127.0.0.1",
-                    "--max-restarts", str(MAX_RESTARTS), *trainer]
+                    "--max-restarts", str(MAX_RESTARTS), *trainer, *extra]
             agents.append(Agent(host, argv, env, work, tracker))
             if i == 0:  # node-a hosts the store
                 _wait(lambda: port_taken(port), 60, "node-a's store to listen",
                       lambda: agents[0].proc.poll() is None)
-        mark = _wait_mark(progress, 120, lambda: any(a.proc.poll() is None for a in agents))
+        mark = _wait_mark(progress, STARTUP_BOUND,
+                          lambda: any(a.proc.poll() is None for a in agents))
         t0 = mark.t
         result["startup_s"] = round(t0 - started, 1)
         deadline = t0 + window
@@ -446,6 +508,7 @@ def _trainguard_faults() -> dict[str, Any]:
         "crash": Fault("crash", "crash", rank=FAULT_RANK, params={"message": CRASH_MESSAGE},
                        anomaly="crash", causes=("process_crash",), actions=("restart",)),
         "hang": FAULTS["hang"],
+        "sigstop": FAULTS["sigstop"],
         # No undo on detection: the rank stays slow for the window, as in the baselines.
         "straggler": dataclasses.replace(FAULTS["straggler"], undo=None),
         "nan": FAULTS["nan"],
@@ -498,7 +561,7 @@ async def run_trainguard(faults: list[str], windows: dict[str, float], root: Pat
         for name in faults:
             fault = tg_faults[name]
             window = windows[name]
-            res: dict[str, Any] = {"fault": name, "setup": "c", "label": "(c) trainguard",
+            res: dict[str, Any] = {"fault": name, "setup": "c", "label": "trainguard",
                                    "window_s": window, "drill": fault.kind,
                                    "startup_s": round(startup, 1)}
             results[name] = res
@@ -617,11 +680,11 @@ def fmt_s(x: float | None) -> str:
 def cells(r: dict[str, Any]) -> dict[str, str]:
     """The table's cells for one row: measured numbers, or why there is none."""
     if "pending" in r:
-        return {"detect": "pending", "recover": "pending", "steps_lost": "pending",
-                "goodput": "pending", "notes": r["pending"][:120]}
+        return {"detect": "pending", "first": "pending", "recover": "pending",
+                "steps_lost": "pending", "goodput": "pending", "notes": r["pending"][:120]}
     if "error" in r:
-        return {"detect": "error", "recover": "error", "steps_lost": "-", "goodput": "-",
-                "notes": r["error"][:120]}
+        return {"detect": "error", "first": "error", "recover": "error", "steps_lost": "-",
+                "goodput": "-", "notes": r["error"][:120]}
     fault, w = r["fault"], r["window_s"]
     trainguard = r["setup"] == "c"
     default_timeout = r.get("pg_timeout_s") == DEFAULT_PG_TIMEOUT
@@ -669,47 +732,38 @@ def cells(r: dict[str, Any]) -> dict[str, str]:
             notes.append("the agents restarted the workers; they made no progress in the window")
         if r.get("covers"):
             notes.append(r["covers"])
-    return {"detect": detect, "recover": recover, "steps_lost": lost, "goodput": goodput,
-            "notes": "; ".join(notes)}
+    first = fmt_s(r.get("first_step_s")) if r.get("first_step_s") is not None else \
+        ("-" if never_noticed or fault == "straggler" else f"> {w:.0f} s bound")
+    return {"detect": detect, "first": first, "recover": recover, "steps_lost": lost,
+            "goodput": goodput, "notes": "; ".join(notes)}
 
 
 def table(rows: list[dict[str, Any]], windows: dict[str, float]) -> str:
-    out = ["| fault | setup | time to detect | time to recover | steps lost | "
-           "goodput (window) | notes |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    out = ["| fault | system | detected | first step after the fault | back where it was | "
+           "steps lost | goodput (window) | notes |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         c = r["cells"]
-        out.append(f"| {r['fault']} | {r['label']} | {c['detect']} | {c['recover']} | "
-                   f"{c['steps_lost']} | {c['goodput']} ({windows[r['fault']]:.0f} s) | "
-                   f"{c['notes']} |")
+        out.append(f"| {r['fault']} | {r['label']} | {c['detect']} | {c['first']} | "
+                   f"{c['recover']} | {c['steps_lost']} | {c['goodput']} "
+                   f"({windows[r['fault']]:.0f} s) | {c['notes']} |")
     return "\n".join(out)
 
 
-def plan(quick: bool, faults: list[str]) -> list[tuple[str, str, str, str]]:
+def plan(faults: list[str], setups: list[str]) -> list[tuple[str, str, str, str]]:
     """(fault, setup key, row label, what the row covers) of every baseline run."""
-    both = "(a)/(b) torchrun, either rendezvous"
-    runs = [
-        ("crash", "a-stock", SETUPS["a-stock"].label, ""),
-        *([("crash", "b", "(a)/(b) torchrun + workaround",
-            "one run for (a) and (b): the peers fail at once, no timeout involved")]
-          if quick else [("crash", "a", SETUPS["a"].label, ""),
-                         ("crash", "b", SETUPS["b"].label, "")]),
-        ("hang", "a", "(a) torchrun, default timeout, either rendezvous",
-         "no restart within the bound, so the rendezvous makes no difference"),
-        *([] if quick else [("hang", "b-stock", SETUPS["b-stock"].label, "")]),
-        ("hang", "b", SETUPS["b"].label, ""),
-        ("straggler", "b", both, "one run: no exit, no timeout, no restart"),
-        ("nan", "b", both, "one run: no exit, no timeout, no restart"),
-    ]
-    return [r for r in runs if r[0] in faults]
+    return [(f, key, SETUPS[key].label, "") for f in faults for key in setups]
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", help="write results as JSON here")
-    p.add_argument("--quick", action="store_true",
-                   help="fewer, shorter runs (crash shared by (a) and (b), no stock hang run)")
-    p.add_argument("--faults", default=",".join(FAULT_NAMES),
-                   help=f"comma list of {', '.join(FAULT_NAMES)} (default: all)")
+    p.add_argument("--quick", action="store_true", help="shorter observation windows")
+    p.add_argument("--faults", default=",".join(DEFAULT_FAULTS),
+                   help=f"comma list of {', '.join(FAULT_NAMES)} "
+                        f"(default: {','.join(DEFAULT_FAULTS)})")
+    p.add_argument("--setups", default="torchrun,nvrx",
+                   help=f"baselines, comma list of {', '.join(SETUPS)} (default: torchrun,nvrx)")
     p.add_argument("--no-baselines", action="store_true", help="only (c) trainguard")
     p.add_argument("--no-trainguard", action="store_true", help="only the torchrun baselines")
     p.add_argument("--workdir", help="keep logs and progress files here (default: a temp dir)")
@@ -719,6 +773,12 @@ def main() -> int:
     if unknown:
         p.error(f"unknown fault(s) {', '.join(unknown)}; known: {', '.join(FAULT_NAMES)}")
     faults = [f for f in FAULT_NAMES if f in asked]
+    setups = [k.strip() for k in args.setups.split(",") if k.strip()]
+    bad = [k for k in setups if k not in SETUPS]
+    if bad:
+        p.error(f"unknown setup(s) {', '.join(bad)}; known: {', '.join(SETUPS)}")
+    if "nvrx" in setups and not args.no_baselines:
+        print(f"NVRx venv: {nvrx_python()}", file=sys.stderr, flush=True)
     from torch.distributed.constants import default_pg_timeout
 
     if default_pg_timeout.total_seconds() != DEFAULT_PG_TIMEOUT:
@@ -731,7 +791,7 @@ def main() -> int:
         try:
             rows: list[dict[str, Any]] = []
             if not args.no_baselines:
-                for fault, key, label, covers in plan(args.quick, faults):
+                for fault, key, label, covers in plan(faults, setups):
                     print(f"running {fault} under {label} ...", file=sys.stderr, flush=True)
                     r = run_baseline(fault, SETUPS[key], windows[fault], root, tracker)
                     r["label"], r["covers"] = label, covers
@@ -744,7 +804,7 @@ def main() -> int:
         finally:
             tracker.close()
     for r in tg.values():
-        r.setdefault("label", "(c) trainguard")
+        r.setdefault("label", "trainguard")
         r.setdefault("window_s", windows[r["fault"]])
     ordered = [r for f in faults for r in [*(x for x in rows if x["fault"] == f),
                                            *([tg[f]] if f in tg else [])]]
@@ -752,11 +812,14 @@ def main() -> int:
         r["cells"] = cells(r)
     total = time.time() - started
     print(table(ordered, windows))
+    ratios = versus_best_baseline(ordered)
+    for fault, ratio in ratios.items():
+        print(f"\n{fault}: trainguard back where it was in {ratio:.2f}x the best baseline's time")
     print(f"\njob: 4 ranks (2 agents x 2), toy_trainer --model lm --step-time {STEP_TIME}, "
           f"checkpoint every {CKPT_EVERY} steps; faults at step {FAULT_STEP} (baselines), "
           f"on rank {FAULT_RANK} (NaN: rank {NAN_RANK}); goodput = new steps in the window x "
           f"clean step time / window; {'quick' if args.quick else 'full'} run took "
-          f"{total / 60:.1f} min")
+          f"{total / 60:.1f} min\nmachine: {machine()}")
     result = {"mode": "quick" if args.quick else "full", "windows_s": windows,
               "job": {"ranks": 4, "agents": list(HOSTS), "model": "lm", "step_time": STEP_TIME,
                       "ckpt_every": CKPT_EVERY, "fault_step": FAULT_STEP,
@@ -764,11 +827,38 @@ def main() -> int:
                       "slow_factor": SLOW_FACTOR, "max_restarts": MAX_RESTARTS,
                       "short_pg_timeout_s": SHORT_PG_TIMEOUT,
                       "default_pg_timeout_s": DEFAULT_PG_TIMEOUT},
-              "rows": ordered, "seconds": round(total, 1)}
+              "rows": ordered, "versus_best_baseline": ratios, "machine": machine(),
+              "seconds": round(total, 1)}
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(result, fh, indent=2, default=str)
     return 0
+
+
+def versus_best_baseline(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Per fault: trainguard's time back where it was over the best baseline's."""
+    out: dict[str, float] = {}
+    for fault in {r["fault"] for r in rows}:
+        mine = [r.get("recover_s") for r in rows if r["fault"] == fault and r["setup"] == "c"]
+        base = [r["recover_s"] for r in rows if r["fault"] == fault and r["setup"] != "c"
+                and r.get("recover_s") is not None]
+        if mine and mine[0] is not None and base:
+            out[fault] = round(mine[0] / min(base), 2)
+    return out
+
+
+def machine() -> str:
+    import platform
+
+    return (f"{platform.machine()}, {os.cpu_count()} cores, Python "
+            f"{platform.python_version()}, torch {_torch_version()}, load average "
+            f"{os.getloadavg()[0]:.1f} at the end")
+
+
+def _torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)
 
 
 @contextlib.contextmanager

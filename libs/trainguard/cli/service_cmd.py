@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from .. import registry, tracing
+from .. import extras, registry, tracing
 from ..errors import ConfigError
-from ..service import run_service
 from .common import add_connection_flags, settings_from
 
 
@@ -25,6 +24,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    extras.require("services", "trainguard service")
+    from ..service import run_service
+
     cls = registry.load(args.name)
     settings = settings_from(args, cls.settings_type, health_port=args.health_port)
     if (why := cls.unconfigured(settings)) is not None:

@@ -28,8 +28,9 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .. import registry, tracing
+from .. import extras, registry, tracing
 from ..auth import ensure_credentials, nats_authorization, redis_acl_file, role_of_service
 from ..config import DEFAULT_NATS_PORT, DEFAULT_REDIS_PORT, Settings
 from ..dashboard import DEFAULT_PORT as DASHBOARD_PORT
@@ -38,8 +39,10 @@ from ..embedded import NatsServer, RedisServer, ServerProcess, port_taken
 from ..envnames import setting
 from ..errors import ConfigError
 from ..ports import DEFAULT_BASE_PORT, health_port
-from ..service import Runtime, Service, run_service
 from .common import add_connection_flags, settings_from, tcp_port
+
+if TYPE_CHECKING:
+    from ..service import Runtime, Service
 
 log = logging.getLogger("trainguard.up")
 
@@ -89,6 +92,7 @@ def _selected(spec: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    extras.require("services", "trainguard up")
     names = _selected(args.services)
     # validates URLs given on the command line
     base_port = args.base_port
@@ -209,6 +213,8 @@ async def _dashboard(base: Settings, creds_dir: Path | None, port: int,
 
 async def _supervise(service: Service, stop: asyncio.Event) -> None:
     """Run one service; if it crashes, report it and start it again with backoff."""
+    from ..service import run_service
+
     delay = 1.0
     while not stop.is_set():
         def _started(rt: Runtime) -> None:

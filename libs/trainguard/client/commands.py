@@ -27,8 +27,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-
-from nats.aio.msg import Msg
+from typing import TYPE_CHECKING
 
 from .. import tracing
 from ..codec import decode_as
@@ -40,6 +39,9 @@ from ..subjects import Subjects
 from ..targets import for_agent
 from .identity import Identity
 from .transport import Transport
+
+if TYPE_CHECKING:
+    from nats.aio.msg import Msg
 
 log = logging.getLogger("trainguard.client")
 

@@ -34,6 +34,7 @@ from ..subjects import DEFAULT_PREFIX, Subjects
 from . import frdump
 from .commands import CommandDesk, Handler
 from .drills import Drills
+from .handle import RESUME_TIMEOUT
 from .identity import Identity, environment_record, resolve_identity
 from .rankstate import RankState
 from .reports import Reports
@@ -252,10 +253,12 @@ class Guard:
         """``(every_steps, from_step)``; every_steps 0 means no periodic checkpoints."""
         return self._interval
 
-    def resume_point(self, root: str | None = None, timeout: float = 2.0) -> ResumePoint | None:
+    def resume_point(self, root: str | None = None,
+                     timeout: float = RESUME_TIMEOUT) -> ResumePoint | None:
         """The newest committed checkpoint: asks the coordinator, else reads
         ``<root>/<job>/LATEST``. None only when neither has one, so a restart while the
-        bus is down never silently starts from step 0."""
+        bus is down never silently starts from step 0. Asking costs at most ``timeout``
+        (connecting included), and nothing once a connect attempt has failed."""
         self.start()
         if self.enabled:
             reply = self._transport_request(timeout)
@@ -277,10 +280,15 @@ class Guard:
 
     def _transport_request(self, timeout: float) -> bytes | None:
         deadline = time.monotonic() + timeout
-        # Right after start the connection may still be coming up: wait for it, bounded.
-        while not self.transport.connected and time.monotonic() < deadline:
-            time.sleep(0.01)
-        remaining = max(0.1, deadline - time.monotonic())
+        # Right after start the connection may still be coming up: wait for it, bounded,
+        # and not at all once an attempt failed (a refused connect is a bus that is down).
+        t = self.transport
+        while not t.connected and not t.stats.connect_failures \
+                and time.monotonic() < deadline:
+            time.sleep(0.005)
+        if not t.connected:
+            return None
+        remaining = max(0.05, deadline - time.monotonic())
         payload = RESUME.encode_request(ResumeRequest(rank=self.rank,
                                                       requester=self.identity.responder))
         return self.transport.request(RESUME.subject(self.subjects, self.job), payload,
@@ -314,7 +322,10 @@ class Guard:
 
     def _exit(self, step: Step, duration: float, *, failed: bool) -> None:
         self.state.phase = None
-        if not self.enabled or failed:
+        if failed:
+            return
+        if not self.enabled:  # still tracked: a Checkpointer warms up after the first step
+            self.commands.note_completed(step.n)
             return
         try:
             if self._phase_accounting is not None:

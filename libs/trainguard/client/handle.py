@@ -8,12 +8,17 @@ what it keeps privately.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from ..schemas import CheckpointReport, ResumePoint
 from .commands import Handler
 from .identity import Identity
 from .rankstate import RankState
+
+RESUME_TIMEOUT: Final = 0.5
+"""Bound of ``resume_point``'s question to the coordinator, connecting included. The
+coordinator answers from Redis in milliseconds; a bus that is slow or down must not delay a
+rank's start by more than this (``LATEST`` answers instead)."""
 
 
 class GuardHandle(Protocol):
@@ -53,4 +58,4 @@ class GuardHandle(Protocol):
     def publish_checkpoint_report(self, report: CheckpointReport) -> None: ...
 
     def resume_point(self, root: str | None = None,
-                     timeout: float = 2.0) -> ResumePoint | None: ...
+                     timeout: float = RESUME_TIMEOUT) -> ResumePoint | None: ...

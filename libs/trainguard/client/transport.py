@@ -6,6 +6,10 @@ is fire-and-forget on core NATS; durable messages (hello, acks, checkpoint repor
 retried until JetStream acknowledges them, within a bounded outbox. If NATS is down at
 start, the thread keeps trying to connect while the buffers fill and overflow (counted as
 drops); nothing here raises into training.
+
+nats-py (~0.1 s of imports: its JetStream, object store and ``email`` modules) is imported
+on this thread, never by ``import trainguard``: a rank pays for it while its process group
+forms, and a disabled Guard never pays at all.
 """
 
 from __future__ import annotations
@@ -17,11 +21,7 @@ import logging
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
-
-import nats.errors
-from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
+from typing import TYPE_CHECKING, Any
 
 from .. import tracing
 from ..codec import check_wire_size, encode_durable, encode_telemetry
@@ -29,9 +29,13 @@ from ..connection import connect_options
 from ..envelope import make_headers
 from ..schemas import Durable, TelemetryMessage
 
+if TYPE_CHECKING:
+    from nats.aio.client import Client as NATS
+    from nats.aio.msg import Msg
+
 log = logging.getLogger("trainguard.client")
 
-MessageCallback = Callable[[Msg], None]
+MessageCallback = Callable[["Msg"], None]
 
 
 @dataclass
@@ -48,6 +52,8 @@ class TransportStats:
     callback_errors: int = 0
     """Exceptions raised by subscription callbacks (the subscription went on)."""
     connects: int = 0
+    connect_failures: int = 0
+    """First-connect attempts that failed (refused, timed out): the bus is down or slow."""
     errors: dict[str, int] = field(default_factory=dict)
 
 
@@ -96,6 +102,7 @@ class Transport:
         self._thread: threading.Thread | None = None
         self._stop: asyncio.Event | None = None
         self._started = threading.Event()
+        self._linger = 0.0
 
     # -- called from the training thread ------------------------------------------------
     def publish(self, subject: str, msg: TelemetryMessage) -> None:
@@ -158,6 +165,7 @@ class Transport:
         loop, stop, thread = self._loop, self._stop, self._thread
         if thread is None or loop is None or stop is None:
             return
+        self._linger = timeout / 2
         with contextlib.suppress(RuntimeError):  # loop already closed
             loop.call_soon_threadsafe(stop.set)
         thread.join(timeout)
@@ -198,6 +206,11 @@ class Transport:
                     await asyncio.wait_for(self._stop.wait(), self.flush_interval)
             for task in periodic:
                 task.cancel()
+            if self._nc is None and not self.stats.connect_failures:
+                # Closed while the first connect is still under way (a short job on a busy
+                # machine): let that attempt finish, within half of close's bound, so what
+                # is queued still goes out. A bus that refused us is not waited for.
+                await asyncio.wait({connector}, timeout=self._linger)
             # Final flush: whatever is queued gets one chance to go out.
             await self._drain()
             if self._nc is not None and self._nc.is_connected:
@@ -224,6 +237,8 @@ class Transport:
     async def _connect_forever(self) -> None:
         """First connect with a bound, retried until it works; then NATS reconnects itself."""
         assert self._stop is not None
+        from nats.aio.client import Client as NATS
+
         while not self._stop.is_set():
             nc = NATS()
 
@@ -241,7 +256,14 @@ class Transport:
                                           pending_size=self.pending_size)
                 options.update(self.access)
                 await asyncio.wait_for(nc.connect(**options), self.connect_timeout * 2)
+            except asyncio.CancelledError:
+                # Closed while connecting (to a frozen server, say): close the half-open
+                # socket too, or it outlives the Guard.
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(nc.close(), 1.0)
+                raise
             except Exception:
+                self.stats.connect_failures += 1
                 with contextlib.suppress(Exception):
                     await nc.close()
                 with contextlib.suppress(TimeoutError):
@@ -272,13 +294,15 @@ class Transport:
         nc = self._nc
         if nc is None or not nc.is_connected:
             return
+        from nats.errors import OutboundBufferLimitError  # loaded with the client already
+
         q = self.telemetry
         while q:
             subject, msg = q.popleft()
             try:
                 await nc.publish(subject, encode_telemetry(msg))
                 self.stats.sent += 1
-            except nats.errors.OutboundBufferLimitError:
+            except OutboundBufferLimitError:
                 self.stats.dropped += 1
             except Exception:
                 self.stats.dropped += 1

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -62,6 +64,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="fill the first parameter with NaN at STEP on RANK (every rank if "
                         "no RANK is given), first attempt only: the gradient all-reduce "
                         "spreads it, as the nan drill does")
+    p.add_argument("--stop-at", metavar="RANK:STEP", default=None,
+                   help="RANK stops itself with SIGSTOP at the start of STEP (first attempt "
+                        "only), as the freeze drill does")
+    p.add_argument("--ft-heartbeat", action="store_true",
+                   help="send NVRx RankMonitorClient heartbeats every step (the rank runs "
+                        "under NVRx's ft_launcher; nvidia-resiliency-ext must be installed)")
     p.add_argument("--slow", metavar="RANK:FACTOR", default=None,
                    help="RANK's compute phase takes FACTOR times as long (first attempt "
                         "only), as the slow drill does")
@@ -111,6 +119,19 @@ class Progress:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+
+def _ft_heartbeat() -> Callable[[], None]:
+    """NVRx's rank heartbeat (``RankMonitorClient.send_heartbeat``), connected to the rank
+    monitor that ``ft_launcher`` runs beside this rank. Imported by name: NVRx is a
+    benchmark baseline, never a dependency of trainguard."""
+    import importlib
+
+    ft = importlib.import_module("nvidia_resiliency_ext.fault_tolerance")
+    client = ft.RankMonitorClient()
+    client.init_workload_monitoring()
+    send: Callable[[], None] = client.send_heartbeat
+    return send
 
 
 def _plain_save(root: str, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -209,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     first_attempt = attempt == 0
     progress = Progress(args.progress_file, rank, attempt)
     hang_rank, hang_step = _rank_step(args.hang_at)
+    stop_rank, stop_step = _rank_step(args.stop_at)
+    heartbeat = _ft_heartbeat() if args.ft_heartbeat else None
     if args.nan_at and ":" not in args.nan_at:
         nan_rank, nan_step = rank, int(args.nan_at)
     else:
@@ -219,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
         if rank == fail_rank and step == fail_step and first_attempt:
             progress.fault(step, "crash")
             raise RuntimeError(args.raise_message)
+        if rank == stop_rank and step == stop_step and first_attempt:
+            progress.fault(step, "sigstop")
+            os.kill(os.getpid(), signal.SIGSTOP)
         if rank == nan_rank and step == nan_step and first_attempt:
             progress.fault(step, "nan")
             tgt.poison_with_nan(model)
@@ -257,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
             s.report(loss=loss.detach(), grad_norm=tgt.grad_norm(model), samples=8)
             optimizer.step()
         progress.step(step)
+        if heartbeat is not None:
+            heartbeat()
         if ckpt is not None and guard.should_checkpoint(step):
             ckpt.save(step, model, optimizer)
         elif args.plain_ckpt and rank == 0 and (step + 1) % args.ckpt_every == 0:

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint.staging import DefaultStager
 
 from ..checksum import METADATA_FILE, file_digest
-from ..client.handle import GuardHandle
+from ..client.handle import RESUME_TIMEOUT, GuardHandle
 from ..codec import decode_durable, encode_durable
 from ..envelope import uuid7
 from ..schemas import CheckpointReport, Command, FileDigest, ResumePoint
@@ -68,15 +68,25 @@ DCP_MODULES = (
     "torch.distributed.checkpoint.state_dict", "torch.distributed.checkpoint.state_dict_loader",
     "torch.distributed.checkpoint.state_dict_saver", "torch.distributed.checkpoint.default_planner",
 )
-"""DCP costs ~0.7 s to import: a rank pays it in the background while it starts (see
-:func:`warm_up`), or at its first save or load, never before its first step."""
+"""DCP costs ~0.7-2 s to import (all of it comes with its ``staging`` module): a rank pays it
+in the background once its first step is done (see :func:`warm_up`), or at its first save
+or load, never before its first step unless that step loads a checkpoint."""
+
+WARM_UP_AFTER = 60.0
+"""Seconds a Checkpointer waits for the first step before importing DCP regardless (a
+trainer that never enters ``guard.step``)."""
 
 
-def warm_up() -> threading.Thread:
-    """Import DCP on a background thread; a save or load that comes first just waits."""
+def warm_up(ready: Callable[[], bool] | None = None,
+            wait_at_most: float = WARM_UP_AFTER) -> threading.Thread:
+    """Import DCP on a background thread, once ``ready()`` is true (polled every 50 ms) or
+    ``wait_at_most`` seconds passed; a save or load that comes first imports it itself."""
     import importlib
 
     def _load() -> None:
+        deadline = time.monotonic() + wait_at_most
+        while ready is not None and not ready() and time.monotonic() < deadline:
+            time.sleep(0.05)
         for name in DCP_MODULES:
             try:
                 importlib.import_module(name)
@@ -176,15 +186,9 @@ class Checkpointer:
         self._broken = ""
         self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainguard-ckpt")
         self._stager: DefaultStager | None = None
-        warm_up()
-        if use_async and cache_staging:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-            # Reused across saves: its cached CPU storages are overwritten by the next
-            # staging, which is safe because a save starts only after the previous one ended.
-            self._stager = DefaultStager(StagingOptions(
-                use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
-                use_async_staging=False, use_non_blocking_copy=False))
+        self._cache_staging = use_async and cache_staging
+        # DCP loads once the first step is done, so it takes nothing from the rank's start.
+        warm_up(lambda: guard.last_completed_step is not None)
         self._lock = threading.Lock()
         guard.checkpoint_root = str(self.root)
         guard.on("save_now", self._on_save_now)
@@ -239,7 +243,7 @@ class Checkpointer:
                 self._pending = finished
                 return
             pending = dcp_async_save(state, storage_writer=writer, process_group=self.group,
-                                     no_dist=not self.distributed, async_stager=self._stager)
+                                     no_dist=not self.distributed, async_stager=self._stager_())
             upload: Future[Any] = pending if isinstance(pending, Future) \
                 else pending.upload_completion
         except _save_errors() as exc:
@@ -250,6 +254,19 @@ class Checkpointer:
         blocked = time.perf_counter() - t0
         self._pending = self._finisher.submit(self._finish, step, path, upload, t0,
                                               blocking=False, blocked=blocked)
+
+    def _stager_(self) -> DefaultStager | None:
+        """The staging cache, made at the first async save (it imports all of DCP, which
+        must not happen before the first step)."""
+        if self._stager is None and self._cache_staging:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            # Reused across saves: its cached CPU storages are overwritten by the next
+            # staging, which is safe because a save starts only after the previous one ended.
+            self._stager = DefaultStager(StagingOptions(
+                use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
+                use_async_staging=False, use_non_blocking_copy=False))
+        return self._stager
 
     def wait(self, timeout: float | None = None) -> CheckpointReport | None:
         """Wait for the last save (if not waited for yet) and return its report."""
@@ -336,7 +353,7 @@ class Checkpointer:
         self.guard.publish_checkpoint_report(report)
 
     # -- loading --------------------------------------------------------------------------
-    def resume_point(self, timeout: float = 2.0) -> ResumePoint | None:
+    def resume_point(self, timeout: float = RESUME_TIMEOUT) -> ResumePoint | None:
         """``guard.resume_point()`` asked once, on group rank 0, and shared with every rank.
 
         Collective. Ranks asking on their own could straddle a commit and load different
