@@ -50,6 +50,7 @@ def test_help_works_without_the_services_extra() -> None:
     ("status",),
     ("incidents",),
     ("demo", "--no-faults"),
+    ("unblock", "node-a"),
 ])
 def test_commands_of_the_control_plane_name_the_extra(argv: tuple[str, ...]) -> None:
     out = _cli(*argv)

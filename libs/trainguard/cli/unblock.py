@@ -18,11 +18,9 @@ import asyncio
 import getpass
 import time
 
-from redis.exceptions import WatchError
-
 from ..state import Keys, encode_blocklist_entry, read_blocklist_entry
-from ..store import connect_redis
 from ..subjects import check_token
+from .. import extras
 from .common import add_connection_flags, settings_from
 
 
@@ -39,6 +37,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 async def run(args: argparse.Namespace) -> int:
+    extras.require("services", "trainguard unblock")
+    from redis.exceptions import WatchError
+
+    from ..store import connect_redis
+
     host = check_token("host", args.host)
     settings = settings_from(args)
     key = Keys(settings.prefix).blocklist()
