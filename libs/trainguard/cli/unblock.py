@@ -18,9 +18,9 @@ import asyncio
 import getpass
 import time
 
+from .. import extras
 from ..state import Keys, encode_blocklist_entry, read_blocklist_entry
 from ..subjects import check_token
-from .. import extras
 from .common import add_connection_flags, settings_from
 
 
