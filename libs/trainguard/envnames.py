@@ -31,6 +31,9 @@ ALLOW_DRILLS: Final = setting("allow_drills")
 CREDENTIALS: Final = setting("credentials")
 """The rank role's credentials file (the agent's ``rank_credentials``)."""
 NATS_TLS_CA: Final = setting("nats_tls_ca")
+GENERATION: Final = setting("generation")
+"""The job's process-group generation the rank joins (rises at every new group and at
+every single-rank restart)."""
 
 # -- read by the Guard only --------------------------------------------------------------
 DISABLED: Final = setting("disabled")
@@ -50,8 +53,10 @@ ACCESS: Final = frozenset(setting(f) for f in (
     "nats_tls_cert", "nats_tls_key", "redis_tls_ca", "redis_tls_cert", "redis_tls_key"))
 """Who a process is to the servers (:class:`trainguard.config.Settings` fields): never
 inherited from the agent by its ranks except as the agent hands them on, never published."""
-CONNECTION: Final = frozenset({NATS_URL, REDIS_URL, SUBJECT_PREFIX, JOB, HOST, *ACCESS})
-"""Where and who, not how to judge the job: kept out of :func:`job_settings`."""
+CONNECTION: Final = frozenset({NATS_URL, REDIS_URL, SUBJECT_PREFIX, JOB, HOST, GENERATION,
+                               *ACCESS})
+"""Where and who (and which incarnation), not how to judge the job: kept out of
+:func:`job_settings`."""
 
 TRUE: Final = ("1", "true", "yes", "on")
 
