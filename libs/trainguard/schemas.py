@@ -153,7 +153,8 @@ class NodeHeartbeat(Telemetry, tag="node.v1"):
     generation: int = 0
     """The job's process-group generation this node's ranks belong to (0: an old agent)."""
     spares: list[int] = []
-    """The pids of the node's idle warm spares (one becomes a rank on a restart)."""
+    """The pids of the node's idle warm spares that are ready (one becomes a rank on a
+    restart, keeping its pid)."""
 
 
 TelemetryMessage = Heartbeat | StepReport | Fingerprint | GpuSample | NodeHeartbeat

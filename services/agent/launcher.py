@@ -225,7 +225,7 @@ def launch(settings: AgentSettings, torchrun_argv: list[str]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, on_signal)
     spares = SparePool(settings.warm_spares if program.warmable else 0, os.environ, log_dir)
-    node.spare_pids = spares.pids
+    node.spare_pids = spares.ready_pids
     code = 1
     try:
         rdzv = JobRendezvous(plan)

@@ -73,7 +73,7 @@ class LocalNode:
         self.generation = 0
         """The job's generation this node's ranks belong to (the newest one it knows)."""
         self.spare_pids: Callable[[], list[int]] = list
-        """The idle warm spares' pids (the supervisor's pool sets it)."""
+        """The pids of the idle warm spares ready to become a rank (the pool's)."""
         self.rank_restarter: Callable[[int, str, float], str] | None = None
         """Restarts one local rank alone: (local rank, command id, timeout) -> detail."""
         self.restarting_since: float | None = None

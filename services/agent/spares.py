@@ -119,14 +119,10 @@ class SparePool:
                     return s
         return None
 
-    def pids(self) -> list[int]:
-        """The pids of the idle spares (ready or warming up)."""
+    def ready_pids(self) -> list[int]:
+        """The pids of the idle spares that are ready to become a rank."""
         with self._lock:
-            return [s.pid for s in self._spares]
-
-    def ready_count(self) -> int:
-        with self._lock:
-            return sum(1 for s in self._spares if s.ready.is_set())
+            return [s.pid for s in self._spares if s.ready.is_set() and s.alive()]
 
     def close(self) -> None:
         with self._lock:
