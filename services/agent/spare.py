@@ -55,8 +55,10 @@ def _die_with(parent: int) -> None:
 
 
 def _warm_up() -> None:
-    """What every rank imports before its first step: torch, its distributed package and
-    the trainguard client (the checkpoint machinery too, where it is importable)."""
+    """What every rank loads before its first step: torch, its distributed package, the
+    trainguard client (the checkpoint machinery too, where it is importable), and what
+    torch imports lazily on a first optimizer step (its compiler stack, seconds on a busy
+    machine), reached through the public API on a throwaway one-parameter model."""
     import torch
     import torch.distributed
 
@@ -64,7 +66,11 @@ def _warm_up() -> None:
 
     with contextlib.suppress(ImportError):
         import trainguard.torch
-    del torch, trainguard
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.zeros(1, 1)).sum().backward()
+    optimizer.step()
+    del torch, trainguard, model, optimizer
 
 
 def _redirect(path: str, fd: int) -> None:
