@@ -41,21 +41,23 @@ log = logging.getLogger("trainguard.agent")
 @dataclass(frozen=True)
 class Program:
     """What every rank runs: ``python -u [-m] target args`` (or the target itself with
-    ``--no-python``, which no spare can run)."""
+    ``--no-python``, which no spare can run). ``python`` is torchrun's: ``PYTHON_EXEC``,
+    else the launcher's interpreter (the spares'; another one starts cold)."""
 
     target: str
     args: list[str]
     module: bool = False
     no_python: bool = False
+    python: str = field(default_factory=lambda: os.environ.get("PYTHON_EXEC", sys.executable))
 
     @property
     def warmable(self) -> bool:
-        return not self.no_python
+        return not self.no_python and self.python == sys.executable
 
     def argv(self) -> list[str]:
         if self.no_python:
             return [self.target, *self.args]
-        return [sys.executable, "-u", *(["-m"] if self.module else []), self.target, *self.args]
+        return [self.python, "-u", *(["-m"] if self.module else []), self.target, *self.args]
 
 
 @dataclass
