@@ -167,14 +167,12 @@ class LocalNode:
         self.initiate_pids(pids, command_id)
         return pids
 
-    def initiate(self, by: str) -> list[int]:
-        """The exits of every current worker are ``by``'s doing (a command, the launcher)."""
-        return self._mark(by)
-
-    def initiate_pids(self, pids: Iterable[int], by: str) -> None:
+    def initiate_pids(self, pids: Iterable[int], by: str, *, keep: bool = False) -> None:
+        """``keep``: an exit a command already caused stays the command's."""
         with self._lock:
             for pid in pids:
-                self.initiated[pid] = by
+                if not (keep and pid in self.initiated):
+                    self.initiated[pid] = by
 
     def restart_began(self, now: float | None = None) -> None:
         """The worker group is going down to be started again (idempotent per restart)."""

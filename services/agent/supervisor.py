@@ -126,7 +126,6 @@ class Supervisor:
                     self.rdzv.exit_barrier(rnd)
                     self.rdzv.close()
                     return 0
-                self.node.workers_exited(failures, succeeded=False)
                 prefer = sorted(f.local_rank for f in failures.values()
                                 if f.exitcode != -signal.SIGTERM)
                 if kind == "failed":
@@ -144,12 +143,14 @@ class Supervisor:
 
     def _watch(self) -> tuple[str, dict[int, Failure]]:
         """Until the group ends: ``succeeded``, ``failed`` (a rank exited non-zero: the
-        rest are stopped) or ``membership`` (another node waits to re-form the group)."""
+        rest are stopped) or ``membership`` (another node waits to re-form the group), with
+        every exit that was not 0 (already reported)."""
         next_check = time.monotonic() + 1.0
         while True:
             codes = {lr: p.popen.poll() for lr, p in self.group.items()}
-            if any(c not in (None, 0) for c in codes.values()):
-                return "failed", self._end_group()
+            failed = [self.group[lr] for lr, c in codes.items() if c not in (None, 0)]
+            if failed:
+                return "failed", self._end_group(failed)
             if all(c == 0 for c in codes.values()):
                 return "succeeded", {}
             now = time.monotonic()
@@ -157,8 +158,7 @@ class Supervisor:
                 next_check = now + 1.0
                 if self.rdzv.nodes_waiting() > 0:
                     log.info("another node waits to re-form the group: restarting ours")
-                    self.node.initiate(LAUNCHER)
-                    return "membership", self._end_group()
+                    return "membership", self._end_group([])
                 generation = self.rdzv.generation()
                 if generation is not None:
                     self.node.generation = generation
@@ -254,12 +254,21 @@ class Supervisor:
     def stop_group(self) -> None:
         self._stop(list(self.group.values()))
 
-    def _end_group(self) -> dict[int, Failure]:
-        """Stop the group's remaining ranks; the failures of all that did not exit 0."""
+    def _end_group(self, failed: list[RankProc]) -> dict[int, Failure]:
+        """Report ``failed`` at once (the detector's crash evidence must not wait for the
+        teardown), stop the rest (the launcher's doing, unless a command's already) and
+        report their exits; the failures of all that did not exit 0."""
+        first = {p.rank: self._failure(p) for p in failed}
+        self.node.initiate_pids([p.pid for p in self.group.values() if p not in failed],
+                                LAUNCHER, keep=True)
+        if first:
+            self.node.workers_exited(first, succeeded=False)
         self.stop_group()
         self._refill_at = None
-        return {p.rank: self._failure(p) for p in self.group.values()
-                if p.popen.returncode != 0}
+        rest = {p.rank: self._failure(p) for p in self.group.values()
+                if p.rank not in first and p.popen.returncode != 0}
+        self.node.workers_exited(rest, succeeded=False)
+        return {**first, **rest}
 
     @staticmethod
     def _failure(p: RankProc) -> Failure:

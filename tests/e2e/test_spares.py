@@ -7,24 +7,18 @@ generation it joined. A replacement that came from a spare has the spare's pid.
 
 from __future__ import annotations
 
-import asyncio
-import subprocess
+import contextlib
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
 from tests.conftest import wait_until
-from tests.e2e.conftest import job_env, launch
+from tests.e2e.conftest import launch
+from tests.e2e.test_agent import env_for, exit_code
 from tests.tap import Tap, tapped
 from trainguard.schemas import Command, Heartbeat, NodeHeartbeat, RankHello, StepReport
 from trainguard.subjects import Subjects
-
-
-def env_for(nats_url: str, redis_url: str, prefix: str) -> dict[str, str]:
-    return job_env(nats_url, prefix, TRAINGUARD_REDIS_URL=redis_url)
-
-
-async def exit_code(proc: subprocess.Popen[bytes], timeout: float = 120) -> int:
-    return await asyncio.to_thread(proc.wait, timeout)
 
 
 def beats(tap: Tap) -> list[NodeHeartbeat]:
@@ -50,6 +44,15 @@ def hello_of(tap: Tap, rank: int, pid: int) -> RankHello | None:
 
 def new_spare(tap: Tap, known: set[int]) -> bool:
     return any(set(b.spares) - known for b in beats(tap))
+
+
+async def training_with_a_spare(tap: Tap, procs: list[Any], job: str, log: Path,
+                                env: dict[str, str]) -> NodeHeartbeat:
+    """A 2-rank toy job (drills on) training, with a spare ready: the beat that says so."""
+    procs.append(launch(job, "node-a", env, log, launch_opts=["--allow-drills"],
+                        trainer=["--steps", "100000", "--step-time", "0.05"]))
+    return await warm(tap, 2, lambda: any(r.rank == 1 and r.step >= 3
+                                          for r in tap.of(StepReport)))
 
 
 async def recovered_through_the_spare(tap: Tap, before: NodeHeartbeat) -> NodeHeartbeat:
@@ -79,11 +82,8 @@ async def test_a_crash_is_recovered_through_a_warm_spare(
     log = tmp_path / "launch.log"
     s = Subjects(prefix)
     async with tapped(nats_url, prefix, job) as (tap, bus):
-        procs.append(launch(job, "node-a", env_for(nats_url, redis_url, prefix), log,
-                            launch_opts=["--allow-drills"],
-                            trainer=["--steps", "100000", "--step-time", "0.05"]))
-        before = await warm(tap, 2, lambda: any(r.rank == 1 and r.step >= 3
-                                                for r in tap.of(StepReport)))
+        before = await training_with_a_spare(tap, procs, job, log,
+                                             env_for(nats_url, redis_url, prefix))
         await bus.publish_durable(s.cmd_host(job, "node-a"), Command(
             id="crash", job=job, kind="kill", issuer="cli", params={"rank": 1}))
         after = await recovered_through_the_spare(tap, before)
@@ -109,11 +109,8 @@ async def test_a_sigstop_is_recovered_through_a_warm_spare(
     log = tmp_path / "launch.log"
     s = Subjects(prefix)
     async with tapped(nats_url, prefix, job) as (tap, bus):
-        procs.append(launch(job, "node-a", env_for(nats_url, redis_url, prefix), log,
-                            launch_opts=["--allow-drills"],
-                            trainer=["--steps", "100000", "--step-time", "0.05"]))
-        before = await warm(tap, 2, lambda: any(r.rank == 1 and r.step >= 3
-                                                for r in tap.of(StepReport)))
+        before = await training_with_a_spare(tap, procs, job, log,
+                                             env_for(nats_url, redis_url, prefix))
         await bus.publish_durable(s.cmd_host(job, "node-a"), Command(
             id="freeze", job=job, kind="freeze", issuer="cli", params={"rank": 1}))
         await wait_until(lambda: any(b.ranks.get(1) == "T" for b in beats(tap)), timeout=30,
@@ -166,3 +163,35 @@ async def test_the_launcher_restarts_one_rank_alone(
     assert [h.pid for h in tap.hellos if h.rank == 0] == [before.pids[0]]
     gone = [e for e in tap.exits if e.initiated_by == "one"]
     assert [(e.rank, e.pid) for e in gone] == [(1, before.pids[1])]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+async def test_spares_die_with_the_agent(
+        nats_url: str, redis_url: str, prefix: str, job: str, tmp_path: Path,
+        procs: list[Any]) -> None:
+    """An agent killed outright (no cleanup of its own) leaves no spare behind."""
+    log = tmp_path / "launch.log"
+    async with tapped(nats_url, prefix, job) as (tap, _):
+        procs.append(launch(job, "node-a", env_for(nats_url, redis_url, prefix), log,
+                            nproc=1, module="tests.e2e.solo_trainer",
+                            launch_opts=["--warm-spares", "2"],
+                            trainer=["--steps", "100000", "--step-time", "0.05"]))
+        await wait_until(lambda: any(len(b.spares) == 2 for b in beats(tap)), timeout=120,
+                         what="two warm spares ready")
+        beat = next(b for b in beats(tap) if len(b.spares) == 2)
+        procs[0].kill()
+        procs[0].wait(30)
+        try:
+            await wait_until(lambda: all(_gone(p) for p in beat.spares), timeout=30,
+                             what="the spares gone with their agent")
+        finally:
+            for pid in beat.pids.values():  # a cold rank outlives a killed agent, as under
+                with contextlib.suppress(ProcessLookupError):  # torchrun: end it here
+                    os.kill(pid, signal.SIGKILL)
