@@ -49,8 +49,10 @@ class Spare:
     def _await_ready(self) -> None:
         assert self.popen.stdout is not None
         with contextlib.suppress(OSError, ValueError):
-            if self.popen.stdout.readline() == READY:
-                self.ready.set()
+            for line in self.popen.stdout:  # an import may print before the spare is ready
+                if line == READY:
+                    self.ready.set()
+                    return
 
     def alive(self) -> bool:
         return self.popen.poll() is None
