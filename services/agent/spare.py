@@ -96,16 +96,24 @@ def _become(order: SpareOrder) -> None:
     sys.argv = list(order.argv)
 
 
+_KEPT: list[object] = []
+"""The script's globals (its exception, which holds them, or the copy runpy returns) kept
+until this process exits, as ``python script.py`` keeps ``__main__`` alive through its
+``atexit`` handlers: freed earlier, the script's process group would close its sockets while
+the rank still flushes, its peers would fail first, and the crash would look like theirs."""
+
+
 def _run(order: SpareOrder) -> int:
     """Run the script as ``__main__``; the exit code python itself would give."""
     try:
         if order.module is not None:
             sys.path[0] = order.cwd
-            runpy.run_module(order.module, run_name="__main__", alter_sys=True)
+            _KEPT.append(runpy.run_module(order.module, run_name="__main__", alter_sys=True))
         elif order.script is not None:
             sys.path[0] = os.path.dirname(os.path.abspath(order.script))
-            runpy.run_path(order.script, run_name="__main__")
+            _KEPT.append(runpy.run_path(order.script, run_name="__main__"))
     except SystemExit as exc:
+        _KEPT.append(exc)
         code = exc.code
         if code is None:
             return 0
@@ -113,7 +121,8 @@ def _run(order: SpareOrder) -> int:
             return code
         print(code, file=sys.stderr)
         return 1
-    except BaseException:
+    except BaseException as exc:
+        _KEPT.append(exc)
         traceback.print_exc()
         return 1
     return 0
