@@ -34,6 +34,9 @@ NATS_TLS_CA: Final = setting("nats_tls_ca")
 FR_REQUEST: Final = setting("fr_request")
 """The file the agent writes a request id to when it wants the ranks' flight-recorder dumps
 (:mod:`trainguard.client.frdump`)."""
+GENERATION: Final = setting("generation")
+"""The job's process-group generation the rank joins (rises at every new group and at
+every single-rank restart)."""
 
 # -- read by the Guard only --------------------------------------------------------------
 DISABLED: Final = setting("disabled")
@@ -53,8 +56,10 @@ ACCESS: Final = frozenset(setting(f) for f in (
     "nats_tls_cert", "nats_tls_key", "redis_tls_ca", "redis_tls_cert", "redis_tls_key"))
 """Who a process is to the servers (:class:`trainguard.config.Settings` fields): never
 inherited from the agent by its ranks except as the agent hands them on, never published."""
-CONNECTION: Final = frozenset({NATS_URL, REDIS_URL, SUBJECT_PREFIX, JOB, HOST, *ACCESS})
-"""Where and who, not how to judge the job: kept out of :func:`job_settings`."""
+CONNECTION: Final = frozenset({NATS_URL, REDIS_URL, SUBJECT_PREFIX, JOB, HOST, GENERATION,
+                               *ACCESS})
+"""Where and who (and which incarnation), not how to judge the job: kept out of
+:func:`job_settings`."""
 
 GUARD_KEYS: Final = frozenset({JOB, HOST, NATS_URL, SUBJECT_PREFIX, ALLOW_DRILLS, CREDENTIALS,
                                NATS_TLS_CA, DISABLED, CHECKPOINT_ROOT, REDIS_URL})

@@ -150,6 +150,11 @@ class NodeHeartbeat(Telemetry, tag="node.v1"):
     attempt: int = 0
     restarting: bool = False
     restarting_since: float | None = None
+    generation: int = 0
+    """The job's process-group generation this node's ranks belong to (0: an old agent)."""
+    spares: list[int] = []
+    """The pids of the node's idle warm spares that are ready (one becomes a rank on a
+    restart, keeping its pid)."""
 
 
 TelemetryMessage = Heartbeat | StepReport | Fingerprint | GpuSample | NodeHeartbeat
@@ -215,6 +220,8 @@ class Attempt(msgspec.Struct, kw_only=True):
     restart_count: int = 0
     pid: int = 0
     started_at: float = 0.0
+    generation: int = 0
+    """The job's process-group generation it joined (``TRAINGUARD_GENERATION``)."""
 
 
 class RankHello(Durable, kw_only=True):

@@ -25,7 +25,7 @@ USAGE = ("trainguard launch --job J [--host NAME] [--allow-drills] [torchrun opt
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("launch", help="run this node's ranks under torchrun, guarded",
+    p = sub.add_parser("launch", help="run this node's ranks (torchrun's options), guarded",
                        usage=USAGE, description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter, add_help=False)
     p.add_argument("rest", nargs=argparse.REMAINDER)
@@ -48,6 +48,8 @@ def own_parser() -> argparse.ArgumentParser:
                         "(env TRAINGUARD_RANK_CREDENTIALS)")
     p.add_argument("--stop-grace", type=float, help="SIGTERM-to-SIGKILL grace (s)")
     p.add_argument("--preempt-grace", type=float, help="save-now deadline on SIGTERM (s)")
+    p.add_argument("--warm-spares", type=int, metavar="N",
+                   help="warm spare processes kept to replace ranks (default 1; 0: none)")
     return p
 
 
@@ -76,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         "allow_drills": ours.allow_drills or None, "nats_url": ours.nats,
         "redis_url": ours.redis, "prefix": ours.prefix, "stop_grace": ours.stop_grace,
         "preempt_grace": ours.preempt_grace, "credentials": ours.credentials,
-        "rank_credentials": ours.rank_credentials,
+        "rank_credentials": ours.rank_credentials, "warm_spares": ours.warm_spares,
     })
     from trainguard.subjects import check_token
 

@@ -4,6 +4,8 @@ Kept free of I/O so the rules are testable without a bus or torch. Admission (wh
 and targets are ours, duplicate ids, retries, epochs) is the library's
 :class:`~trainguard.receiver.Receiver`, shared with the ranks; what is the agent's own is
 here: drills gated, isolation refused on the rendezvous-store host, ranks that must be local.
+``restart`` restarts the node's whole group, or with ``params.rank`` that rank alone (a new
+generation; the others keep running).
 ``hold`` is the control plane ending a job that cannot recover (a crash loop past its
 budget): the workers stop and ``trainguard launch`` exits 80, on every host (the store
 host's too: unlike an isolation, the whole job is meant to end).
@@ -29,6 +31,8 @@ class Node(Protocol):
     def rank_pids(self) -> dict[int, int]: ...
 
     def restart(self, command_id: str) -> str: ...
+
+    def restart_rank(self, rank: int, command_id: str) -> str: ...
 
     def isolate(self, command_id: str) -> str: ...
 
@@ -86,6 +90,8 @@ class CommandExecutor:
             raise Refused("drills are disabled for this job: launch it with --allow-drills")
         match cmd.kind:
             case "restart":
+                if "rank" in cmd.params:  # one rank alone, at a new generation
+                    return "; ".join(node.restart_rank(r, cmd.id) for r in self._ranks(cmd))
                 return node.restart(cmd.id)
             case "stop":
                 return node.stop(cmd.id)

@@ -1,17 +1,21 @@
-"""``trainguard launch``: torch's elastic launcher (torchrun), watched and steered.
+"""``trainguard launch``: torchrun's command line, trainguard's own supervision.
 
-The node's ranks run under torch's own ``LocalElasticAgent``; a thin subclass reports
-every worker start and exit to :class:`LocalNode`, kills stuck (stopped or D-state)
-workers at once instead of waiting out the SIGTERM grace, and turns SIGTERM into a
-save-now request (preemption) before stopping. Defaults differ from stock torchrun where
-stock behaviour breaks recovery:
+torchrun's options are parsed by torchrun itself (``torch.distributed.run.parse_args`` and
+``config_from_args``); the rendezvous is torch's public handler (:mod:`.rendezvous`); the
+ranks are supervised here (:mod:`.supervisor`), started cold or from a warm spare
+(:mod:`.spares`), with torchrun's environment contract plus ``TRAINGUARD_GENERATION``.
+No private torch attribute is touched. Every worker start and exit reaches
+:class:`LocalNode`; stuck (stopped or D-state) workers are killed at once instead of
+waiting out the SIGTERM grace, and SIGTERM turns into a save-now request (preemption)
+before stopping. Defaults differ from stock torchrun where stock behaviour breaks recovery:
 
 * c10d rendezvous with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (stock restarts reuse the
   agent's store and fail on gloo with "Gloo connectFullMesh failed");
 * ``--max-restarts 1000``: the remediator's restart budget is the real limit;
 * short ``last_call_timeout`` and keep-alive settings so survivors re-form quickly after
   a node leaves;
-* each worker's stderr tee'd to a file, so exits carry their last lines.
+* each worker's stdout and stderr written to files and tee'd to the console
+  (``[rank]:`` prefix), so exits carry their last lines.
 
 Exit codes (the scheduler contract, docs/design.md "Exit codes for schedulers"): the job's
 (0, or 1 when workers failed), 200 when this host was isolated or is on the blocklist
@@ -32,18 +36,21 @@ import signal
 import socket
 import tempfile
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 from trainguard import envnames
 from trainguard.embedded import free_port, port_taken
+from trainguard.errors import ConfigError, TrainguardError
 from trainguard.schemas import NodeHello, WorkerExit
 
-from . import flightrec, procs
+from . import flightrec
 from .gpu import GpuSource, ScriptedSource, open_source
 from .link import AgentLink
-from .node import FLIGHT_RECORDER_PREFIX, Failure, LocalNode, Worker
+from .node import FLIGHT_RECORDER_PREFIX, LocalNode
+from .rendezvous import JobRendezvous, RendezvousFailed, RendezvousPlan
 from .settings import AgentSettings
+from .spares import SparePool
+from .supervisor import Program, Supervisor
 
 log = logging.getLogger("trainguard.agent")
 
@@ -141,55 +148,44 @@ def worker_environment(settings: AgentSettings, log_dir: str) -> dict[str, str]:
     return env
 
 
-def _agent_class(node: LocalNode, on_started: Callable[[], None]) -> type:
-    """A LocalElasticAgent subclass that reports to ``node`` (built lazily: torch)."""
-    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
-    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+def program_of(ns: argparse.Namespace) -> Program:
+    """What each rank runs, from torchrun's own arguments."""
+    if ns.no_python and ns.module:
+        raise ConfigError("--no-python and -m cannot be used together (torchrun's rule)")
+    return Program(target=ns.training_script, args=list(ns.training_script_args),
+                   module=bool(ns.module), no_python=bool(ns.no_python))
 
-    class GuardedAgent(LocalElasticAgent):
-        def _start_workers(self, worker_group: Any) -> dict[int, Any]:
-            pids: dict[int, Any] = super()._start_workers(worker_group)
-            stderrs = getattr(self._pcontext, "stderrs", {}) or {}
-            workers = [Worker(rank=w.global_rank, local_rank=w.local_rank,
-                              pid=int(pids[w.local_rank]), stderr=stderrs.get(w.local_rank))
-                       for w in worker_group.workers]
-            spec = worker_group.spec
-            node.workers_started(workers, spec.max_restarts - self._remaining_restarts)
-            on_started()
-            return pids
 
-        def _monitor_workers(self, worker_group: Any) -> RunResult:
-            result: RunResult = super()._monitor_workers(worker_group)
-            if result.state == WorkerState.FAILED:
-                failures = {r: Failure(rank=r, local_rank=f.local_rank, pid=f.pid,
-                                       exitcode=f.exitcode, message=str(f.message or ""))
-                            for r, f in result.failures.items()}
-                node.workers_exited(failures, succeeded=False)
-            elif result.state == WorkerState.SUCCEEDED:
-                node.workers_exited({}, succeeded=True)
-            return result
+def rendezvous_plan(ns: argparse.Namespace) -> tuple[RendezvousPlan, int, int]:
+    """torchrun's own reading of its options (``config_from_args``): the rendezvous, the
+    node's process count and the restart limit."""
+    run_mod: Any = importlib.import_module("torch.distributed.run")
+    config, _, _ = run_mod.config_from_args(ns)
+    plan = RendezvousPlan(backend=config.rdzv_backend, endpoint=config.rdzv_endpoint,
+                          run_id=config.run_id, min_nodes=config.min_nodes,
+                          max_nodes=config.max_nodes, local_addr=config.local_addr,
+                          configs=dict(config.rdzv_configs))
+    return plan, int(config.nproc_per_node), int(config.max_restarts)
 
-        def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM,
-                      timeout: int = 30) -> None:
-            if self._pcontext is not None:
-                procs.kill_stuck(self._pcontext.pids().values())
-            super()._shutdown(death_sig, timeout)
 
-    return GuardedAgent
+class Stopping(TrainguardError):
+    """A signal ends the launcher (preemption, isolate, stop, hold)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"launcher {os.getpid()} got signal {signum}")
+        self.signum = signum
 
 
 def launch(settings: AgentSettings, torchrun_argv: list[str]) -> int:
     """Run the node's ranks until the job ends; returns the process exit code."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    # torch's launcher builds its LocalElasticAgent by module-global name: swap in ours.
-    launcher_api: Any = importlib.import_module("torch.distributed.launcher.api")
-    run_mod: Any = importlib.import_module("torch.distributed.run")
-
+    if settings.warm_spares < 0:
+        raise ConfigError(f"warm_spares must be 0 or more, not {settings.warm_spares} "
+                          "(--warm-spares N or TRAINGUARD_WARM_SPARES)")
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     log_dir = tempfile.mkdtemp(prefix=f"trainguard-{settings.job}-{settings.host}-")
     ns, hosts_store = prepare_torchrun(torchrun_argv, settings, log_dir)
+    program = program_of(ns)
+    plan, nproc, max_restarts = rendezvous_plan(ns)
     if settings.credentials and not settings.rank_credentials:
         print("trainguard launch: warning: this agent has credentials but its ranks get none "
               "(--rank-credentials FILE): a server with auth on will refuse their telemetry",
@@ -212,11 +208,8 @@ def launch(settings: AgentSettings, torchrun_argv: list[str]) -> int:
                      log_dir=log_dir)
     node.publish_fr = lambda r: link_box[0].publish(
         settings.subjects.fr(settings.job, settings.host), r)
-    min_nodes, max_nodes = run_mod.parse_min_max_nnodes(ns.nnodes)
-    hello = NodeHello(job=settings.job, host=settings.host,
-                      local_ranks=list(range(int(ns.nproc_per_node)
-                                             if str(ns.nproc_per_node).isdigit() else 0)),
-                      nnodes_min=min_nodes, nnodes_max=max_nodes,
+    hello = NodeHello(job=settings.job, host=settings.host, local_ranks=list(range(nproc)),
+                      nnodes_min=plan.min_nodes, nnodes_max=plan.max_nodes,
                       drills_allowed=settings.allow_drills, hosts_store=hosts_store,
                       pid=os.getpid())
     link = AgentLink(settings, node, hello)
@@ -230,37 +223,42 @@ def launch(settings: AgentSettings, torchrun_argv: list[str]) -> int:
         _leave(link)
         return EXIT_ISOLATED
 
-    def on_sigterm(signum: int, frame: Any) -> None:
-        if node.ended_by is None:
-            # Preemption: try to save within the grace period, then stop like torchrun.
+    def on_signal(signum: int, frame: Any) -> None:
+        if signum == signal.SIGTERM and node.ended_by is None:
+            # Preemption: try to save within the grace period, then stop the workers.
             answer = link.request_save(settings.preempt_grace)
             log.warning("SIGTERM: save-now before stopping: %s", answer)
-        raise SignalException(f"Process {os.getpid()} got signal: {signum}",
-                              sigval=signal.Signals(signum))
+        raise Stopping(signum)
 
-    def reinstall() -> None:
-        signal.signal(signal.SIGTERM, on_sigterm)
-
-    original = launcher_api.LocalElasticAgent
-    launcher_api.LocalElasticAgent = _agent_class(node, reinstall)
-    print(f"trainguard launch: job {settings.job} on host {settings.host} "
-          f"(rendezvous {ns.rdzv_endpoint}, store host: {hosts_store}, logs {log_dir})",
-          flush=True)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+    spares = SparePool(settings.warm_spares if program.warmable else 0, os.environ, log_dir)
+    node.spare_pids = spares.ready_pids
+    code = 1
     try:
-        run_mod.run(ns)
-        code = 0
-    except ChildFailedError:
-        code = 1
-    except SignalException:
+        rdzv = JobRendezvous(plan)
+        supervisor = Supervisor(node=node, rdzv=rdzv, program=program, nproc=nproc,
+                                max_restarts=max_restarts, log_dir=log_dir, spares=spares,
+                                stop_grace=settings.stop_grace,
+                                refill_delay=settings.spare_refill_delay)
+        node.rank_restarter = supervisor.restart_rank
+        print(f"trainguard launch: job {settings.job} on host {settings.host} "
+              f"(rendezvous {plan.endpoint}, store host: {hosts_store}, "
+              f"warm spares: {spares.size}, logs {log_dir})", flush=True)
+        code = supervisor.run()
+    except Stopping as stop:
         by = node.ended_by
         if by is not None:
             node.workers_stopped(by)
-        code = EXIT_ISOLATED if node.isolating else 0 if node.stopping else EXIT_SIGTERM
+        code = EXIT_ISOLATED if node.isolating else 0 if node.stopping else 128 + stop.signum
+    except RendezvousFailed as exc:
+        print(f"trainguard launch: {exc}", flush=True)
+        code = 1
     finally:
-        launcher_api.LocalElasticAgent = original
+        spares.close()
         _leave(link)
     if node.holding is not None and code != EXIT_ISOLATED:
-        code = EXIT_HELD  # also when the hold landed as torchrun gave up by itself
+        code = EXIT_HELD  # also when the hold landed as the launcher gave up by itself
         print(f"trainguard launch: job {settings.job} held by the control plane; exit "
               f"{EXIT_HELD} (do not retry blindly: see the incident)", flush=True)
     if code == EXIT_ISOLATED:

@@ -1,7 +1,7 @@
 """The agent's connection to the control plane, on a background thread.
 
-The main thread belongs to torch's elastic agent (it installs signal handlers and polls
-its workers), so NATS and Redis live on a thread with its own event loop. Order at start
+The main thread belongs to the launcher's supervisor (it handles signals and polls its
+workers), so NATS and Redis live on a thread with its own event loop. Order at start
 matters: the durable command consumer exists *before* ``NodeHello`` goes out, because the
 command stream has interest retention and drops commands nobody is bound to yet.
 """
@@ -280,7 +280,8 @@ class AgentLink:
             job=s.job, time=time.time(), seq=self._hb_seq, host=s.host, ranks=states,
             pids=pids, attempt=self.node.restart_count,
             restarting=self.node.restarting_since is not None,
-            restarting_since=self.node.restarting_since))
+            restarting_since=self.node.restarting_since, generation=self.node.generation,
+            spares=self.node.spare_pids()))
 
     async def _gpu_sample(self) -> None:
         s = self.settings

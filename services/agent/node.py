@@ -1,6 +1,6 @@
 """The local side of the agent: the node's workers, and what can be done to them.
 
-The torch elastic agent (main thread) tells this object when workers start and exit;
+The supervisor (main thread) tells this object when workers start and exit;
 commands (transport thread) act on the same worker table. Exits are reported as
 ``WorkerExit`` with ``initiated_by`` set for the ones the agent itself caused, so the
 detector does not mistake a restart for a crash, and ``launcher`` for the group teardown
@@ -15,7 +15,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from trainguard.envelope import uuid7
@@ -80,6 +80,12 @@ class LocalNode:
         self.stopping: str | None = None
         self.holding: str | None = None
         """The id of the ``hold`` that ends this launcher (exit 76), once one came."""
+        self.generation = 0
+        """The job's generation this node's ranks belong to (the newest one it knows)."""
+        self.spare_pids: Callable[[], list[int]] = list
+        """The pids of the idle warm spares ready to become a rank (the pool's)."""
+        self.rank_restarter: Callable[[int, str, float], str] | None = None
+        """Restarts one local rank alone: (local rank, command id, timeout) -> detail."""
         self.restarting_since: float | None = None
         """Since when the worker group is restarting (a failure seen or a ``restart``
         command), until the new group started: the node heartbeat says so, so the detector
@@ -94,6 +100,14 @@ class LocalNode:
             self.restarting_since = None
         log.info("workers started on %s (attempt %d): %s", self.host, restart_count,
                  {w.rank: w.pid for w in workers})
+
+    def worker_replaced(self, worker: Worker, restart_count: int) -> None:
+        """One rank was replaced alone (the others run on)."""
+        with self._lock:
+            self.workers[worker.rank] = worker
+            self.restart_count = restart_count
+            self.restarting_since = None
+        log.info("rank %d replaced on %s: pid %d", worker.rank, self.host, worker.pid)
 
     def workers_exited(self, failures: Mapping[int, Failure], succeeded: bool) -> None:
         """Publish one WorkerExit per worker that ended; decide who caused each."""
@@ -141,7 +155,7 @@ class LocalNode:
                           initiated_by=by, attempt=self.restart_count, time=now)
 
     def workers_stopped(self, command_id: str) -> None:
-        """Report the exits of a stop or isolation: torch's agent tore the workers down
+        """Report the exits of a stop or isolation: the supervisor tore the workers down
         without a monitor pass, so nobody else will, and the detector must know they were
         meant (or it would call the vanished processes a crash)."""
         now = time.time()
@@ -162,9 +176,15 @@ class LocalNode:
     def _mark(self, command_id: str) -> list[int]:
         with self._lock:
             pids = [w.pid for w in self.workers.values()]
-            for pid in pids:
-                self.initiated[pid] = command_id
+        self.initiate_pids(pids, command_id)
         return pids
+
+    def initiate_pids(self, pids: Iterable[int], by: str, *, keep: bool = False) -> None:
+        """``keep``: an exit a command already caused stays the command's."""
+        with self._lock:
+            for pid in pids:
+                if not (keep and pid in self.initiated):
+                    self.initiated[pid] = by
 
     def restart_began(self, now: float | None = None) -> None:
         """The worker group is going down to be started again (idempotent per restart)."""
@@ -176,7 +196,15 @@ class LocalNode:
         self.restart_began()
         pids = self._mark(command_id)
         procs.terminate(pids, self.settings.stop_grace)
-        return f"stopped {len(pids)} local worker(s); the elastic launcher restarts the group"
+        return f"stopped {len(pids)} local worker(s); the launcher restarts the group"
+
+    def restart_rank(self, rank: int, command_id: str) -> str:
+        """Restart one rank alone, at a new generation (the others keep running)."""
+        with self._lock:
+            worker = self.workers.get(rank)
+        if worker is None or self.rank_restarter is None:
+            raise ProcessLookupError(f"rank {rank} does not run on host {self.host}")
+        return self.rank_restarter(worker.local_rank, command_id, self.settings.stop_grace + 60)
 
     def isolate(self, command_id: str) -> str:
         self.isolating = command_id
@@ -197,7 +225,7 @@ class LocalNode:
 
     def _end_launcher(self, command_id: str) -> None:
         self._mark(command_id)
-        os.kill(os.getpid(), signal.SIGTERM)  # torch's agent stops workers, keeps the rdzv open
+        os.kill(os.getpid(), signal.SIGTERM)  # the launcher stops workers, keeps the rdzv open
 
     @property
     def ended_by(self) -> str | None:

@@ -48,6 +48,18 @@ def send(pid: int, sig: signal.Signals) -> bool:
         return False
 
 
+def signal_group(pid: int, sig: signal.Signals) -> bool:
+    """Signal a worker and the processes it started (it leads its own session, so its pid
+    is its process group's id); False if it is already gone."""
+    try:
+        os.killpg(pid, sig)
+        return True
+    except ProcessLookupError:
+        return send(pid, sig)
+    except PermissionError:
+        return send(pid, sig)
+
+
 def kill_stuck(pids: Iterable[int]) -> list[int]:
     """SIGCONT + SIGKILL every stuck worker; returns the pids it killed."""
     killed = []

@@ -64,13 +64,13 @@ def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
 
 def launch(job: str, host: str, env: dict[str, str], log: Path, *, nproc: int = 2,
            trainer: Sequence[str] = (), launch_opts: Sequence[str] = (),
-           torchrun_opts: Sequence[str] = ()) -> subprocess.Popen[bytes]:
-    """``trainguard launch`` of the toy trainer, as a user would run it."""
+           torchrun_opts: Sequence[str] = (),
+           module: str = "trainguard.examples.toy_trainer") -> subprocess.Popen[bytes]:
+    """``trainguard launch`` of the toy trainer (or ``module``), as a user would run it."""
     cmd = [sys.executable, "-m", "trainguard", "launch", "--job", job, "--host", host,
            "--preempt-grace", "3", *launch_opts, "--nproc-per-node", str(nproc),
            "--local-addr", "127.0.0.1",
-           *torchrun_opts, "-m", "--", "trainguard.examples.toy_trainer", "--job", job,
-           *trainer]
+           *torchrun_opts, "-m", "--", module, "--job", job, *trainer]
     with open(log, "wb") as fh:
         return subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT,
                                 start_new_session=True)

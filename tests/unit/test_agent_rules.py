@@ -39,6 +39,10 @@ class FakeNode:
         self.calls.append(f"restart:{command_id}")
         return "restarted"
 
+    def restart_rank(self, rank: int, command_id: str) -> str:
+        self.calls.append(f"restart:{rank}:{command_id}")
+        return f"rank {rank} restarted alone"
+
     def isolate(self, command_id: str) -> str:
         self.calls.append(f"isolate:{command_id}")
         return "isolated"
@@ -76,6 +80,17 @@ def test_each_command_runs_once_in_order() -> None:
     retry = ex.handle(cmd("b", "restart", retry_of="a"))
     assert retry is not None and retry.detail == "already done as a"
     assert node.calls == ["restart:a"]
+
+
+def test_a_restart_naming_a_rank_restarts_that_rank_alone() -> None:
+    node = FakeNode()
+    ex = CommandExecutor(node)
+    one = ex.handle(cmd("r1", "restart", params={"rank": 3}))
+    assert one is not None and (one.outcome, one.detail) == ("done", "rank 3 restarted alone")
+    elsewhere = ex.handle(cmd("r2", "restart", params={"rank": 0}))  # not on node-b
+    assert elsewhere is not None and elsewhere.outcome == "refused"
+    assert ex.handle(cmd("r3", "restart")) is not None  # no rank: the whole group
+    assert node.calls == ["restart:3:r1", "restart:r3"]
 
 
 def test_rank_commands_are_not_the_agents() -> None:

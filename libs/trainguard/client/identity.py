@@ -80,7 +80,8 @@ def resolve_identity(
         host = env.get(envnames.HOST) or host_token(socket.gethostname())
         check_token("host", host)
     attempt = Attempt(restart_count=_int_env(env, envnames.RESTART_COUNT, 0),
-                      pid=os.getpid(), started_at=time.time())
+                      pid=os.getpid(), started_at=time.time(),
+                      generation=_int_env(env, envnames.GENERATION, 0))
     return Identity(job, rank, world_size, local_rank, host, attempt)
 
 

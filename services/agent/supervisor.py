@@ -1,0 +1,331 @@
+"""Per-rank supervision of the node's ranks: trainguard's own elastic agent.
+
+One loop on the launcher's main thread: join a rendezvous round (:mod:`.rendezvous`),
+start the node's ranks (each from a warm spare where one is ready, else a cold
+``python``), watch them, and on a failure stop the rest and re-form the group at a new
+generation (torchrun's semantics: ``--max-restarts`` failures, membership changes free).
+Besides the whole group it restarts **one rank alone** (:meth:`Supervisor.restart_rank`):
+the rank is replaced at a new job-wide generation while the others keep running, which is
+what in-place recovery builds on. The process table it keeps is :class:`LocalNode`'s, so
+heartbeats, exits and commands see the pid that really runs each rank (a spare's, once
+it became one).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from trainguard import envnames
+from trainguard.errors import TrainguardError
+
+from . import procs
+from .node import LAUNCHER, Failure, LocalNode, Worker
+from .output import OutputTail, rank_files
+from .rendezvous import JobRendezvous, Round
+from .spare import SpareOrder
+from .spares import SparePool
+
+log = logging.getLogger("trainguard.agent")
+
+
+@dataclass(frozen=True)
+class Program:
+    """What every rank runs: ``python -u [-m] target args`` (or the target itself with
+    ``--no-python``, which no spare can run). ``python`` is torchrun's: ``PYTHON_EXEC``,
+    else the launcher's interpreter (the spares'; another one starts cold)."""
+
+    target: str
+    args: list[str]
+    module: bool = False
+    no_python: bool = False
+    python: str = field(default_factory=lambda: os.environ.get("PYTHON_EXEC", sys.executable))
+
+    @property
+    def warmable(self) -> bool:
+        return not self.no_python and self.python == sys.executable
+
+    def argv(self) -> list[str]:
+        if self.no_python:
+            return [self.target, *self.args]
+        return [self.python, "-u", *(["-m"] if self.module else []), self.target, *self.args]
+
+
+@dataclass
+class RankProc:
+    local_rank: int
+    rank: int
+    popen: subprocess.Popen[bytes]
+    stdout: str
+    stderr: str
+    error_file: str
+    warm: bool
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+
+@dataclass
+class _Request:
+    local_rank: int
+    by: str
+    done: threading.Event = field(default_factory=threading.Event)
+    answer: str = ""
+    error: str = ""
+
+
+class SupervisionError(TrainguardError):
+    """A rank restart could not be carried out."""
+
+
+class Supervisor:
+    def __init__(self, *, node: LocalNode, rdzv: JobRendezvous, program: Program,
+                 nproc: int, max_restarts: int, log_dir: str, spares: SparePool,
+                 stop_grace: float, monitor_interval: float = 0.1,
+                 refill_delay: float = 1.0) -> None:
+        self.node = node
+        self.rdzv = rdzv
+        self.program = program
+        self.nproc = nproc
+        self.max_restarts = max_restarts
+        self.log_dir = log_dir
+        self.spares = spares
+        self.stop_grace = stop_grace
+        self.monitor_interval = monitor_interval
+        self.refill_delay = refill_delay
+        self.restart_count = 0
+        self.group: dict[int, RankProc] = {}
+        self.round: Round | None = None
+        self.tail = OutputTail()
+        self._requests: queue.SimpleQueue[_Request] = queue.SimpleQueue()
+        self._refill_at: float | None = None
+
+    # -- the loop ---------------------------------------------------------------------
+    def run(self) -> int:
+        """Until the job ends here: 0 when the node's ranks succeeded, 1 when they failed
+        past ``max_restarts``. Stops every rank and spare on the way out."""
+        remaining = self.max_restarts
+        prefer: list[int] = []
+        try:
+            while True:
+                rnd = self.rdzv.next_round(self.nproc)
+                self._start_group(rnd, prefer)
+                kind, failures = self._watch()
+                if kind == "succeeded":
+                    self.node.workers_exited({}, succeeded=True)
+                    self.rdzv.exit_barrier(rnd)
+                    self.rdzv.close()
+                    return 0
+                prefer = sorted(f.local_rank for f in failures.values()
+                                if f.exitcode != -signal.SIGTERM)
+                if kind == "failed":
+                    if remaining <= 0:
+                        log.error("ranks failed and no restarts are left (--max-restarts %d)",
+                                  self.max_restarts)
+                        self.rdzv.close()
+                        return 1
+                    remaining -= 1
+                    self.restart_count += 1
+        finally:
+            self.stop_group()
+            self.spares.close()
+            self.tail.close()
+
+    def _watch(self) -> tuple[str, dict[int, Failure]]:
+        """Until the group ends: ``succeeded``, ``failed`` (a rank exited non-zero: the
+        rest are stopped) or ``membership`` (another node waits to re-form the group), with
+        every exit that was not 0 (already reported)."""
+        next_check = time.monotonic() + 1.0
+        while True:
+            codes = {lr: p.popen.poll() for lr, p in self.group.items()}
+            failed = [self.group[lr] for lr, c in codes.items() if c not in (None, 0)]
+            if failed:
+                return "failed", self._end_group(failed)
+            if all(c == 0 for c in codes.values()):
+                return "succeeded", {}
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + 1.0
+                if self.rdzv.nodes_waiting() > 0:
+                    log.info("another node waits to re-form the group: restarting ours")
+                    return "membership", self._end_group([])
+                generation = self.rdzv.generation()
+                if generation is not None:
+                    self.node.generation = generation
+            self._serve_requests()
+            if self._refill_at is not None and now >= self._refill_at:
+                self.spares.fill()
+                self._refill_at = now + 1.0  # keep it full (a spare may die idle)
+            time.sleep(self.monitor_interval)
+
+    # -- starting ranks ---------------------------------------------------------------
+    def _start_group(self, rnd: Round, prefer: list[int]) -> None:
+        self.round = rnd
+        self.node.generation = rnd.generation
+        order = prefer + [lr for lr in range(self.nproc) if lr not in prefer]
+        self.group = {}
+        for lr in order:
+            self.group[lr] = self._spawn(lr, rnd.base_rank + lr, rnd.generation,
+                                         self.restart_count)
+        self.node.workers_started([self._worker(p) for p in self.group.values()],
+                                  self.restart_count)
+        self._refill_at = time.monotonic() + self.refill_delay
+        log.info("group started on %s: generation %d, ranks %s (warm: %s)", self.node.host,
+                 rnd.generation, {p.rank: p.pid for p in self.group.values()},
+                 [p.rank for p in self.group.values() if p.warm])
+
+    def rank_env(self, rnd: Round, local_rank: int, rank: int, generation: int,
+                 restart_count: int, error_file: str) -> dict[str, str]:
+        """torchrun's environment contract for one rank, plus the generation it joins."""
+        env = dict(os.environ)
+        env.update({
+            envnames.RANK: str(rank), "GROUP_RANK": str(rnd.group_rank),
+            "ROLE_RANK": str(rank), "ROLE_NAME": "default",
+            envnames.LOCAL_RANK: str(local_rank), "LOCAL_WORLD_SIZE": str(self.nproc),
+            envnames.WORLD_SIZE: str(rnd.world_size),
+            "GROUP_WORLD_SIZE": str(rnd.group_world_size),
+            "ROLE_WORLD_SIZE": str(rnd.world_size),
+            "MASTER_ADDR": rnd.master_addr, "MASTER_PORT": str(rnd.master_port),
+            envnames.RESTART_COUNT: str(restart_count),
+            "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts),
+            "TORCHELASTIC_RUN_ID": self.rdzv.run_id,
+            "TORCHELASTIC_USE_AGENT_STORE": str(self.rdzv.use_agent_store),
+            "TORCHELASTIC_ERROR_FILE": error_file,
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get(
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+            envnames.GENERATION: str(generation),
+        })
+        return env
+
+    def _spawn(self, local_rank: int, rank: int, generation: int,
+               restart_count: int) -> RankProc:
+        assert self.round is not None
+        stdout, stderr = rank_files(self.log_dir, restart_count, local_rank, generation)
+        error_file = os.path.join(os.path.dirname(stderr), "error.json")
+        env = self.rank_env(self.round, local_rank, rank, generation, restart_count,
+                            error_file)
+        spare = self.spares.take() if self.program.warmable else None
+        if spare is not None:
+            p = self.program
+            popen = spare.activate(SpareOrder(
+                env=env, argv=[p.target, *p.args], cwd=os.getcwd(), stdout=stdout,
+                stderr=stderr, module=p.target if p.module else None,
+                script=None if p.module else p.target))
+        else:
+            with open(stdout, "ab") as out, open(stderr, "ab") as err:
+                popen = subprocess.Popen(self.program.argv(), env=env, stdin=subprocess.DEVNULL,
+                                         stdout=out, stderr=err, start_new_session=True)
+        self.tail.watch(stdout, rank, err=False)
+        self.tail.watch(stderr, rank, err=True)
+        return RankProc(local_rank, rank, popen, stdout, stderr, error_file,
+                        warm=spare is not None)
+
+    @staticmethod
+    def _worker(p: RankProc) -> Worker:
+        return Worker(rank=p.rank, local_rank=p.local_rank, pid=p.pid, stderr=p.stderr)
+
+    # -- stopping ranks ---------------------------------------------------------------
+    def _stop(self, ranks: list[RankProc]) -> None:
+        """SIGTERM each rank's process group (SIGKILL for stuck ones at once), then
+        SIGKILL what is left after the grace period; reaps them."""
+        live = [p for p in ranks if p.popen.poll() is None]
+        procs.kill_stuck(p.pid for p in live)
+        for p in live:
+            procs.signal_group(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.stop_grace
+        while time.monotonic() < deadline and any(p.popen.poll() is None for p in live):
+            time.sleep(0.05)
+        for p in live:
+            if p.popen.poll() is None:
+                procs.signal_group(p.pid, signal.SIGKILL)
+            p.popen.wait()
+        self.tail.forget({f for p in ranks for f in (p.stdout, p.stderr)})
+
+    def stop_group(self) -> None:
+        self._stop(list(self.group.values()))
+
+    def _end_group(self, failed: list[RankProc]) -> dict[int, Failure]:
+        """Report ``failed`` at once (the detector's crash evidence must not wait for the
+        teardown), stop the rest (the launcher's doing, unless a command's already) and
+        report their exits; the failures of all that did not exit 0."""
+        first = {p.rank: self._failure(p) for p in failed}
+        self.node.initiate_pids([p.pid for p in self.group.values() if p not in failed],
+                                LAUNCHER, keep=True)
+        if first:
+            self.node.workers_exited(first, succeeded=False)
+        self.stop_group()
+        self._refill_at = None
+        rest = {p.rank: self._failure(p) for p in self.group.values()
+                if p.rank not in first and p.popen.returncode != 0}
+        self.node.workers_exited(rest, succeeded=False)
+        return {**first, **rest}
+
+    @staticmethod
+    def _failure(p: RankProc) -> Failure:
+        return Failure(rank=p.rank, local_rank=p.local_rank, pid=p.pid,
+                       exitcode=int(p.popen.returncode), message=error_message(p.error_file))
+
+    # -- one rank alone ---------------------------------------------------------------
+    def restart_rank(self, local_rank: int, by: str, timeout: float) -> str:
+        """Replace one local rank at a new generation, the others untouched (any thread:
+        the supervising thread carries it out, since only it may start processes)."""
+        req = _Request(local_rank, by)
+        self._requests.put(req)
+        if not req.done.wait(timeout):
+            raise SupervisionError(f"restart of local rank {local_rank} did not finish in "
+                                   f"{timeout:.0f} s")
+        if req.error:
+            raise SupervisionError(req.error)
+        return req.answer
+
+    def _serve_requests(self) -> None:
+        while True:
+            try:
+                req = self._requests.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                req.answer = self._replace(req.local_rank, req.by)
+            except Exception as exc:
+                req.error = f"{type(exc).__name__}: {exc}"
+            req.done.set()
+
+    def _replace(self, local_rank: int, by: str) -> str:
+        old = self.group.get(local_rank)
+        if old is None or self.round is None:
+            raise SupervisionError(f"local rank {local_rank} is not running")
+        self.node.initiate_pids([old.pid], by)
+        self._stop([old])
+        self.node.workers_exited({old.rank: self._failure(old)}, succeeded=False)
+        generation = self.rdzv.bump_generation()
+        self.restart_count += 1
+        new = self._spawn(local_rank, old.rank, generation, self.restart_count)
+        self.group[local_rank] = new
+        self.node.generation = generation
+        self.node.worker_replaced(self._worker(new), self.restart_count)
+        self._refill_at = time.monotonic() + self.refill_delay
+        return (f"rank {old.rank} restarted alone: pid {old.pid} -> {new.pid} "
+                f"({'warm spare' if new.warm else 'cold start'}), generation {generation}")
+
+
+def error_message(path: str) -> str:
+    """The message torch's ``@record`` wrote to the rank's error file, if any."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError):
+        return ""
+    message = data.get("message", "") if isinstance(data, Mapping) else ""
+    if isinstance(message, Mapping):
+        message = message.get("message", "")
+    return str(message)

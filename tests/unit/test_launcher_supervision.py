@@ -1,0 +1,110 @@
+"""The launcher's rank assignment and generations on torch's real c10d rendezvous (a real
+TCPStore on loopback), and the environment contract each rank gets."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from trainguard import envnames
+from trainguard.config import load_settings
+from trainguard.embedded import free_port
+from trainguard.services.agent.node import LocalNode
+from trainguard.services.agent.rendezvous import JobRendezvous, RendezvousPlan, Round
+from trainguard.services.agent.settings import AgentSettings
+from trainguard.services.agent.spares import SparePool
+from trainguard.services.agent.supervisor import Program, Supervisor, error_message
+
+CONF = {"last_call_timeout": "1", "join_timeout": "60", "keep_alive_interval": "1",
+        "keep_alive_max_attempt": "3"}
+
+
+def plan(endpoint: str, nodes: int, *, host: bool) -> RendezvousPlan:
+    return RendezvousPlan(backend="c10d", endpoint=endpoint, run_id="job-1", min_nodes=nodes,
+                          max_nodes=nodes, local_addr="127.0.0.1",
+                          configs={**CONF, "is_host": "true" if host else "false"})
+
+
+def test_one_node_gets_every_rank_and_each_restart_a_new_generation() -> None:
+    rdzv = JobRendezvous(plan(f"127.0.0.1:{free_port()}", 1, host=True))
+    try:
+        rnd = rdzv.next_round(3)
+        assert (rnd.group_rank, rnd.group_world_size, rnd.base_rank, rnd.world_size) == \
+            (0, 1, 0, 3)
+        assert rnd.master_port > 0 and rnd.master_addr
+        first = rnd.generation
+        assert rdzv.bump_generation() == first + 1  # a single-rank restart
+        assert rdzv.generation() == first + 1
+    finally:
+        rdzv.close()
+
+
+def test_two_nodes_split_the_ranks_and_share_the_generation() -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    host = JobRendezvous(plan(endpoint, 2, host=True))
+    other = JobRendezvous(plan(endpoint, 2, host=False))
+    rounds: dict[str, Round] = {}
+    threads = [threading.Thread(target=lambda n=n, r=r, k=k: rounds.__setitem__(n, r.next_round(k)))
+               for n, r, k in (("a", host, 2), ("b", other, 3))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    try:
+        assert set(rounds) == {"a", "b"}
+        a, b = rounds["a"], rounds["b"]
+        assert a.world_size == b.world_size == 5
+        lower, upper = sorted((a, b), key=lambda r: r.group_rank)
+        sizes = {id(a): 2, id(b): 3}
+        assert lower.base_rank == 0 and upper.base_rank == sizes[id(lower)]
+        assert a.generation == b.generation
+        assert (a.master_addr, a.master_port) == (b.master_addr, b.master_port)
+        bumped = other.bump_generation()
+        assert host.generation() == bumped == a.generation + 1  # job-wide
+    finally:
+        other.close()
+        host.close()
+
+
+def test_a_rank_gets_torchruns_environment_and_its_generation(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # as launch() sets it
+    settings = load_settings(AgentSettings, env={}, overrides={"job": "j", "host": "node-a"})
+    node = LocalNode(settings, hosts_store=True, gpu=None, publish_exit=lambda e: None)
+    rdzv = JobRendezvous(plan(f"127.0.0.1:{free_port()}", 1, host=True))
+    try:
+        rnd = rdzv.next_round(2)
+        sup = Supervisor(node=node, rdzv=rdzv, program=Program("train.py", ["--lr", "1"]),
+                         nproc=2, max_restarts=7, log_dir=str(tmp_path),
+                         spares=SparePool(0, {}, str(tmp_path)), stop_grace=1.0)
+        env = sup.rank_env(rnd, 1, 1, 9, 2, "/x/error.json")
+        sup.tail.close()
+    finally:
+        rdzv.close()
+    assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                                "GROUP_RANK", "TORCHELASTIC_RESTART_COUNT",
+                                "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
+                                "TORCHELASTIC_USE_AGENT_STORE", envnames.GENERATION)} == {
+        "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+        "GROUP_RANK": "0", "TORCHELASTIC_RESTART_COUNT": "2", "TORCHELASTIC_MAX_RESTARTS": "7",
+        "TORCHELASTIC_RUN_ID": "job-1", "TORCHELASTIC_USE_AGENT_STORE": "False",
+        envnames.GENERATION: "9"}
+    assert env["MASTER_PORT"] == str(rnd.master_port)
+    assert envnames.GENERATION not in envnames.job_settings(env)  # not a detector threshold
+
+
+def test_programs_and_error_files(tmp_path: Path) -> None:
+    mod = Program("pkg.train", ["-x"], module=True)
+    assert mod.argv() == [sys.executable, "-u", "-m", "pkg.train", "-x"] and mod.warmable
+    bare = Program("./run.sh", [], no_python=True)
+    assert bare.argv() == ["./run.sh"] and not bare.warmable
+    other = Program("t.py", [], python="/opt/py/bin/python")
+    assert other.argv()[0] == "/opt/py/bin/python" and not other.warmable
+    err = tmp_path / "error.json"
+    err.write_text(json.dumps({"message": {"message": "RuntimeError: boom", "extraInfo": {}}}))
+    assert error_message(str(err)) == "RuntimeError: boom"
+    assert error_message(str(tmp_path / "missing.json")) == ""
