@@ -44,6 +44,7 @@ from trainguard.errors import ConfigError, TrainguardError
 from trainguard.schemas import NodeHello, WorkerExit
 
 from . import flightrec
+from .exitcodes import EXIT_HELD, EXIT_ISOLATED
 from .gpu import GpuSource, ScriptedSource, open_source
 from .link import AgentLink
 from .node import FLIGHT_RECORDER_PREFIX, LocalNode
@@ -54,13 +55,6 @@ from .supervisor import Program, Supervisor
 
 log = logging.getLogger("trainguard.agent")
 
-EXIT_ISOLATED = 200
-"""This host left the job (isolated, or blocklisted at launch). Above the signal range
-(128 + 1..64) so no signal death reads as isolation, and in Kubeflow's retryable 128-255."""
-EXIT_HELD = 80
-"""Held by the control plane (a ``hold``: the job failed past its restart budget). Below
-128 (Kubeflow's permanent range) and outside sysexits' 64-78 ("retry later")."""
-EXIT_SIGTERM = 128 + signal.SIGTERM
 
 RDZV_DEFAULTS = {"last_call_timeout": "2", "keep_alive_interval": "1",
                  "keep_alive_max_attempt": "3", "join_timeout": "120", "close_timeout": "10"}

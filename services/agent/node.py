@@ -29,6 +29,7 @@ from trainguard.schemas import (
 )
 
 from . import flightrec, hostmem, procs
+from .exitcodes import EXIT_HELD, EXIT_ISOLATED
 from .gpu import GpuSource, ScriptedSource
 from .settings import AgentSettings
 
@@ -79,7 +80,7 @@ class LocalNode:
         self.isolating: str | None = None
         self.stopping: str | None = None
         self.holding: str | None = None
-        """The id of the ``hold`` that ends this launcher (exit 76), once one came."""
+        """The id of the ``hold`` that ends this launcher (exit ``EXIT_HELD``), once one came."""
         self.generation = 0
         """The job's generation this node's ranks belong to (the newest one it knows)."""
         self.spare_pids: Callable[[], list[int]] = list
@@ -209,7 +210,7 @@ class LocalNode:
     def isolate(self, command_id: str) -> str:
         self.isolating = command_id
         self._end_launcher(command_id)
-        return f"host {self.host} leaves the job (trainguard launch exits 75)"
+        return f"host {self.host} leaves the job (trainguard launch exits {EXIT_ISOLATED})"
 
     def stop(self, command_id: str) -> str:
         self.stopping = command_id
@@ -221,7 +222,8 @@ class LocalNode:
         job (a crash loop past its budget), so torchrun must not restart it again."""
         self.holding = command_id
         self._end_launcher(command_id)
-        return f"holding the job on {self.host}: stopping the workers, trainguard launch exits 76"
+        return (f"holding the job on {self.host}: stopping the workers, trainguard launch exits "
+                f"{EXIT_HELD}")
 
     def _end_launcher(self, command_id: str) -> None:
         self._mark(command_id)

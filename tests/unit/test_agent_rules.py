@@ -15,6 +15,7 @@ from trainguard.config import load_settings
 from trainguard.envnames import setting
 from trainguard.schemas import Command, GpuStats, WorkerExit
 from trainguard.services.agent.executor import CommandExecutor
+from trainguard.services.agent.exitcodes import EXIT_HELD
 from trainguard.services.agent.gpu import ScriptedSource, open_source, throttle_names
 from trainguard.services.agent.launcher import prepare_torchrun, worker_environment
 from trainguard.services.agent.node import Failure, LocalNode, Worker
@@ -234,14 +235,14 @@ def test_a_hold_marks_the_workers_and_ends_the_launcher(monkeypatch: pytest.Monk
     monkeypatch.setattr(os, "kill", lambda pid, sig: signals.append((pid, sig)))
     node = LocalNode(settings(), hosts_store=True, gpu=None, publish_exit=sent.append)
     node.workers_started([Worker(0, 0, 100, None), Worker(1, 1, 101, None)], 3)
-    assert "exits 76" in node.hold("hold-1")
-    # torch's agent stops the workers on the SIGTERM; the launcher then exits 76.
+    assert f"exits {EXIT_HELD}" in node.hold("hold-1")
+    # torch's agent stops the workers on the SIGTERM; the launcher then exits EXIT_HELD.
     assert signals == [(os.getpid(), signal.SIGTERM)] and node.ended_by == "hold-1"
     node.workers_stopped("hold-1")
     assert sorted((e.rank, e.initiated_by, e.attempt) for e in sent) == [
         (0, "hold-1", 3), (1, "hold-1", 3)]  # meant: the detector sees no crash
     node.isolating = "iso-1"
-    assert node.ended_by == "iso-1"  # an isolated host still exits 75
+    assert node.ended_by == "iso-1"  # an isolated host still exits EXIT_ISOLATED
 
 
 def test_gpu_probe_is_unavailable_here_and_scripted_evidence_is_well_formed() -> None:

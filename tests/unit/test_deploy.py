@@ -20,7 +20,7 @@ import pytest
 import yaml
 from helm_python import chart as helm
 
-from trainguard.services.agent.launcher import EXIT_HELD, EXIT_ISOLATED
+from trainguard.services.agent.exitcodes import EXIT_HELD, EXIT_ISOLATED
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "trainguard"
