@@ -57,12 +57,14 @@ ACCESS: Final = frozenset(setting(f) for f in (
 """Who a process is to the servers (:class:`trainguard.config.Settings` fields): never
 inherited from the agent by its ranks except as the agent hands them on, never published."""
 CONNECTION: Final = frozenset({NATS_URL, REDIS_URL, SUBJECT_PREFIX, JOB, HOST, GENERATION,
-                               *ACCESS})
-"""Where and who (and which incarnation), not how to judge the job: kept out of
+                               FR_REQUEST, *ACCESS})
+"""Where and who (and which incarnation, and this node's dump-request file), not how to
+judge the job: kept out of
 :func:`job_settings`."""
 
 GUARD_KEYS: Final = frozenset({JOB, HOST, NATS_URL, SUBJECT_PREFIX, ALLOW_DRILLS, CREDENTIALS,
-                               NATS_TLS_CA, DISABLED, CHECKPOINT_ROOT, REDIS_URL})
+                               NATS_TLS_CA, FR_REQUEST, GENERATION, DISABLED,
+                               CHECKPOINT_ROOT, REDIS_URL})
 """The names the Guard reads (above). With every settings field's name they are what
 :func:`trainguard.config.known_variables` accepts; the per-job keys a job forwards in its
 hello (:func:`job_settings`) are detector settings (``TRAINGUARD_HANG_FLOOR``), known as
