@@ -66,6 +66,10 @@ class StepReport(Telemetry, tag="step.v1"):
     samples: int | None = None
     steps: int = 1
     extra: dict[str, float] = {}
+    world_size: int = 0
+    """The job's size this rank runs in (0: not told). A change re-forms the job."""
+    lr: float | None = None
+    """The learning rate of the step, when the trainer's optimizer tells it."""
 
 
 class Fingerprint(Telemetry, tag="fp.v1"):
@@ -334,6 +338,9 @@ class Diagnosis(Durable, kw_only=True):
     superseded_by: str | None = None
     """A later diagnosis that found the root of the same failure (its anomaly ids include
     this one's)."""
+    collateral: list[str] = []
+    """Anomaly ids joined as consequences of this failure (a throughput drop while a rank
+    straggles, a peer's error after a rank died): never a failure of their own."""
 
 
 class Action(Durable, kw_only=True):

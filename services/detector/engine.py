@@ -136,6 +136,9 @@ class Detector:
         r.local_rank = hello.local_rank
         if attempt >= job.world_attempt:
             job.set_world(hello.world_size, attempt)
+        # A rank's new process resumed from a checkpoint (or started afresh): the loss and
+        # gradients it reports are not comparable with what came before.
+        self.rules[hello.job].numerics.restart()
         env = {k: v for k, v in hello.env.items() if k.startswith(envnames.PREFIX)}
         if env and env != self._overrides.get(hello.job):
             self._overrides[hello.job] = env

@@ -70,7 +70,7 @@ class StepBucket:
     """The reports of one step from every rank, judged together once complete."""
 
     __slots__ = ("compute", "count", "data", "durations", "first_time", "grads", "index",
-                 "long", "losses", "nonfinite", "step", "work")
+                 "long", "losses", "lr", "nonfinite", "step", "work", "world")
 
     def __init__(self, step: int, first_time: float, index: int) -> None:
         self.step = step
@@ -86,6 +86,10 @@ class StepBucket:
         self.nonfinite: list[int] = []
         self.work: list[float] = []
         self.long: dict[str, float] = {}
+        self.world = 0
+        """The world size the ranks report for this step (0: not told)."""
+        self.lr: float | None = None
+        """The learning rate the ranks report for this step (None: not told)."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -350,6 +354,10 @@ class JobState:
             bad = bad or not math.isfinite(grad)
         if bad:
             b.nonfinite.append(rank)
+        if sr.world_size:
+            b.world = sr.world_size
+        if sr.lr is not None:
+            b.lr = sr.lr
         work = sr.tokens if sr.tokens is not None else sr.samples
         if duration > 0.0:
             b.work.append((work / n if work is not None else 1.0) / duration)
