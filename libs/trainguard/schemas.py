@@ -285,6 +285,9 @@ class CheckpointReport(Durable, kw_only=True):
     seconds_total: float = 0.0
     files: dict[str, FileDigest] = {}
     attempt: int = 0
+    generation: str = ""
+    """The worker group the save belongs to, the same on every rank of it (the
+    Checkpointer's token); empty from older clients, which are told apart by ``attempt``."""
     ok: bool = True
     error: str = ""
     time: float = 0.0

@@ -9,6 +9,12 @@ Time is the sender's: a client that reconnects delivers buffered messages late, 
 judging by arrival would invent hangs and recoveries. An incarnation of a rank is its
 ``attempt``: a higher one resets that rank's windows (steps go backwards after a restart),
 a lower one is a late message from a process that is gone and is dropped.
+
+Attempts are torchrun's restart counts, and each node's agent keeps its own: a node whose
+group restarts for a membership change does not count it, so after a few faults node-a may
+be at attempt 10 while node-b is at 7, both in one healthy worker group. So attempts are
+compared per host only (:meth:`JobState.current`), and a rise on any host re-forms the job
+(:attr:`JobState.generation`).
 """
 
 from __future__ import annotations
@@ -34,8 +40,8 @@ class RankInfo:
 
     __slots__ = ("attempt", "coll_done", "coll_seq", "compute_recent", "exited", "hb_step",
                  "heard", "host", "last_hb", "last_step", "local_rank", "phase",
-                 "phase_start", "proc_since", "proc_state", "rank", "straggle", "straggle_since",
-                 "straggling")
+                 "phase_start", "pid", "proc_since", "proc_state", "rank", "straggle",
+                 "straggle_since", "straggling")
 
     def __init__(self, rank: int, attempt: int, t: float, host: str, window: int) -> None:
         self.rank = rank
@@ -46,6 +52,7 @@ class RankInfo:
         self.straggling = False
         self.proc_state: ProcessState | None = None
         self.proc_since = t
+        self.pid = 0
         self.reset(attempt, t)
 
     def reset(self, attempt: int, t: float) -> None:
@@ -121,7 +128,12 @@ class JobState:
         self.ranks: dict[int, RankInfo] = {}
         self.step_rules: list[StepRule] = []
         self.world_size = 0
-        self.world_attempt = -1
+        self.world_generation = -1
+        self.host_attempt: dict[str, int] = {}
+        """The newest attempt of each host's ranks (attempts of different hosts are not
+        comparable: each node's torchrun counts its own restarts)."""
+        self.generation = 0
+        """How often the job re-formed as this detector saw it (any host's attempt rose)."""
         self.active_count = 0
         self.exited_count = 0
         self.expected = 1
@@ -161,6 +173,7 @@ class JobState:
             self.recount()
 
     def _new_attempt(self, attempt: int, t: float) -> None:
+        self.generation += 1
         self.attempt = attempt
         self.attempt_start = t
         self.has_stepped = False
@@ -188,16 +201,26 @@ class JobState:
             self.odd_procs.discard(rank)
             self._joined(r, t)
         if host and r.host != host:
+            self._left(r)
             r.host = host
+            self._joined(r, t)
         return r
+
+    def current(self, r: RankInfo) -> bool:
+        """Whether ``r`` is of its host's newest attempt (the job's current worker group)."""
+        return r.attempt >= self.host_attempt.get(r.host, r.attempt)
 
     # The counts behind ``expected`` are kept incrementally: a full recount is O(ranks), and
     # doing one per newly seen rank would make the start of a 10,000-rank job quadratic.
     def _joined(self, r: RankInfo, t: float) -> None:
-        if r.attempt > self.attempt:
-            self._new_attempt(r.attempt, t)
+        newest = self.host_attempt.get(r.host)
+        if newest is None or r.attempt > newest:
+            self.host_attempt[r.host] = r.attempt
+            if newest is not None or r.attempt > self.attempt:
+                # A restart on that host: the whole group re-formed (steps start over).
+                self._new_attempt(max(self.attempt, r.attempt), t)
             self.recount()
-        elif r.attempt == self.attempt:
+        elif r.attempt == newest:
             if r.exited:
                 self.exited_count += 1
             else:
@@ -205,7 +228,7 @@ class JobState:
             self._expect()
 
     def _left(self, r: RankInfo) -> None:
-        if r.attempt == self.attempt:
+        if self.current(r):
             if r.exited:
                 self.exited_count -= 1
             else:
@@ -226,7 +249,7 @@ class JobState:
 
     def recount(self) -> None:
         """Recount the ranks of the current attempt (O(ranks): on attempt changes only)."""
-        here = [r for r in self.ranks.values() if r.attempt == self.attempt]
+        here = [r for r in self.ranks.values() if self.current(r)]
         self.exited_count = sum(1 for r in here if r.exited)
         self.active_count = len(here) - self.exited_count
         self._expect()
@@ -234,16 +257,17 @@ class JobState:
     def _expect(self) -> None:
         """Ranks expected to report each step of the current attempt."""
         declared = (self.world_size - self.exited_count
-                    if self.world_attempt == self.attempt else 0)
+                    if self.world_generation == self.generation else 0)
         self.expected = max(self.active_count, declared, 1)
 
-    def set_world(self, size: int, attempt: int) -> None:
+    def set_world(self, size: int) -> None:
+        """The world size the current worker group declared (its ranks' hellos)."""
         self.world_size = size
-        self.world_attempt = attempt
+        self.world_generation = self.generation
         self._expect()
 
     def in_attempt(self) -> list[RankInfo]:
-        return [r for r in self.ranks.values() if r.attempt == self.attempt and not r.exited]
+        return [r for r in self.ranks.values() if self.current(r) and not r.exited]
 
     def last_heard(self) -> float:
         """Sender time of the newest heartbeat from any rank (idle detection; O(ranks))."""
@@ -273,6 +297,12 @@ class JobState:
         t = hb.time
         if t < r.last_hb:
             return
+        if hb.pid and hb.pid != r.pid:
+            if r.pid and r.heard:
+                # A new process under the same attempt: torchrun restarted this host's group
+                # for a membership change, which its restart count does not count.
+                self.revive(r, t)
+            r.pid = hb.pid
         r.last_hb = t
         r.heard = True
         phase = hb.phase

@@ -78,7 +78,7 @@ class Liveness:
         for rank, letter in node.ranks.items():
             r = job.ranks.get(rank)
             if r is None:
-                r = job.admit(rank, job.attempt, node.time, node.host)
+                r = job.admit(rank, node.attempt, node.time, node.host)
                 if r is None:
                     continue
             if letter != r.proc_state:
@@ -120,7 +120,7 @@ class Liveness:
         th = job.th
         excused = self.restarting_hosts(job, now)
         odd = [r for r in (job.ranks[i] for i in sorted(job.odd_procs))
-               if r.attempt == job.attempt and not r.exited and r.host not in excused]
+               if job.current(r) and not r.exited and r.host not in excused]
         # T (SIGSTOP) lasts: a hang at once. t and D are often brief: only when they last.
         stopped = [r for r in odd if r.proc_state == "T"
                    or (is_stopped(r.proc_state) and now - r.proc_since >= th.dstate_grace)]
@@ -265,7 +265,7 @@ class Liveness:
             since = hang.evidence.stalled_since
             moved = since is not None and job.last_progress > since
             stuck = any(is_stopped(job.ranks[i].proc_state)
-                        and job.ranks[i].attempt == job.attempt for i in job.odd_procs)
+                        and job.current(job.ranks[i]) for i in job.odd_procs)
             if moved and not stuck:
                 job.book.clear("hang", now, resumed_at=job.last_progress,
                                resumed_step=job.max_step)

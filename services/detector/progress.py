@@ -16,7 +16,7 @@ from .job import JobState, RankInfo
 
 def rank_state(job: JobState, r: RankInfo, now: float, hung: set[int]) -> RankState:
     """One word for a rank, most telling first: exited, stopped, hung, silent, slow, ok."""
-    if r.exited or r.attempt < job.attempt:
+    if r.exited or not job.current(r):
         return "exited"
     if is_stopped(r.proc_state):
         return "stopped"
@@ -56,9 +56,9 @@ def seed(job: JobState, progress: Progress, now: float) -> None:
     """
     if progress.attempt > job.attempt:
         job.admit_attempt(progress.attempt, now)
-    job.set_world(max(job.world_size, progress.world_size), job.attempt)
+    job.set_world(max(job.world_size, progress.world_size))
     for rp in progress.ranks.values():
-        if rp.rank not in job.ranks and rp.attempt == job.attempt:
+        if rp.rank not in job.ranks:
             r = job.admit(rp.rank, rp.attempt, now, rp.host)
             if r is None:
                 continue

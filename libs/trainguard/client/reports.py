@@ -31,7 +31,6 @@ class FinishedStep(Protocol):
     grad_norm: Any
     tokens: int | None
     samples: int | None
-    lr: float | None
     extra: dict[str, Any] | None
 
 
@@ -75,6 +74,11 @@ def aggregate(reports: list[StepReport]) -> StepReport:
     last.samples = sum(r.samples or 0 for r in reports) or None
     last.steps = len(reports)
     return last
+
+
+def _plain(value: Any) -> float | None:
+    """A learning rate the step was given, if it is a plain number (``Step.lr``)."""
+    return float(value) if isinstance(value, (int, float)) and value else None
 
 
 class Reports:
@@ -130,7 +134,7 @@ class Reports:
                             phases=step.phases, loss=loss, grad_norm=grad_norm,
                             tokens=step.tokens, samples=step.samples, extra=extra,
                             world_size=self.world_size,
-                            lr=step.lr if step.lr is not None else self.lr())
+                            lr=_plain(getattr(step, "lr", None)) or self.lr())
         if deferred:
             self.pending.append(Pending(report, deferred))
         else:

@@ -74,7 +74,7 @@ class Step:
         return Phase(self, name)
 
     def report(self, loss: Any = None, grad_norm: Any = None, tokens: int | None = None,
-               samples: int | None = None, lr: float | None = None, **extra: Any) -> None:
+               samples: int | None = None, lr: Any = None, **extra: Any) -> None:
         """Attach metrics; numbers or 0-dim tensors (read later, without a host sync).
 
         ``lr``: the learning rate of this step, when the attached optimizer does not tell
@@ -88,7 +88,10 @@ class Step:
         if samples is not None:
             self.samples = samples
         if lr is not None:
-            self.lr = float(lr)
+            # Also an extra, as before ``lr`` had a field of its own; a tensor LR is left
+            # to the extras' deferred read (reading it here could wait for the device).
+            self.lr = float(lr) if isinstance(lr, (int, float)) else None
+            extra["lr"] = lr
         if extra:
             self.extra = extra
 
