@@ -44,6 +44,7 @@ async def test_a_clean_run_raises_no_anomaly(runner: Runner) -> None:
     assert any(c.status == "committed" for c in runner.obs.checkpoints)
 
 
+@pytest.mark.timeout(360)  # the wait for the last fault to be over (180 s), then this one
 @pytest.mark.parametrize("name", DEFAULT_SCHEDULE)
 async def test_fault(runner: Runner, name: str) -> None:
     out = await runner.play(FAULTS[name])
