@@ -145,6 +145,9 @@ class JobState:
         self.restarting: dict[str, float] = {}
         """Hosts whose agent reports its worker group restarting -> since when (agent's
         clock): see :mod:`.liveness`."""
+        self.closing: dict[int, float] = {}
+        """Ranks that said they are closing (sender time) and whose exit has not been
+        reported yet: see ``exit_grace``."""
         self.odd_procs: set[int] = set()
         """Ranks the agent reports stopped or gone (``STOPPED_STATES``, ``GONE_STATES``):
         checked every tick, others never."""
@@ -199,6 +202,7 @@ class JobState:
             r.reset(attempt, t)
             r.proc_state = None  # a new process: the agent's next beat says how it is
             self.odd_procs.discard(rank)
+            self.closing.pop(rank, None)
             self._joined(r, t)
         if host and r.host != host:
             self._left(r)
@@ -243,6 +247,7 @@ class JobState:
 
     def revive(self, r: RankInfo, t: float) -> None:
         """A new process under the same attempt (it said hello again)."""
+        self.closing.pop(r.rank, None)
         self._left(r)
         r.reset(r.attempt, t)
         self._joined(r, t)
@@ -313,6 +318,8 @@ class JobState:
                 self._long_sample(old, started - r.phase_start, r.rank, t)
             r.phase = phase
             if phase in CLOSED_PHASES:
+                if not r.exited:
+                    self.closing[r.rank] = t
                 self.mark_exited(r)
         r.phase_start = started
         step = hb.step

@@ -52,6 +52,7 @@ class Liveness:
         r = job.admit(ex.rank, ex.attempt, ex.time or now, ex.host)
         if r is None:
             return  # an exit of an incarnation already replaced
+        job.closing.pop(r.rank, None)
         job.mark_exited(r)
         if ex.initiated_by:
             return  # a command or the launcher's teardown: expected, not a fault
@@ -200,7 +201,8 @@ class Liveness:
             census = job.take_census(now)
         excused = self.restarting_hosts(job, now)
         self.judge_silence(job, census, now, excused)
-        if census is None or stalled <= base or not census.live or excused:
+        if census is None or stalled <= base or not census.live or excused \
+                or self.exit_pending(job, now):
             return
         limit = base
         if census.majority in job.long_phases:
@@ -208,6 +210,17 @@ class Liveness:
             basis = f"phase:{census.majority}"
         if stalled > limit:
             self._hang(job, census, now, stalled_since, limit, basis)
+
+    @staticmethod
+    def exit_pending(job: JobState, now: float) -> bool:
+        """A rank said it is closing and its exit is not reported yet (within ``exit_grace``):
+        the others wait for it, and its exit, not their wait, says what happened."""
+        if not job.closing:
+            return False
+        grace = job.th.exit_grace
+        for rank in [k for k, t in job.closing.items() if now - t > grace]:
+            del job.closing[rank]
+        return bool(job.closing)
 
     def _hang(self, job: JobState, census: Census, now: float, since: float, limit: float,
               basis: str) -> None:

@@ -91,3 +91,33 @@ def test_a_frozen_rank_on_the_higher_node_is_the_hang_culprit() -> None:
     assert hang.ranks == [1] and hang.hosts == ["node-a"]
     assert job.states()[1] == "stopped"
     assert {r: s for r, s in job.states().items() if r != 1} == {0: "ok", 2: "ok", 3: "ok"}
+
+
+def test_a_rank_that_closed_holds_the_hang_until_its_exit_names_the_crash() -> None:
+    """On a busy machine a crashing rank says "closed" and then takes seconds to exit; its
+    peers wait in the collective meanwhile. That wait is not a network hang: the exit, when
+    it comes, is the crash. Without an exit, the hang is judged once ``exit_grace`` is over."""
+    from trainguard.schemas import WorkerExit
+
+    for exit_comes in (True, False):
+        job = Job({"node-a": 3, "node-b": 3})
+        job.steps(30)
+        job.now += 0.5
+        job.beat("closed", only={1})
+        for _ in range(20):  # 10 s: past the hang limit (5 s), within exit_grace (15 s)
+            job.now += 0.5
+            job.beat("comm", only={0, 2, 3})
+            job.d.tick(job.now)
+        assert [t.anomaly.kind for t in job.d.drain()] == []
+        if exit_comes:
+            job.d.on_exit(WorkerExit(id="x1", job="j", host="node-a", rank=1, attempt=3,
+                                     exit_code=1, stderr_tail="RuntimeError: ECC",
+                                     time=job.now), job.now)
+            kinds = [t.anomaly.kind for t in job.d.drain()]
+            assert kinds[0] == "crash"
+        else:
+            for _ in range(20):
+                job.now += 0.5
+                job.beat("comm", only={0, 2, 3})
+                job.d.tick(job.now)
+            assert "hang" in [t.anomaly.kind for t in job.d.drain()]
