@@ -132,8 +132,9 @@ class JobState:
         self.host_attempt: dict[str, int] = {}
         """The newest attempt of each host's ranks (attempts of different hosts are not
         comparable: each node's torchrun counts its own restarts)."""
-        self.generation = 0
-        """How often the job re-formed as this detector saw it (any host's attempt rose)."""
+        self.generation = -1  # the first group, made below, is generation 0
+        """How often the job re-formed (any host's attempt rose): the job-wide attempt that
+        ``progress:<job>`` publishes, kept across detectors by :func:`.progress.seed`."""
         self.active_count = 0
         self.exited_count = 0
         self.expected = 1
@@ -220,9 +221,11 @@ class JobState:
         newest = self.host_attempt.get(r.host)
         if newest is None or r.attempt > newest:
             self.host_attempt[r.host] = r.attempt
-            if newest is not None or r.attempt > self.attempt:
+            if newest is not None:
                 # A restart on that host: the whole group re-formed (steps start over).
                 self._new_attempt(max(self.attempt, r.attempt), t)
+            else:
+                self.attempt = max(self.attempt, r.attempt)  # a host seen for the first time
             self.recount()
         elif r.attempt == newest:
             if r.exited:

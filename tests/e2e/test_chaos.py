@@ -36,15 +36,22 @@ async def runner(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Runn
         await cluster.stop()
 
 
+# Generous on purpose: the suite must hold on a loaded machine (issue 16), where the cluster
+# alone can take two minutes to start and a restart several more. Each fault may first
+# wait for the previous one to be over (180 s), then run its own course (300 s).
+SLOW_MACHINE_TIMEOUT = 540
+
+
+@pytest.mark.timeout(SLOW_MACHINE_TIMEOUT)
 async def test_a_clean_run_raises_no_anomaly(runner: Runner) -> None:
     start = runner.obs.max_step
-    await wait_until(lambda: runner.obs.max_step >= start + 150, timeout=90,
+    await wait_until(lambda: runner.obs.max_step >= start + 150, timeout=360,
                      what="150 clean steps")
     assert [a.kind for a in runner.obs.anomalies] == []
     assert any(c.status == "committed" for c in runner.obs.checkpoints)
 
 
-@pytest.mark.timeout(360)  # the wait for the last fault to be over (180 s), then this one
+@pytest.mark.timeout(SLOW_MACHINE_TIMEOUT)
 @pytest.mark.parametrize("name", DEFAULT_SCHEDULE)
 async def test_fault(runner: Runner, name: str) -> None:
     out = await runner.play(FAULTS[name])
