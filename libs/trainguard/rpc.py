@@ -22,7 +22,9 @@ from .errors import DecodeError
 from .schemas import ResumePoint
 from .subjects import Subjects
 
-SaveStatus = Literal["committed", "suspect", "failed", "timeout", "bad_request", "error"]
+SaveStatus = Literal["committed", "suspect", "failed", "timeout", "abandoned", "bad_request",
+                     "error"]
+"""``abandoned``: a rank the save needs is known dead or frozen, so it cannot complete."""
 
 
 class ResumeRequest(msgspec.Struct, kw_only=True):

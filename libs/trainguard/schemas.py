@@ -66,6 +66,10 @@ class StepReport(Telemetry, tag="step.v1"):
     samples: int | None = None
     steps: int = 1
     extra: dict[str, float] = {}
+    world_size: int = 0
+    """The job's size this rank runs in (0: not told). A change re-forms the job."""
+    lr: float | None = None
+    """The learning rate of the step, when the trainer's optimizer tells it."""
 
 
 class Fingerprint(Telemetry, tag="fp.v1"):
@@ -301,6 +305,9 @@ class CheckpointReport(Durable, kw_only=True):
     seconds_total: float = 0.0
     files: dict[str, FileDigest] = {}
     attempt: int = 0
+    generation: str = ""
+    """The worker group the save belongs to, the same on every rank of it (the
+    Checkpointer's token); empty from older clients, which are told apart by ``attempt``."""
     ok: bool = True
     error: str = ""
     time: float = 0.0
@@ -354,6 +361,9 @@ class Diagnosis(Durable, kw_only=True):
     superseded_by: str | None = None
     """A later diagnosis that found the root of the same failure (its anomaly ids include
     this one's)."""
+    collateral: list[str] = []
+    """Anomaly ids joined as consequences of this failure (a throughput drop while a rank
+    straggles, a peer's error after a rank died): never a failure of their own."""
 
 
 class Action(Durable, kw_only=True):

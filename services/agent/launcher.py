@@ -56,8 +56,11 @@ from .supervisor import Program, Supervisor
 log = logging.getLogger("trainguard.agent")
 
 
+# Keep-alives: 10 misses of 1 s before a node is dropped. With 3, a loaded machine (its
+# agents starved for a few seconds) dropped healthy nodes mid-restart, and the re-rendezvous
+# then timed out and ended torchrun on the store host: the whole job (issue 16).
 RDZV_DEFAULTS = {"last_call_timeout": "2", "keep_alive_interval": "1",
-                 "keep_alive_max_attempt": "3", "join_timeout": "120", "close_timeout": "10"}
+                 "keep_alive_max_attempt": "10", "join_timeout": "300", "close_timeout": "10"}
 
 
 def _given(argv: list[str], *flags: str) -> bool:

@@ -25,6 +25,7 @@ from trainguard.rpc import SaveReply, SaveRequest
 from trainguard.schemas import CheckpointCommitted, Command, CommandAck
 from trainguard.service import Runtime
 
+from .blockers import blocking_ranks, describe
 from .catalogue import Catalogue
 from .commands import ISSUER, CommandFactory
 from .records import Record
@@ -110,11 +111,16 @@ class SaveNow:
                 params["blocking"] = True
             await self._send(job, wait, params, end, after_step=None, retry_of=None)
             while (remaining := end - time.monotonic()) > 0:
-                if wait.step is not None:
-                    rec = await self.catalogue.record(job, wait.step)
-                    if rec is not None and rec.status in _CLOSED and \
-                            (wait.already_saved or rec.first_at >= issued - 1.0):
-                        return self._closed(job, rec, wait, started)
+                rec = await self.catalogue.record(job, wait.step) \
+                    if wait.step is not None else None
+                if rec is not None and rec.status in _CLOSED and \
+                        (wait.already_saved or rec.first_at >= issued - 1.0):
+                    return self._closed(job, rec, wait, started)
+                reported = set(rec.reported) if rec is not None and \
+                    rec.first_at >= issued - 1.0 else set()
+                blockers = blocking_ranks(await self.commands.progress(job), reported)
+                if blockers:
+                    return self._abandoned(job, wait, blockers, started)
                 try:
                     item = await asyncio.wait_for(inbox.get(), min(remaining, 0.5))
                 except TimeoutError:
@@ -167,6 +173,16 @@ class SaveNow:
             await self._send(job, wait, params, end, after_step=after, retry_of=retry_of)
         else:
             wait.failed[ack.responder] = f"{ack.outcome}: {ack.detail}"
+
+    def _abandoned(self, job: str, wait: _Wait, blockers: dict[int, str],
+                   started: float) -> SaveReply:
+        elapsed = time.monotonic() - started
+        reason = (f"abandoned after {elapsed:.1f}s: {describe(blockers)}; a collective save "
+                  "cannot complete without them")
+        log.bind(job=job, step=wait.step).warning("save_now for %s %s", job, reason)
+        return SaveReply(ok=False, job=job, status="abandoned", step=wait.step, reason=reason,
+                         missing_ranks=list(blockers), command_ids=wait.command_ids(),
+                         elapsed=elapsed)
 
     def _closed(self, job: str, rec: Record, wait: _Wait, started: float) -> SaveReply:
         elapsed = time.monotonic() - started

@@ -68,7 +68,10 @@ end
 
 REPORT: Final = HELPERS + r"""
 -- ARGV: base step rank report_id report_json world_size attempt path now deadline_at
---       new_id ok sender_time member deadlines_key job save_started
+--       new_id ok sender_time member deadlines_key job save_started generation
+-- generation: the worker group of the save (or 'a<attempt>' from older clients): a report
+-- of another group starts the step's round over; ranks of one group may carry different
+-- attempts (each node's torchrun counts its own restarts).
 local base, step, rank = ARGV[1], ARGV[2], ARGV[3]
 local key = base .. ':rec:' .. step
 local status = redis.call('HGET', key, 'status')
@@ -82,7 +85,7 @@ if status then
       return {'closed', redis.call('HGET', key, 'round'), '0', '0', '', ''}
     end
     dup = true
-  elseif redis.call('HGET', key, 'attempt') ~= ARGV[7] then
+  elseif redis.call('HGET', key, 'gen') ~= ARGV[18] then
     reset = true
   elseif status == 'pending' then
     reset = false  -- the same rank saved again in this attempt: its newer report replaces
@@ -106,7 +109,7 @@ if reset or not status then
   redis.call('HSET', key, 'status', 'pending', 'job', ARGV[16], 'step', step, 'path', ARGV[8],
     'world_size', ARGV[6], 'attempt', ARGV[7], 'round', tostring(round), 'id', ARGV[11],
     'first_at', ARGV[9], 'deadline', ARGV[10], 'n', '0', 't0', ARGV[13], 'suspect', '',
-    'retained', '1', 'bad', '')
+    'retained', '1', 'bad', '', 'gen', ARGV[18])
   redis.call('ZADD', base .. ':steps', step, step)
   redis.call('ZADD', ARGV[15], ARGV[10], ARGV[14])
 end

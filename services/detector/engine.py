@@ -116,8 +116,8 @@ class Detector:
         elif isinstance(msg, Fingerprint):
             if job.admit(msg.rank, msg.attempt, msg.time) is not None:
                 rules = self.rules[msg.job]
-                if rules.fingerprints.attempt != job.attempt:
-                    rules.fingerprints.reset(job.attempt)
+                if rules.fingerprints.attempt != job.generation:
+                    rules.fingerprints.reset(job.generation)
                 rules.fingerprints.on_fingerprint(job, msg, self.clock())
         elif isinstance(msg, NodeHeartbeat):
             LIVENESS.on_node(job, msg, self.clock())
@@ -134,8 +134,11 @@ class Detector:
         if r.exited:
             job.revive(r, hello.time or now)  # a new process under the same attempt
         r.local_rank = hello.local_rank
-        if attempt >= job.world_attempt:
-            job.set_world(hello.world_size, attempt)
+        if job.current(r):
+            job.set_world(hello.world_size)
+        # A rank's new process resumed from a checkpoint (or started afresh): the loss and
+        # gradients it reports are not comparable with what came before.
+        self.rules[hello.job].numerics.restart()
         env = {k: v for k, v in hello.env.items() if k.startswith(envnames.PREFIX)}
         if env and env != self._overrides.get(hello.job):
             self._overrides[hello.job] = env
@@ -152,7 +155,8 @@ class Detector:
         for rank in hello.local_ranks:
             r = job.ranks.get(rank)
             if r is None:
-                job.admit(rank, job.attempt, hello.time or now, hello.host)
+                job.admit(rank, job.host_attempt.get(hello.host, job.attempt),
+                          hello.time or now, hello.host)
             elif not r.host:
                 r.host = hello.host
 

@@ -91,7 +91,7 @@ class GpuHealth:
     @staticmethod
     def _ranks_on(job: JobState, host: str, index: int) -> list[int]:
         """Ranks using that GPU (local rank = GPU index), else every rank of the host."""
-        on_host = [r for r in job.ranks.values() if r.host == host and r.attempt == job.attempt]
+        on_host = [r for r in job.ranks.values() if r.host == host and job.current(r)]
         exact = [r.rank for r in on_host if r.local_rank == index]
         return exact or sorted(r.rank for r in on_host)
 

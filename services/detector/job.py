@@ -9,6 +9,12 @@ Time is the sender's: a client that reconnects delivers buffered messages late, 
 judging by arrival would invent hangs and recoveries. An incarnation of a rank is its
 ``attempt``: a higher one resets that rank's windows (steps go backwards after a restart),
 a lower one is a late message from a process that is gone and is dropped.
+
+Attempts are torchrun's restart counts, and each node's agent keeps its own: a node whose
+group restarts for a membership change does not count it, so after a few faults node-a may
+be at attempt 10 while node-b is at 7, both in one healthy worker group. So attempts are
+compared per host only (:meth:`JobState.current`), and a rise on any host re-forms the job
+(:attr:`JobState.generation`).
 """
 
 from __future__ import annotations
@@ -34,8 +40,8 @@ class RankInfo:
 
     __slots__ = ("attempt", "coll_done", "coll_seq", "compute_recent", "exited", "hb_step",
                  "heard", "host", "last_hb", "last_step", "local_rank", "phase",
-                 "phase_start", "proc_since", "proc_state", "rank", "straggle", "straggle_since",
-                 "straggling")
+                 "phase_start", "pid", "proc_since", "proc_state", "rank", "straggle",
+                 "straggle_since", "straggling")
 
     def __init__(self, rank: int, attempt: int, t: float, host: str, window: int) -> None:
         self.rank = rank
@@ -46,6 +52,7 @@ class RankInfo:
         self.straggling = False
         self.proc_state: ProcessState | None = None
         self.proc_since = t
+        self.pid = 0
         self.reset(attempt, t)
 
     def reset(self, attempt: int, t: float) -> None:
@@ -70,7 +77,7 @@ class StepBucket:
     """The reports of one step from every rank, judged together once complete."""
 
     __slots__ = ("compute", "count", "data", "durations", "first_time", "grads", "index",
-                 "long", "losses", "nonfinite", "step", "work")
+                 "long", "losses", "lr", "nonfinite", "step", "work", "world")
 
     def __init__(self, step: int, first_time: float, index: int) -> None:
         self.step = step
@@ -86,6 +93,10 @@ class StepBucket:
         self.nonfinite: list[int] = []
         self.work: list[float] = []
         self.long: dict[str, float] = {}
+        self.world = 0
+        """The world size the ranks report for this step (0: not told)."""
+        self.lr: float | None = None
+        """The learning rate the ranks report for this step (None: not told)."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -117,7 +128,13 @@ class JobState:
         self.ranks: dict[int, RankInfo] = {}
         self.step_rules: list[StepRule] = []
         self.world_size = 0
-        self.world_attempt = -1
+        self.world_generation = -1
+        self.host_attempt: dict[str, int] = {}
+        """The newest attempt of each host's ranks (attempts of different hosts are not
+        comparable: each node's torchrun counts its own restarts)."""
+        self.generation = -1  # the first group, made below, is generation 0
+        """How often the job re-formed (any host's attempt rose): the job-wide attempt that
+        ``progress:<job>`` publishes, kept across detectors by :func:`.progress.seed`."""
         self.active_count = 0
         self.exited_count = 0
         self.expected = 1
@@ -129,6 +146,9 @@ class JobState:
         self.restarting: dict[str, float] = {}
         """Hosts whose agent reports its worker group restarting -> since when (agent's
         clock): see :mod:`.liveness`."""
+        self.closing: dict[int, float] = {}
+        """Ranks that said they are closing (sender time) and whose exit has not been
+        reported yet: see ``exit_grace``."""
         self.odd_procs: set[int] = set()
         """Ranks the agent reports stopped or gone (``STOPPED_STATES``, ``GONE_STATES``):
         checked every tick, others never."""
@@ -157,6 +177,7 @@ class JobState:
             self.recount()
 
     def _new_attempt(self, attempt: int, t: float) -> None:
+        self.generation += 1
         self.attempt = attempt
         self.attempt_start = t
         self.has_stepped = False
@@ -182,18 +203,31 @@ class JobState:
             r.reset(attempt, t)
             r.proc_state = None  # a new process: the agent's next beat says how it is
             self.odd_procs.discard(rank)
+            self.closing.pop(rank, None)
             self._joined(r, t)
         if host and r.host != host:
+            self._left(r)
             r.host = host
+            self._joined(r, t)
         return r
+
+    def current(self, r: RankInfo) -> bool:
+        """Whether ``r`` is of its host's newest attempt (the job's current worker group)."""
+        return r.attempt >= self.host_attempt.get(r.host, r.attempt)
 
     # The counts behind ``expected`` are kept incrementally: a full recount is O(ranks), and
     # doing one per newly seen rank would make the start of a 10,000-rank job quadratic.
     def _joined(self, r: RankInfo, t: float) -> None:
-        if r.attempt > self.attempt:
-            self._new_attempt(r.attempt, t)
+        newest = self.host_attempt.get(r.host)
+        if newest is None or r.attempt > newest:
+            self.host_attempt[r.host] = r.attempt
+            if newest is not None:
+                # A restart on that host: the whole group re-formed (steps start over).
+                self._new_attempt(max(self.attempt, r.attempt), t)
+            else:
+                self.attempt = max(self.attempt, r.attempt)  # a host seen for the first time
             self.recount()
-        elif r.attempt == self.attempt:
+        elif r.attempt == newest:
             if r.exited:
                 self.exited_count += 1
             else:
@@ -201,7 +235,7 @@ class JobState:
             self._expect()
 
     def _left(self, r: RankInfo) -> None:
-        if r.attempt == self.attempt:
+        if self.current(r):
             if r.exited:
                 self.exited_count -= 1
             else:
@@ -216,13 +250,14 @@ class JobState:
 
     def revive(self, r: RankInfo, t: float) -> None:
         """A new process under the same attempt (it said hello again)."""
+        self.closing.pop(r.rank, None)
         self._left(r)
         r.reset(r.attempt, t)
         self._joined(r, t)
 
     def recount(self) -> None:
         """Recount the ranks of the current attempt (O(ranks): on attempt changes only)."""
-        here = [r for r in self.ranks.values() if r.attempt == self.attempt]
+        here = [r for r in self.ranks.values() if self.current(r)]
         self.exited_count = sum(1 for r in here if r.exited)
         self.active_count = len(here) - self.exited_count
         self._expect()
@@ -230,16 +265,17 @@ class JobState:
     def _expect(self) -> None:
         """Ranks expected to report each step of the current attempt."""
         declared = (self.world_size - self.exited_count
-                    if self.world_attempt == self.attempt else 0)
+                    if self.world_generation == self.generation else 0)
         self.expected = max(self.active_count, declared, 1)
 
-    def set_world(self, size: int, attempt: int) -> None:
+    def set_world(self, size: int) -> None:
+        """The world size the current worker group declared (its ranks' hellos)."""
         self.world_size = size
-        self.world_attempt = attempt
+        self.world_generation = self.generation
         self._expect()
 
     def in_attempt(self) -> list[RankInfo]:
-        return [r for r in self.ranks.values() if r.attempt == self.attempt and not r.exited]
+        return [r for r in self.ranks.values() if self.current(r) and not r.exited]
 
     def last_heard(self) -> float:
         """Sender time of the newest heartbeat from any rank (idle detection; O(ranks))."""
@@ -269,6 +305,12 @@ class JobState:
         t = hb.time
         if t < r.last_hb:
             return
+        if hb.pid and hb.pid != r.pid:
+            if r.pid and r.heard:
+                # A new process under the same attempt: torchrun restarted this host's group
+                # for a membership change, which its restart count does not count.
+                self.revive(r, t)
+            r.pid = hb.pid
         r.last_hb = t
         r.heard = True
         phase = hb.phase
@@ -279,6 +321,8 @@ class JobState:
                 self._long_sample(old, started - r.phase_start, r.rank, t)
             r.phase = phase
             if phase in CLOSED_PHASES:
+                if not r.exited:
+                    self.closing[r.rank] = t
                 self.mark_exited(r)
         r.phase_start = started
         step = hb.step
@@ -350,6 +394,10 @@ class JobState:
             bad = bad or not math.isfinite(grad)
         if bad:
             b.nonfinite.append(rank)
+        if sr.world_size:
+            b.world = sr.world_size
+        if sr.lr is not None:
+            b.lr = sr.lr
         work = sr.tokens if sr.tokens is not None else sr.samples
         if duration > 0.0:
             b.work.append((work / n if work is not None else 1.0) / duration)

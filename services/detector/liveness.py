@@ -52,6 +52,7 @@ class Liveness:
         r = job.admit(ex.rank, ex.attempt, ex.time or now, ex.host)
         if r is None:
             return  # an exit of an incarnation already replaced
+        job.closing.pop(r.rank, None)
         job.mark_exited(r)
         if ex.initiated_by:
             return  # a command or the launcher's teardown: expected, not a fault
@@ -78,7 +79,7 @@ class Liveness:
         for rank, letter in node.ranks.items():
             r = job.ranks.get(rank)
             if r is None:
-                r = job.admit(rank, job.attempt, node.time, node.host)
+                r = job.admit(rank, node.attempt, node.time, node.host)
                 if r is None:
                     continue
             if letter != r.proc_state:
@@ -120,7 +121,7 @@ class Liveness:
         th = job.th
         excused = self.restarting_hosts(job, now)
         odd = [r for r in (job.ranks[i] for i in sorted(job.odd_procs))
-               if r.attempt == job.attempt and not r.exited and r.host not in excused]
+               if job.current(r) and not r.exited and r.host not in excused]
         # T (SIGSTOP) lasts: a hang at once. t and D are often brief: only when they last.
         stopped = [r for r in odd if r.proc_state == "T"
                    or (is_stopped(r.proc_state) and now - r.proc_since >= th.dstate_grace)]
@@ -200,7 +201,8 @@ class Liveness:
             census = job.take_census(now)
         excused = self.restarting_hosts(job, now)
         self.judge_silence(job, census, now, excused)
-        if census is None or stalled <= base or not census.live or excused:
+        if census is None or stalled <= base or not census.live or excused \
+                or self.exit_pending(job, now):
             return
         limit = base
         if census.majority in job.long_phases:
@@ -208,6 +210,17 @@ class Liveness:
             basis = f"phase:{census.majority}"
         if stalled > limit:
             self._hang(job, census, now, stalled_since, limit, basis)
+
+    @staticmethod
+    def exit_pending(job: JobState, now: float) -> bool:
+        """A rank said it is closing and its exit is not reported yet (within ``exit_grace``):
+        the others wait for it, and its exit, not their wait, says what happened."""
+        if not job.closing:
+            return False
+        grace = job.th.exit_grace
+        for rank in [k for k, t in job.closing.items() if now - t > grace]:
+            del job.closing[rank]
+        return bool(job.closing)
 
     def _hang(self, job: JobState, census: Census, now: float, since: float, limit: float,
               basis: str) -> None:
@@ -265,7 +278,7 @@ class Liveness:
             since = hang.evidence.stalled_since
             moved = since is not None and job.last_progress > since
             stuck = any(is_stopped(job.ranks[i].proc_state)
-                        and job.ranks[i].attempt == job.attempt for i in job.odd_procs)
+                        and job.current(job.ranks[i]) for i in job.odd_procs)
             if moved and not stuck:
                 job.book.clear("hang", now, resumed_at=job.last_progress,
                                resumed_step=job.max_step)

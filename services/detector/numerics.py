@@ -7,7 +7,11 @@
 * ``grad_explosion`` / ``grad_vanishing`` / ``loss_spike``: the step's value (median
   across ranks) against the job's own rolling baseline, in log space for grad norms
   (they vary by orders of magnitude), after ``numeric_warmup`` steps of baseline. The
-  baseline keeps learning, so a lasting regime change (a new LR phase) becomes normal.
+  baseline keeps learning, so a lasting regime change becomes normal. It starts over when
+  the job is re-formed or retuned, as the Guard reports it: a new attempt (a restart,
+  resume or rollback), another world size, another learning rate, a rank's new process
+  (its hello). A job that shrank from 4 ranks to 2 has another loss curve; judged against
+  the old one it would look "numeric" and be rolled back for nothing.
 * ``sdc_mismatch``: replicas of one data-parallel group disagree on the parameter
   checksum at the same step. The minority ranks are the suspects; a tie names no one and
   says so.
@@ -46,6 +50,25 @@ class Numerics:
         self.losses = Ring(th.numeric_window)
         self.normal_run: dict[str, int] = {}
         self.vanishing_run = 0
+        self.regime: tuple[int, int, float | None] | None = None
+        """(generation, world size, learning rate) the baselines were learned under."""
+        self.restarts = 0
+        """How often the baselines started over (for tests and the log)."""
+
+    def restart(self) -> None:
+        """Forget the loss and gradient baselines: the job runs under new conditions."""
+        if len(self.log_grads) or len(self.losses):
+            self.restarts += 1
+        self.log_grads.clear()
+        self.losses.clear()
+        self.vanishing_run = 0
+
+    def _regime(self, job: JobState, b: StepBucket) -> None:
+        regime = (job.generation, b.world or job.world_size, b.lr)
+        if regime != self.regime:
+            if self.regime is not None:
+                self.restart()
+            self.regime = regime
 
     def _normal(self, job: JobState, key: str, now: float) -> None:
         if job.book.is_open(key):
@@ -59,6 +82,7 @@ class Numerics:
         self.normal_run[key] = 0
 
     def on_step(self, job: JobState, b: StepBucket, now: float) -> None:
+        self._regime(job, b)
         if b.nonfinite:
             self._nonfinite(job, b, now)
             return

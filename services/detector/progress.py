@@ -16,7 +16,7 @@ from .job import JobState, RankInfo
 
 def rank_state(job: JobState, r: RankInfo, now: float, hung: set[int]) -> RankState:
     """One word for a rank, most telling first: exited, stopped, hung, silent, slow, ok."""
-    if r.exited or r.attempt < job.attempt:
+    if r.exited or not job.current(r):
         return "exited"
     if is_stopped(r.proc_state):
         return "stopped"
@@ -44,7 +44,7 @@ def summarize(job: JobState, now: float) -> Progress:
             live_steps.append(r.last_step)
     return Progress(job=job.name, time=now,
                     world_size=max(job.world_size, job.active_count),
-                    attempt=job.attempt, last_step=job.max_step,
+                    attempt=job.generation, last_step=job.max_step,
                     min_step=min(live_steps) if live_steps else None,
                     median_step_time=job.intervals.median(), ranks=ranks)
 
@@ -54,11 +54,12 @@ def seed(job: JobState, progress: Progress, now: float) -> None:
 
     The clock of "no progress since" starts now: this detector saw nothing before.
     """
-    if progress.attempt > job.attempt:
-        job.admit_attempt(progress.attempt, now)
-    job.set_world(max(job.world_size, progress.world_size), job.attempt)
+    # The job-wide attempt goes on from the previous owner's, so it never moves backwards
+    # for the remediator (a restart is a higher one); ranks bring their own.
+    job.generation = max(job.generation, progress.attempt)
+    job.set_world(max(job.world_size, progress.world_size))
     for rp in progress.ranks.values():
-        if rp.rank not in job.ranks and rp.attempt == job.attempt:
+        if rp.rank not in job.ranks:
             r = job.admit(rp.rank, rp.attempt, now, rp.host)
             if r is None:
                 continue

@@ -83,6 +83,11 @@ class SimJob:
         """step -> ranks whose loss is NaN at that step."""
         self.grad_scale: dict[int, float] = {}
         self.loss_scale: dict[int, float] = {}
+        self.loss_level = 1.0
+        """Factor on every loss from now on (the job re-formed: another loss curve)."""
+        self.world_size = 0
+        """What the step reports say the world size is (0: not told, as old clients)."""
+        self.lr: float | None = None
         self.fp_flip: dict[int, set[int]] = {}
         self.step_time_scale = 1.0
         self.data_extra: dict[int, float] = {}
@@ -180,7 +185,8 @@ class SimJob:
         for r in range(cfg.ranks):
             if r in self.silent:
                 continue
-            loss = loss_base * (1.0 + rng.gauss(0.0, cfg.loss_noise)) * self.loss_scale.get(s, 1)
+            loss = loss_base * (1.0 + rng.gauss(0.0, cfg.loss_noise)) \
+                * self.loss_scale.get(s, 1) * self.loss_level
             phases = {"data": data[r], "compute": compute[r],
                       "comm": duration - ckpt - busy[r]}
             if ckpt:
@@ -191,7 +197,7 @@ class SimJob:
                 job=cfg.job, time=t, seq=self.seq[r], rank=r, step=s, attempt=self.attempt,
                 duration=duration, phases=phases,
                 loss=float("nan") if r in nan else loss, grad_norm=grad,
-                tokens=cfg.tokens, samples=8)))
+                tokens=cfg.tokens, samples=8, world_size=self.world_size, lr=self.lr)))
             if cfg.fingerprint_every and s % cfg.fingerprint_every == 0:
                 flip = 1 if r in self.fp_flip.get(s, set()) else 0
                 events.append((t, len(events), Fingerprint(

@@ -51,6 +51,9 @@ class Thresholds:
     """An agent's "restarting" explains its ranks' silence for at most this long."""
     exit_max_age: float = 600.0
     """Worker exits older than this (replayed after an outage) update state, never alert."""
+    exit_grace: float = 15.0
+    """A rank that said it is closing holds the hang judgement this long while its exit
+    report is on the way, so a crash is named as a crash and not as its peers' hang."""
 
     # -- stragglers ------------------------------------------------------------------
     straggler_ratio: float = 1.3

@@ -34,6 +34,7 @@ from trainguard.evidence import (
 from trainguard.schemas import Anomaly, Cause, Diagnosis, EvidenceItem, GpuSample, WorkerExit
 
 from . import signatures
+from .causality import OpenAnomalies
 from .knowledge import (
     HOT_C,
     PEER_ERROR,
@@ -103,6 +104,8 @@ class Diagnoser:
         self.gpu: dict[str, collections.deque[GpuSample]] = collections.defaultdict(
             lambda: collections.deque(maxlen=64))
         self.open: dict[str, list[Open]] = collections.defaultdict(list)
+        self.live = OpenAnomalies()
+        """Anomalies still open on the detector's side: the roots symptoms are joined to."""
 
     # -- observations ---------------------------------------------------------------------
     def observe_exit(self, ex: WorkerExit) -> None:
@@ -112,8 +115,13 @@ class Diagnoser:
         self.gpu[sample.host].append(sample)
 
     # -- decisions ------------------------------------------------------------------------
+    def follow(self, a: Anomaly) -> None:
+        """Note an anomaly's transition (open, widened, resolved) without deciding."""
+        self.live.observe(a)
+
     def on_anomaly(self, a: Anomaly, now: float,
                    history: dict[str, HostRecord] | None = None) -> Decision:
+        self.follow(a)
         if a.status == "resolved":
             return Decision()
         history = history or {}
@@ -123,16 +131,12 @@ class Diagnoser:
         for o in opened:
             if a.id in o.diagnosis.anomaly_ids:
                 return Decision()  # a redelivered anomaly
+        root = self._absorbing(a, opened)
+        if root is not None:
+            return Decision([self._join(root, a, v, now, collateral=True)])
         for o in opened:
             if self._joins(v, a, o, now):
-                d = o.diagnosis
-                o.last = now
-                d.anomaly_ids.append(a.id)
-                d.ranks = sorted(set(d.ranks) | (set(v.ranks) if not v.collateral else set()))
-                d.evidence.append(EvidenceItem(fact=f"{a.kind} on ranks {a.ranks} follows from "
-                                               "this failure", source=f"anomaly:{a.id}"))
-                d.rev += 1
-                return Decision([d])
+                return Decision([self._join(o, a, v, now, collateral=v.collateral)])
         diagnosis = self._diagnosis(a, v, now, history)
         decision = Decision([diagnosis])
         for o in opened:
@@ -156,7 +160,36 @@ class Diagnoser:
         return decision
 
     def _expire(self, job: str, now: float) -> None:
-        self.open[job] = [o for o in self.open[job] if now - o.at <= self.window]
+        """Forget diagnoses older than the window, except those whose anomalies the detector
+        still holds open (a straggler can last an hour: what follows from it still joins)."""
+        self.open[job] = [o for o in self.open[job] if now - o.at <= self.window
+                          or self.live.any_open(job, o.diagnosis.anomaly_ids)]
+
+    def _absorbing(self, a: Anomaly, opened: list[Open]) -> Open | None:
+        """The open diagnosis of a failure that is still open and explains ``a``
+        (:data:`.causality.ABSORBED_BY`), newest first; None if there is none."""
+        roots = self.live.roots_of(a)
+        if not roots:
+            return None
+        for o in reversed(opened):
+            if o.diagnosis.status == "open" and roots & set(o.diagnosis.anomaly_ids):
+                return o
+        return None
+
+    @staticmethod
+    def _join(o: Open, a: Anomaly, v: Verdict, now: float, *, collateral: bool) -> Diagnosis:
+        """``a`` is a symptom of ``o``'s failure: a new revision of its diagnosis."""
+        d = o.diagnosis
+        o.last = now
+        d.anomaly_ids.append(a.id)
+        if collateral:
+            d.collateral.append(a.id)
+        else:
+            d.ranks = sorted(set(d.ranks) | set(v.ranks))
+        d.evidence.append(EvidenceItem(fact=f"{a.kind} on ranks {a.ranks} follows from "
+                                       "this failure", source=f"anomaly:{a.id}"))
+        d.rev += 1
+        return d
 
     def _joins(self, v: Verdict, a: Anomaly, o: Open, now: float) -> bool:
         d = o.diagnosis

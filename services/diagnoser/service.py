@@ -66,6 +66,9 @@ class DiagnoserService(Service[DiagnoserSettings]):
     async def on_anomaly(self, a: Anomaly, delivery: Delivery) -> None:
         redis = self.runtime.redis
         dedupe = self.keys.dedupe("diagnoser", a.job)
+        # Every transition counts: which failures are still open decides what a later
+        # symptom joins (causality.py), even for an anomaly diagnosed already.
+        self.rules.follow(a)
         if a.status == "resolved" or await redis.hexists(dedupe, a.id):
             return
         history: dict[str, HostRecord] = {}

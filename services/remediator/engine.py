@@ -75,6 +75,12 @@ def find_incident(incidents: list[Incident], d: Diagnosis, cooldown_s: float,
     within the cooldown, and a crash that did not get past the incident's failure step
     joins at any time: torchrun restarted the group into the same failure (a crash loop is
     one incident, and on-call hears of it once)."""
+    if d.anomaly_ids and d.anomaly_ids[-1] in d.collateral:
+        # The revision only adds a consequence of its failure (a throughput drop while the
+        # rank straggles): it belongs to that failure's incident, even one that is over.
+        for inc in incidents:
+            if d.id in inc.diagnosis_ids:
+                return inc
     found = [i for i in incidents
              if is_open(i) or (i.status == "failed" and now - closed_at(i) <= cooldown_s)]
     for inc in found:

@@ -74,3 +74,47 @@ async def test_exit_and_crash_become_one_diagnosis(nats_url: str, redis_url: str
     hist = await r.hgetall(Keys(prefix).host_history("node-b"))
     await r.aclose()
     assert hist["gpu_lost"] == "1" and hist["last_cause"] == "gpu_lost"
+
+
+async def test_a_throughput_drop_while_a_rank_straggles_joins_the_straggler(
+        nats_url: str, redis_url: str, prefix: str, job: str, nc: Any) -> None:
+    """Issue 16: the drop a straggler causes is its collateral, never an ``unknown`` of its
+    own (which would page a human); once the straggler is resolved, a drop is judged alone.
+    The service follows the resolution from the anomaly stream itself."""
+    import msgspec
+
+    from trainguard.evidence import StragglerEvidence, ThroughputDropEvidence
+
+    s = Subjects(prefix)
+    settings = load_settings(DiagnoserSettings, env={}, overrides={
+        "nats_url": nats_url, "redis_url": redis_url, "prefix": prefix})
+    got: list[Diagnosis] = []
+
+    async def on_diag(msg: Any) -> None:
+        got.append(decode_durable(msg.data, Diagnosis))
+
+    await nc.subscribe(s.event(job, "diagnosis"), cb=on_diag)
+    async with running(DiagnoserService(settings)):
+        bus = Bus(nc, s, source="test")
+        now = time.time()
+        slow = Anomaly(id="slow-1", job=job, kind="straggler", ranks=[1], hosts=["node-a"],
+                       onset_at=now, detected_at=now, evidence=StragglerEvidence(ratio=2.5))
+        await bus.publish_durable(s.event(job, "anomaly"), slow)
+        await wait_until(lambda: got, what="the straggler's diagnosis")
+
+        def drop(ident: str) -> Anomaly:
+            return Anomaly(id=ident, job=job, kind="throughput_drop", ranks=[0, 1, 2, 3],
+                           hosts=["node-a", "node-b"], onset_at=now, detected_at=now + 0.3,
+                           evidence=ThroughputDropEvidence(baseline=100.0, recent=40.0))
+
+        await bus.publish_durable(s.event(job, "anomaly"), drop("drop-1"))
+        await wait_until(lambda: len(got) == 2, what="the straggler's revision")
+        await bus.publish_durable(s.event(job, "anomaly"),
+                                  msgspec.structs.replace(slow, status="resolved", rev=2))
+        await bus.publish_durable(s.event(job, "anomaly"), drop("drop-2"))
+        await wait_until(lambda: len(got) == 3, what="a diagnosis of the later drop")
+    first, joined, alone = got
+    assert first.cause == "straggler"
+    assert joined.id == first.id and joined.rev == 2 and joined.collateral == ["drop-1"]
+    assert joined.cause == "straggler" and joined.ranks == [1]
+    assert alone.id != first.id and alone.cause == "unknown" and alone.collateral == []

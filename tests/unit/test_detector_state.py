@@ -176,10 +176,10 @@ def test_expected_ranks_stay_right_through_joins_exits_and_restarts() -> None:
     d, job = h.detector, h.job
 
     def recounted() -> int:
-        here = [r for r in job.ranks.values() if r.attempt == job.attempt]
+        here = [r for r in job.ranks.values() if job.current(r)]
         active = sum(1 for r in here if not r.exited)
-        declared = job.world_size - (len(here) - active) if job.world_attempt == job.attempt \
-            else 0
+        declared = job.world_size - (len(here) - active) \
+            if job.world_generation == job.generation else 0
         return max(active, declared, 1)
 
     h.sim.steps(3)

@@ -202,3 +202,19 @@ def test_override_file_replaces_only_what_it_names(tmp_path: Path) -> None:
     assert p.restart_budget_per_hour == 2 and p.cooldown_s == POLICY.cooldown_s
     assert p.for_cause("oom").actions == ("alert",)
     assert p.for_cause("gpu_lost").actions == POLICY.for_cause("gpu_lost").actions
+
+
+@pytest.mark.parametrize("status", ["mitigating", "resolved", "escalated"])
+def test_a_consequence_joins_its_failures_incident_even_once_it_is_over(status: str) -> None:
+    """A throughput drop the diagnoser joined to a straggler's diagnosis (``collateral``)
+    goes to the straggler's incident, open or not: never an incident (a page) of its own.
+    The same revision without the collateral mark is a new failure once the incident is
+    over."""
+    d = diag("straggler", ["node-a"], "d1", anomalies=["straggler-1"])
+    inc = open_incident(d, NOW, NOW)
+    inc.status = status  # type: ignore[assignment]
+    later = msgspec.structs.replace(d, anomaly_ids=["straggler-1", "drop-1"],
+                                    collateral=["drop-1"], rev=2)
+    assert find_incident([inc], later, 60, NOW + 600) is inc
+    again = msgspec.structs.replace(d, anomaly_ids=["straggler-1", "straggler-2"], rev=2)
+    assert (find_incident([inc], again, 60, NOW + 600) is inc) is (status == "mitigating")

@@ -40,6 +40,7 @@ from .rankstate import RankState
 from .reports import Reports
 from .steps import Step
 from .transport import Transport
+from .values import optimizer_lr
 
 log = logging.getLogger("trainguard.client")
 
@@ -124,7 +125,8 @@ class Guard:
             report_every=report_every, fingerprint_every=fingerprint_every,
             model=lambda: self.model,
             publish_step=lambda r: self.transport.publish(subj_step, r),
-            publish_fingerprint=lambda f: self.transport.publish(subj_fp, f))
+            publish_fingerprint=lambda f: self.transport.publish(subj_fp, f),
+            world_size=self.world_size, lr=lambda: optimizer_lr(self.optimizer))
         self._drills = Drills(self.state, lambda: self.allow_drills, lambda: self.model)
         self._phase_accounting: PhaseAccounting | None = None
         self._interval = (checkpoint_every or 0, 0)

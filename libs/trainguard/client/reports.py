@@ -76,11 +76,18 @@ def aggregate(reports: list[StepReport]) -> StepReport:
     return last
 
 
+def _plain(value: Any) -> float | None:
+    """A learning rate the step was given, if it is a plain number (``Step.lr``)."""
+    return float(value) if isinstance(value, (int, float)) and value else None
+
+
 class Reports:
     """Builds this rank's step reports and fingerprints and hands them on when complete.
 
     Args:
         job, rank, attempt: the rank's identity (``attempt`` = torchrun's restart count).
+        world_size: the job's size as this rank started it (0: unknown).
+        lr: the optimizer's current learning rate, or None (read once per step).
         report_every: one report per this many steps (aggregated).
         fingerprint_every: steps between fingerprints (0: never); needs a model.
         model: returns the attached model, or None.
@@ -90,7 +97,8 @@ class Reports:
     def __init__(self, job: str, rank: int, attempt: int, *, report_every: int,
                  fingerprint_every: int, model: Callable[[], Any],
                  publish_step: Callable[[StepReport], None],
-                 publish_fingerprint: Callable[[Fingerprint], None]) -> None:
+                 publish_fingerprint: Callable[[Fingerprint], None], world_size: int = 0,
+                 lr: Callable[[], float | None] = lambda: None) -> None:
         if report_every < 1:
             raise ValueError(f"report_every={report_every}: must be at least 1")
         self.job, self.rank, self.attempt = job, rank, attempt
@@ -99,6 +107,8 @@ class Reports:
         self.model = model
         self.publish_step = publish_step
         self.publish_fingerprint = publish_fingerprint
+        self.world_size = world_size
+        self.lr = lr
         self.seq = 0
         self.pending: list[Pending] = []
         self.aggregated: list[StepReport] = []
@@ -122,7 +132,9 @@ class Reports:
         report = StepReport(job=self.job, time=time.time(), seq=self.seq, rank=self.rank,
                             step=step.n, attempt=self.attempt, duration=duration,
                             phases=step.phases, loss=loss, grad_norm=grad_norm,
-                            tokens=step.tokens, samples=step.samples, extra=extra)
+                            tokens=step.tokens, samples=step.samples, extra=extra,
+                            world_size=self.world_size,
+                            lr=_plain(getattr(step, "lr", None)) or self.lr())
         if deferred:
             self.pending.append(Pending(report, deferred))
         else:

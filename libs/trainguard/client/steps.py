@@ -52,8 +52,8 @@ class Step:
     ``on_enter(step)`` runs as it begins; ``on_exit(step, seconds, failed=...)`` as it ends.
     """
 
-    __slots__ = ("_on_enter", "_on_exit", "_t0", "extra", "grad_norm", "loss", "n", "phases",
-                 "samples", "state", "tokens")
+    __slots__ = ("_on_enter", "_on_exit", "_t0", "extra", "grad_norm", "loss", "lr", "n",
+                 "phases", "samples", "state", "tokens")
 
     def __init__(self, n: int, state: RankState, on_enter: Callable[[Step], None],
                  on_exit: StepEnds) -> None:
@@ -66,6 +66,7 @@ class Step:
         self.grad_norm: Any = None
         self.tokens: int | None = None
         self.samples: int | None = None
+        self.lr: float | None = None
         self.extra: dict[str, Any] | None = None
         self._t0 = 0.0
 
@@ -73,8 +74,11 @@ class Step:
         return Phase(self, name)
 
     def report(self, loss: Any = None, grad_norm: Any = None, tokens: int | None = None,
-               samples: int | None = None, **extra: Any) -> None:
-        """Attach metrics; numbers or 0-dim tensors (read later, without a host sync)."""
+               samples: int | None = None, lr: Any = None, **extra: Any) -> None:
+        """Attach metrics; numbers or 0-dim tensors (read later, without a host sync).
+
+        ``lr``: the learning rate of this step, when the attached optimizer does not tell
+        it (the detector restarts its loss and gradient baselines when it changes)."""
         if loss is not None:
             self.loss = loss
         if grad_norm is not None:
@@ -83,6 +87,11 @@ class Step:
             self.tokens = tokens
         if samples is not None:
             self.samples = samples
+        if lr is not None:
+            # Also an extra, as before ``lr`` had a field of its own; a tensor LR is left
+            # to the extras' deferred read (reading it here could wait for the device).
+            self.lr = float(lr) if isinstance(lr, (int, float)) else None
+            extra["lr"] = lr
         if extra:
             self.extra = extra
 

@@ -36,3 +36,16 @@ def read_number(value: Any) -> float | Deferred | None:
         return defer_tensor(value)
     return float(value)
 
+
+
+def optimizer_lr(optimizer: Any) -> float | None:
+    """The learning rate of ``optimizer``'s first parameter group, when it is a plain
+    number (a tensor LR is skipped: reading it could wait for the device)."""
+    groups = getattr(optimizer, "param_groups", None)
+    if not groups:
+        return None
+    try:
+        lr = groups[0].get("lr")
+    except (AttributeError, TypeError):
+        return None
+    return float(lr) if isinstance(lr, (int, float)) and not isinstance(lr, bool) else None

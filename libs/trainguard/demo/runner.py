@@ -14,11 +14,15 @@ from dataclasses import dataclass, field
 
 from ..codec import encode_durable
 from ..envelope import make_headers
-from ..schemas import Incident
+from ..schemas import Anomaly, AnomalyKind, Incident
 from ..subjects import Subjects
 from ..targets import addressed
 from .cluster import Cluster, Observer
 from .scenario import Fault
+
+LINGERING: frozenset[AnomalyKind] = frozenset({"gpu_health", "checkpoint_slow"})
+"""Kinds that stay open after the job is back (a GPU's record resolves after minutes
+without new evidence): they do not hold the next drill."""
 
 
 @dataclass
@@ -57,16 +61,51 @@ class Runner:
         await self.cluster.publish(subject, encode_durable(cmd),
                                    make_headers(cmd, source="trainguard/demo", subject=subject))
 
-    async def healthy(self, timeout: float = 120.0) -> None:
-        """Training progresses and no incident is still being handled."""
+    def open_anomalies(self) -> list[Anomaly]:
+        """Anomalies whose newest revision is still open, of kinds that say the job is not
+        back to normal (a GPU's health record and slow saves linger by design)."""
+        newest: dict[str, Anomaly] = {}
+        for a in self.obs.anomalies:
+            if a.id not in newest or a.rev >= newest[a.id].rev:
+                newest[a.id] = a
+        return [a for a in newest.values() if a.status == "open" and a.kind not in LINGERING]
+
+    def unsettled(self) -> str:
+        """Why the job is not healthy yet ("" once it is): an incident still handled, an
+        anomaly still open, or fewer ranks stepping than the job's world size."""
+        busy = [i for i in self.obs.incidents.values() if i.status in ("open", "mitigating")]
+        if busy:
+            return f"incident {busy[0].id[-6:]} {busy[0].cause} {busy[0].status}"
+        still = self.open_anomalies()
+        if still:
+            return f"anomaly {still[0].kind} on ranks {still[0].ranks} open"
+        world = self.obs.world_sizes[-1][1] if self.obs.world_sizes else 0
+        live = self.obs.live_ranks()
+        if len(live) < world:
+            return f"{len(live)} of {world} ranks heard"
+        return ""
+
+    async def healthy(self, timeout: float = 180.0) -> None:
+        """The previous fault is over: no incident is being handled, no anomaly is open,
+        every rank of the job is heard, and then every rank completes 3 more steps. Each
+        drill starts from there, so one drill's aftermath (a straggler still slowing down,
+        a group still re-forming) never bleeds into the next one's attribution."""
         deadline = time.monotonic() + timeout
-        start_step = self.obs.max_step
+        since: dict[int, int] | None = None
+        why = ""
         while time.monotonic() < deadline:
-            busy = [i for i in self.obs.incidents.values() if i.status in ("open", "mitigating")]
-            if not busy and self.obs.max_step >= start_step + 3:
-                return
+            why = self.unsettled()
+            if why:
+                since = None
+            else:
+                steps = {r: v.step for r in self.obs.live_ranks()
+                         if (v := self.obs.ranks[r]).step is not None}
+                if since is None or set(since) != set(steps):
+                    since = steps
+                elif all(steps[r] >= since[r] + 3 for r in since):
+                    return
             await asyncio.sleep(0.2)
-        raise TimeoutError("training did not become healthy again")
+        raise TimeoutError(f"training did not become healthy again: {why or 'no progress'}")
 
     async def play(self, fault: Fault) -> Outcome:
         await self.healthy()

@@ -29,7 +29,9 @@ class Fault:
     recovery: Recovery = "step_past"
     undo: tuple[str, dict[str, Any]] | None = None
     """A command that ends the fault once it is detected (a slow rank speeds up again)."""
-    timeout: float = 150.0
+    timeout: float = 300.0
+    """Detection to recovery: generous, since a restart on a loaded machine (torch imported
+    anew by every rank, the group re-formed) can take minutes."""
 
 
 

@@ -28,6 +28,7 @@ import os
 import re
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
@@ -175,6 +176,11 @@ class Checkpointer:
         self.group = process_group
         self.group_rank = dist.get_rank(self.group) if self.distributed else 0
         self.world_size = dist.get_world_size(self.group) if self.distributed else 1
+        self.generation = self._agree_generation()
+        """This worker group's id, the same on every rank of it and new at each re-form:
+        the coordinator keeps one round of a step's reports per generation. torchrun's
+        restart count cannot serve: each node's agent keeps its own, and a membership
+        change restarts a group without counting, so the nodes' counts drift apart."""
         self.reports: list[CheckpointReport] = []
         """Reports this rank published, newest last (for tests and logs)."""
         self.loaded_extra: Any = None
@@ -193,6 +199,15 @@ class Checkpointer:
         guard.checkpoint_root = str(self.root)
         guard.on("save_now", self._on_save_now)
         guard.on_close(self.close)  # guard.close() finishes the save in flight first
+
+    def _agree_generation(self) -> str:
+        """Group rank 0's fresh token, broadcast on the side group (collective)."""
+        token = uuid.uuid4().hex[:16]
+        if not self.distributed or self.world_size < 2:
+            return token
+        box: list[Any] = [token if self.group_rank == 0 else None]
+        dist.broadcast_object_list(box, group_src=0, group=self.group)
+        return str(box[0])
 
     # -- saving ---------------------------------------------------------------------------
     def path_for(self, step: int) -> Path:
@@ -344,8 +359,8 @@ class Checkpointer:
             id=uuid7(), job=g.job, rank=g.rank, step=step, path=str(path),
             world_size=self.world_size, bytes=sum(d.bytes for d in files.values()),
             seconds_blocked=blocked, seconds_total=total, files=files,
-            attempt=g.identity.attempt.restart_count, ok=not error, error=error[:2000],
-            time=time.time())
+            attempt=g.identity.attempt.restart_count, generation=self.generation,
+            ok=not error, error=error[:2000], time=time.time())
 
     def _publish(self, report: CheckpointReport) -> None:
         with self._lock:
