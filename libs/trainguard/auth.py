@@ -119,7 +119,10 @@ def nats_permissions(role: Role, prefix: str = "tg", job: str = "*") -> dict[str
 
 
 def redis_acl(role: Role, password: str, prefix: str = "tg") -> str | None:
-    """The ``user`` line of ``role`` in a Redis ACL file; None for roles without Redis."""
+    """The ``user`` line of ``role`` in a Redis ACL file; None for roles without Redis.
+
+    No role gets ``+client|setinfo``: Redis 7.0 refuses the rule (the subcommand came in
+    7.2), and redis-py ignores the refusal of the command, so the file loads everywhere."""
     match role:
         case "rank":
             return None
@@ -127,13 +130,11 @@ def redis_acl(role: Role, password: str, prefix: str = "tg") -> str | None:
             # ``trainguard unblock`` only: read and rewrite a blocklist entry, optimistically.
             keys = f"~{prefix}:blocklist"
             cmds = ("+ping +hget +hgetall +hset +watch +unwatch +multi +exec +discard "
-                    "+client|setinfo +client|setname")
+                    "+client|setname")
         case "agent":
             # Read only: Redis 6.2 cannot grant a write on one key pattern alone, so any
             # write would reach the blocklist and the epoch too. Its node record is the
             # control plane's, from its durable hellos.
-            # No ``+client|setinfo``: Redis 7.0 refuses the rule (the subcommand came in 7.2)
-            # and redis-py ignores the refusal of the command, so the file loads everywhere.
             keys = f"~{prefix}:blocklist ~{prefix}:epoch:*"
             cmds = "+ping +get +hget +client|setname"
         case "oncall":
