@@ -23,6 +23,9 @@ from typing import Final
 log = logging.getLogger("trainguard.agent")
 
 PREFIX: Final = "host OOM evidence: "
+NO_OOM: Final = PREFIX + "none"
+"""The line for a SIGKILL while the counters were readable and did not move: someone else
+sent it (a person, a scheduler, a drill), not the OOM killer."""
 KMSG: Final = "/dev/kmsg"
 OOM_LINE: Final = re.compile(r"out of memory: kill|oom-kill:|killed process \d+|oom_reaper",
                              re.IGNORECASE)
@@ -110,6 +113,11 @@ class OomWatch:
             if OOM_LINE.search(text):
                 lines.append(text.splitlines()[0][:200])
         return lines
+
+    @property
+    def counting(self) -> bool:
+        """Whether a cgroup OOM counter can be read (its silence then means something)."""
+        return any(oom_kills(p) is not None for p in self.files)
 
     def evidence(self) -> str:
         """One line when the OOM killer acted since the last call, else ``""``."""

@@ -143,8 +143,14 @@ class LocalNode:
             except ValueError:
                 sig = f"SIG{-code}"
         error = message if message and not message.startswith("Signal") else ""
-        if code != 0 and by is None and (oom := self.oom.evidence()):
-            error = (error + "\n" if error else "") + oom  # the kernel's OOM killer acted
+        if code != 0 and by is None:
+            oom = self.oom.evidence()
+            if not oom and code in (-signal.SIGKILL, 128 + signal.SIGKILL) \
+                    and self.oom.counting:
+                # A SIGKILL the OOM counters did not see: not the OOM killer's.
+                oom = f"{hostmem.NO_OOM} (cgroup oom_kill unchanged)"
+            if oom:
+                error = (error + "\n" if error else "") + oom
         if self.log_dir:
             dumps = sorted(glob.glob(os.path.join(self.log_dir,
                                                   f"{FLIGHT_RECORDER_PREFIX}{w.rank}*")))

@@ -14,6 +14,7 @@ import pytest
 from trainguard import xids
 from trainguard.evidence import CrashEvidence
 from trainguard.schemas import Anomaly, WorkerExit
+from trainguard.services.agent import hostmem
 from trainguard.services.diagnoser import signatures
 from trainguard.services.diagnoser.rules import Diagnoser
 
@@ -61,6 +62,15 @@ def test_dataloader_killed_with_host_oom_evidence_is_oom() -> None:
 def test_bare_sigkill_is_oom_but_weakly(exit_code: int, signal: str | None) -> None:
     v = Diagnoser().classify(crash("", exit_code=exit_code, signal=signal), NOW)
     assert v.cause == "oom" and v.confidence < 0.9
+
+
+def test_sigkill_the_oom_counter_did_not_see_is_a_crash_not_oom() -> None:
+    # What the agent adds when its cgroup counter is readable and stayed still.
+    evidence = f"{hostmem.NO_OOM} (cgroup oom_kill unchanged)"
+    v = Diagnoser().classify(crash("", exit_code=-9, signal="SIGKILL", error=evidence), NOW)
+    assert v.cause == "process_crash"
+    text = "RuntimeError: DataLoader worker (pid 1817) is killed by signal: Killed."
+    assert Diagnoser().classify(crash(text, error=evidence), NOW).cause == "data_pipeline"
 
 
 def test_other_signals_without_text_stay_process_crash() -> None:
