@@ -22,6 +22,7 @@ class Finished:
     tokens: int | None = None
     samples: int | None = None
     extra: dict[str, Any] | None = None
+    lr: float | None = None
     phases: dict[str, float] = field(default_factory=dict)
 
 
@@ -79,6 +80,13 @@ def test_each_step_is_reported_with_identity_sequence_and_extras() -> None:
     assert (first.job, first.rank, first.attempt, first.step, first.seq) == ("j", 3, 2, 7, 1)
     assert first.loss == 2.0 and first.extra == {"lr": 0.1} and first.duration == 0.25
     assert second.seq == 2 and second.nonfinite == 0
+
+
+def test_the_steps_own_learning_rate_wins_over_the_optimizers() -> None:
+    reports, steps, _ = make(lr=lambda: 0.5, world_size=4)
+    reports.record(Finished(0, loss=1.0, lr=0.25), 0.1)
+    reports.record(Finished(1, loss=1.0), 0.1)
+    assert [(s.lr, s.world_size) for s in steps] == [(0.25, 4), (0.5, 4)]
 
 
 def test_the_nan_drill_needs_a_loss_to_replace() -> None:

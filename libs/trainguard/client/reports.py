@@ -32,6 +32,7 @@ class FinishedStep(Protocol):
     tokens: int | None
     samples: int | None
     extra: dict[str, Any] | None
+    lr: float | None
 
 
 class Pending:
@@ -75,10 +76,6 @@ def aggregate(reports: list[StepReport]) -> StepReport:
     last.steps = len(reports)
     return last
 
-
-def _plain(value: Any) -> float | None:
-    """A learning rate the step was given, if it is a plain number (``Step.lr``)."""
-    return float(value) if isinstance(value, (int, float)) and value else None
 
 
 class Reports:
@@ -134,7 +131,7 @@ class Reports:
                             phases=step.phases, loss=loss, grad_norm=grad_norm,
                             tokens=step.tokens, samples=step.samples, extra=extra,
                             world_size=self.world_size,
-                            lr=_plain(getattr(step, "lr", None)) or self.lr())
+                            lr=step.lr if step.lr is not None else self.lr())
         if deferred:
             self.pending.append(Pending(report, deferred))
         else:

@@ -13,6 +13,7 @@ from types import TracebackType
 from typing import Any, Protocol
 
 from .rankstate import RankState
+from .values import plain_float
 
 
 class StepEnds(Protocol):
@@ -90,7 +91,7 @@ class Step:
         if lr is not None:
             # Also an extra, as before ``lr`` had a field of its own; a tensor LR is left
             # to the extras' deferred read (reading it here could wait for the device).
-            self.lr = float(lr) if isinstance(lr, (int, float)) else None
+            self.lr = plain_float(lr)
             extra["lr"] = lr
         if extra:
             self.extra = extra

@@ -38,6 +38,13 @@ def read_number(value: Any) -> float | Deferred | None:
 
 
 
+def plain_float(value: Any) -> float | None:
+    """``value`` as a float when it is a plain number (not a bool, not a tensor: reading a
+    tensor could wait for the device)."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) \
+        else None
+
+
 def optimizer_lr(optimizer: Any) -> float | None:
     """The learning rate of ``optimizer``'s first parameter group, when it is a plain
     number (a tensor LR is skipped: reading it could wait for the device)."""
@@ -48,4 +55,4 @@ def optimizer_lr(optimizer: Any) -> float | None:
         lr = groups[0].get("lr")
     except (AttributeError, TypeError):
         return None
-    return float(lr) if isinstance(lr, (int, float)) and not isinstance(lr, bool) else None
+    return plain_float(lr)
