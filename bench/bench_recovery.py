@@ -15,7 +15,9 @@ parameters (a straggler, compute 2x slower, on request). Each runs under
   ``RankMonitorClient`` heartbeat after every step (``--ft-heartbeat``);
 - trainguard: ``trainguard up`` and two ``trainguard launch`` agents
   (:class:`trainguard.demo.cluster.Cluster`), the faults played by
-  :class:`trainguard.demo.runner.Runner` one after another on the same job.
+  :class:`trainguard.demo.runner.Runner` one after another on the same job, twice
+  (``--trainguard``): the trainer recovering in place (``--in-place``) and without it (the
+  group restarts from the committed checkpoint, through warm spares).
 
 The baselines run the same trainer with ``TRAINGUARD_DISABLED=1``, its own fault flags
 (``--raise-at``, ``--hang-at``, ``--stop-at``, ``--nan-at``, ``--slow``) and plain
@@ -328,12 +330,16 @@ def measure(recs: list[Rec], t0: float, window: float, fault: str,
     m.restarts = len({r.pid for r in new})
     k_old = max(r.step for r in old)
     m.last_step_before_restart = k_old
+    # In place, a rollback reloads in the same process: its step goes back.
+    rolled = next((b for a, b in itertools.pairwise([r for r in old if r.t > t0 - 1])
+                   if b.t > t0 and b.step <= a.step), None)
     if fault == "nan":
         first_bad = k0 + 1
-        bad = [r for r in old if r.step >= first_bad]
+        bad = [r for r in old if r.step >= first_bad and (rolled is None or r.t < rolled.t)]
         m.poisoned_steps = len(bad)
         target = first_bad - 1
-        useful = [r for r in recs if r.t <= end and not (r.pid == pid0 and r.step >= first_bad)]
+        useful = [r for r in recs if r.t <= end and not (
+            r.pid == pid0 and r.step >= first_bad and (rolled is None or r.t < rolled.t))]
     else:
         target = k_old if fault in ("crash", "hang", "sigstop") else k0
         useful = [r for r in recs if r.t <= end]
@@ -344,8 +350,34 @@ def measure(recs: list[Rec], t0: float, window: float, fault: str,
         past = [r for r in new if r.step > target]
         if past:  # a straggler, too, is over only when its process is replaced
             m.recover_s = past[0].t - t0
+    elif fault == "nan" and rolled is not None:
+        m.resume_step = rolled.step
+        m.first_step_s = rolled.t - t0
+        m.steps_lost = max(0, max((r.step for r in bad), default=k0) - rolled.step + 1)
+        past = [r for r in old if r.t >= rolled.t and r.step > target]
+        if past:
+            m.recover_s = past[0].t - t0
     elif fault == "nan":
         m.steps_lost = m.poisoned_steps
+    elif fault in ("crash", "hang", "sigstop"):
+        # In place: rank 0's process stays. The group stalls on the failed step, abandons it
+        # and runs it again: the stall is the run of slow steps that starts within the first
+        # few after the fault (a step the failing rank still finished may come first; a
+        # short stall may straddle two steps), and the job is back at its end.
+        after = [r for r in inside if r.pid == pid0]
+        slow = 2 * (m.clean_step_s or STEP_TIME)
+        paced = [(b, b.t - a.t) for a, b in itertools.pairwise([before[-1], *after])]
+        start = next((i for i, (_, g) in enumerate(paced[:3]) if g > slow), None)
+        if start is not None:
+            end = start
+            while end + 1 < len(paced) and paced[end + 1][1] > slow:
+                end += 1
+            resumed, back = paced[start][0], paced[end][0]
+            m.resume_step = resumed.step
+            m.first_step_s = resumed.t - t0
+            m.recover_s = back.t - t0
+            m.steps_lost = max(0, (paced[start - 1][0].step if start else k0)
+                               - resumed.step + 1)
     gaps_after = [b.t - a.t for a, b in itertools.pairwise(inside)
                   if b.pid == a.pid and b.step == a.step + 1]
     m.step_time_after_s = statistics.median(gaps_after) if gaps_after else None
@@ -515,8 +547,15 @@ def _trainguard_faults() -> dict[str, Any]:
     }
 
 
+TRAINGUARD_VARIANTS = {"in-place": "trainguard, in place", "restart": "trainguard, group restart"}
+"""The trainer recovering in place (``--in-place``: survivors stay, a warm spare takes the
+lost rank's state from them) and the same trainer without it (every rank restarts from the
+committed checkpoint, through warm spares)."""
+
+
 async def run_trainguard(faults: list[str], windows: dict[str, float], root: Path,
-                         tracker: Tracker) -> dict[str, dict[str, Any]]:
+                         tracker: Tracker, variant: str = "in-place"
+                         ) -> dict[str, dict[str, Any]]:
     from trainguard.demo.cluster import Cluster
     from trainguard.demo.runner import Outcome, Runner
 
@@ -526,9 +565,11 @@ async def run_trainguard(faults: list[str], windows: dict[str, float], root: Pat
         progress_file: Path
 
         def launch_argv(self, host: str) -> list[str]:
-            return [*super().launch_argv(host), "--progress-file", str(self.progress_file)]
+            return [*super().launch_argv(host), "--progress-file", str(self.progress_file),
+                    *(["--in-place"] if variant == "in-place" else [])]
 
-    work = root / "trainguard"
+    label = TRAINGUARD_VARIANTS[variant]
+    work = root / f"trainguard-{variant}"
     if work.exists():
         shutil.rmtree(work)
     cluster = ProgressCluster(work, "bench", steps=1_000_000, step_time=STEP_TIME,
@@ -551,7 +592,8 @@ async def run_trainguard(faults: list[str], windows: dict[str, float], root: Pat
             await cluster.start(timeout=150)
         except Exception as exc:  # the column says why
             reason = f"cluster did not start: {type(exc).__name__}: {str(exc)[:300]}"
-            return {f: {"fault": f, "setup": "c", "pending": reason} for f in faults}
+            return {f: {"fault": f, "setup": "c", "label": label, "pending": reason}
+                    for f in faults}
         startup = time.time() - started
         runner = Runner(cluster)
         obs = cluster.observer
@@ -561,7 +603,7 @@ async def run_trainguard(faults: list[str], windows: dict[str, float], root: Pat
         for name in faults:
             fault = tg_faults[name]
             window = windows[name]
-            res: dict[str, Any] = {"fault": name, "setup": "c", "label": "trainguard",
+            res: dict[str, Any] = {"fault": name, "setup": "c", "label": label,
                                    "window_s": window, "drill": fault.kind,
                                    "startup_s": round(startup, 1)}
             results[name] = res
@@ -588,7 +630,7 @@ async def run_trainguard(faults: list[str], windows: dict[str, float], root: Pat
             res.update(_judge_trainguard(cluster, fault, t0, window, outcome))
     except Exception as exc:  # what ran is reported, the rest pending
         for name in faults:
-            results.setdefault(name, {"fault": name, "setup": "c"})
+            results.setdefault(name, {"fault": name, "setup": "c", "label": label})
             if "detect_s" not in results[name]:
                 results[name]["pending"] = f"{type(exc).__name__}: {str(exc)[:300]}"
     finally:
@@ -666,7 +708,7 @@ def _judge_trainguard(cluster: Any, fault: Any, t0: float, window: float,
         out["problems"] = ["the runner saw no resolved incident for it within the window"]
         if inc is not None:
             out["cause"], out["incident_status"] = inc.cause, inc.status
-            out["actions"] = [f"{a.get('action')}:{a.get('status')}" for a in inc.actions]
+            out["actions"] = [f"{a.action}:{a.status}" for a in inc.actions]
             out["incident_steps_lost"] = inc.steps_lost
     return out
 
@@ -706,7 +748,8 @@ def cells(r: dict[str, Any]) -> dict[str, str]:
         recover = f"> {w:.0f} s bound (alert only)"
     else:
         recover = bound
-    if fault == "nan" and r["restarts"] == 0 and r.get("poisoned_steps"):
+    if fault == "nan" and r["restarts"] == 0 and r.get("resume_step") is None \
+            and r.get("poisoned_steps"):
         lost = f"{r['poisoned_steps']} (every step since the onset, still going)"
     elif r["steps_lost"] is not None:
         lost = str(r["steps_lost"])
@@ -720,6 +763,13 @@ def cells(r: dict[str, Any]) -> dict[str, str]:
     if trainguard:
         if r.get("restarts"):
             notes.append(f"resumed at step {r['resume_step']}")
+        elif r.get("resume_step") is not None:
+            notes.append(f"no process restarted, resumed at step {r['resume_step']}")
+        if r["detect_s"] is not None and fault == "nan" and r.get("first_step_s") is not None:
+            notes.append(f"rolled back {r['first_step_s'] - r['detect_s']:.1f} s after "
+                         "detection")
+        elif r["detect_s"] is not None and r["recover_s"] is not None:
+            notes.append(f"back {r['recover_s'] - r['detect_s']:.1f} s after detection")
         if r.get("cause"):
             acts = ", ".join(a.split(":")[0] for a in r.get("actions") or [])
             notes.append(f"{r['cause']}" + (f" -> {acts}" if acts else ""))
@@ -766,6 +816,9 @@ def main() -> int:
                    help=f"baselines, comma list of {', '.join(SETUPS)} (default: torchrun,nvrx)")
     p.add_argument("--no-baselines", action="store_true", help="only (c) trainguard")
     p.add_argument("--no-trainguard", action="store_true", help="only the torchrun baselines")
+    p.add_argument("--trainguard", default=",".join(TRAINGUARD_VARIANTS),
+                   help=f"trainguard's runs, comma list of {', '.join(TRAINGUARD_VARIANTS)} "
+                        f"(default: both)")
     p.add_argument("--workdir", help="keep logs and progress files here (default: a temp dir)")
     args = p.parse_args()
     asked = [f.strip() for f in args.faults.split(",") if f.strip()]
@@ -773,6 +826,10 @@ def main() -> int:
     if unknown:
         p.error(f"unknown fault(s) {', '.join(unknown)}; known: {', '.join(FAULT_NAMES)}")
     faults = [f for f in FAULT_NAMES if f in asked]
+    variants = [v.strip() for v in args.trainguard.split(",") if v.strip()]
+    if not variants or any(v not in TRAINGUARD_VARIANTS for v in variants):
+        p.error(f"--trainguard {args.trainguard!r}: a comma list of "
+                f"{', '.join(TRAINGUARD_VARIANTS)}")
     setups = [k.strip() for k in args.setups.split(",") if k.strip()]
     bad = [k for k in setups if k not in SETUPS]
     if bad:
@@ -796,25 +853,25 @@ def main() -> int:
                     r = run_baseline(fault, SETUPS[key], windows[fault], root, tracker)
                     r["label"], r["covers"] = label, covers
                     rows.append(r)
-            tg: dict[str, dict[str, Any]] = {}
-            if not args.no_trainguard:
-                print(f"running trainguard ({', '.join(faults)}) ...", file=sys.stderr,
-                      flush=True)
-                tg = asyncio.run(run_trainguard(faults, windows, root, tracker))
+            tg: list[dict[str, Any]] = []
+            for variant in [] if args.no_trainguard else variants:
+                print(f"running {TRAINGUARD_VARIANTS[variant]} ({', '.join(faults)}) ...",
+                      file=sys.stderr, flush=True)
+                tg.extend(asyncio.run(run_trainguard(faults, windows, root, tracker,
+                                                     variant)).values())
         finally:
             tracker.close()
-    for r in tg.values():
-        r.setdefault("label", "trainguard")
+    for r in tg:
         r.setdefault("window_s", windows[r["fault"]])
     ordered = [r for f in faults for r in [*(x for x in rows if x["fault"] == f),
-                                           *([tg[f]] if f in tg else [])]]
+                                           *(x for x in tg if x["fault"] == f)]]
     for r in ordered:
         r["cells"] = cells(r)
     total = time.time() - started
     print(table(ordered, windows))
     ratios = versus_best_baseline(ordered)
-    for fault, ratio in ratios.items():
-        print(f"\n{fault}: trainguard back where it was in {ratio:.2f}x the best baseline's time")
+    for key, ratio in ratios.items():
+        print(f"\n{key}: back where it was in {ratio:.2f}x the best baseline's time")
     print(f"\njob: 4 ranks (2 agents x 2), toy_trainer --model lm --step-time {STEP_TIME}, "
           f"checkpoint every {CKPT_EVERY} steps; faults at step {FAULT_STEP} (baselines), "
           f"on rank {FAULT_RANK} (NaN: rank {NAN_RANK}); goodput = new steps in the window x "
@@ -836,14 +893,14 @@ def main() -> int:
 
 
 def versus_best_baseline(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """Per fault: trainguard's time back where it was over the best baseline's."""
+    """Per fault and trainguard run: its time back where it was over the best baseline's."""
     out: dict[str, float] = {}
-    for fault in {r["fault"] for r in rows}:
-        mine = [r.get("recover_s") for r in rows if r["fault"] == fault and r["setup"] == "c"]
+    for fault in sorted({r["fault"] for r in rows}):
         base = [r["recover_s"] for r in rows if r["fault"] == fault and r["setup"] != "c"
                 and r.get("recover_s") is not None]
-        if mine and mine[0] is not None and base:
-            out[fault] = round(mine[0] / min(base), 2)
+        for mine in (r for r in rows if r["fault"] == fault and r["setup"] == "c"):
+            if mine.get("recover_s") is not None and base:
+                out[f"{fault}, {mine['label']}"] = round(mine["recover_s"] / min(base), 2)
     return out
 
 

@@ -69,14 +69,19 @@ def run_job(mode: str, work: Path, nats_url: str, timeout: float) -> dict[str, A
         "launch_to_first_step_s": max(r["first_step"] for r in records) - launched,
         "imports_s": statistics.median(r["imported"] - r["process_start"] for r in records),
         "pg_init_s": statistics.median(r["pg_ready"] - r["imported"] for r in records),
-        "after_pg_s": statistics.median(r["first_step"] - r["pg_ready"] for r in records),
+        "setup_s": statistics.median(r["set_up"] - r["model_ready"] for r in records),
+        "step_s": statistics.median(r["first_step"] - r["set_up"] for r in records),
+        # trainguard's own share of the start, timed inside the rank: its imports and its
+        # set-up (Guard, Checkpointer, resume lookup) after a barrier; 0 for plain torch.
+        "own_s": max(r["imported"] - r["torch_imported"] + r["set_up"] - r["model_ready"]
+                     for r in records),
     }
 
 
 def summarize(jobs: list[dict[str, Any]]) -> dict[str, Any]:
     by_mode = {m: [j for j in jobs if j["mode"] == m] for m in MODES}
     keys = ("rank_start_to_first_step_s", "launch_to_first_step_s", "imports_s", "pg_init_s",
-            "after_pg_s")
+            "setup_s", "step_s", "own_s")
     summary: dict[str, Any] = {}
     for mode, js in by_mode.items():
         summary[mode] = {k: {"median": statistics.median(j[k] for j in js),
@@ -93,6 +98,14 @@ def summarize(jobs: list[dict[str, Any]]) -> dict[str, Any]:
         summary[mode]["extra_ratio"] = extra / plain if plain else None
         summary[mode]["meets_target"] = extra <= TARGET_EXTRA_S or \
             extra <= TARGET_EXTRA_RATIO * plain
+    # The same cost timed where it is spent (far less noisy than a difference of two
+    # 10-second starts on a busy machine): trainguard's imports and set-up, plus what its
+    # first step took beyond plain torch's.
+    tg = summary["trainguard"]
+    direct = tg["own_s"]["median"] + max(
+        0.0, tg["step_s"]["median"] - summary["plain"]["step_s"]["median"])
+    tg["direct_extra_s"] = direct
+    tg["direct_meets_target"] = direct <= TARGET_EXTRA_S or direct <= TARGET_EXTRA_RATIO * plain
     return summary
 
 
@@ -101,8 +114,9 @@ def table(summary: dict[str, Any]) -> str:
         return f"{stats['median']:.2f} s ({stats['min']:.2f}-{stats['max']:.2f})"
 
     out = ["| trainer | rank start -> first step | launcher -> first step | imports | "
-           "process group | rest of the first step | extra vs plain (median of rounds) |",
-           "| --- | --- | --- | --- | --- | --- | --- |"]
+           "process group | Guard + Checkpointer + resume | first step | "
+           "trainguard's own time (slowest rank) | extra vs plain (median of rounds) |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for mode in MODES:
         s = summary[mode]
         extra = "-"
@@ -111,7 +125,8 @@ def table(summary: dict[str, Any]) -> str:
             extra = f"{s['extra_s']:+.2f} s ({lo:+.2f}..{hi:+.2f}), {100 * s['extra_ratio']:+.0f}%"
         out.append(f"| {mode} | {cell(s['rank_start_to_first_step_s'])} | "
                    f"{cell(s['launch_to_first_step_s'])} | {cell(s['imports_s'])} | "
-                   f"{cell(s['pg_init_s'])} | {cell(s['after_pg_s'])} | {extra} |")
+                   f"{cell(s['pg_init_s'])} | {cell(s['setup_s'])} | {cell(s['step_s'])} | "
+                   f"{cell(s['own_s'])} | {extra} |")
     return "\n".join(out)
 
 
@@ -162,6 +177,8 @@ def main() -> int:
           f"trainguard's extra cost {tg['extra_s']:+.2f} s = {100 * tg['extra_ratio']:+.0f}% "
           f"of plain torch's start (target <= {TARGET_EXTRA_S} s or <= "
           f"{100 * TARGET_EXTRA_RATIO:.0f}%: {'met' if tg['meets_target'] else 'NOT met'}); "
+          f"timed inside the ranks: {tg['direct_extra_s']:.2f} s "
+          f"({'met' if tg['direct_meets_target'] else 'NOT met'}); "
           f"{(time.time() - started) / 60:.1f} min, load average "
           f"{os.getloadavg()[0]:.1f}")
     if args.out:

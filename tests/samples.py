@@ -39,6 +39,10 @@ DURABLE: list[s.Durable] = [
     s.CheckpointReport(id="c1", job="j1", rank=0, step=100, path="/ckpt/j1/step-100",
                        world_size=4, bytes=1024, files={"__0_0.distcp": s.FileDigest(
                            bytes=1024, crc32=12345)}),
+    s.RecoveryReport(id="r1", job="j1", rank=0, kind="replace", path="in_place",
+                     reason="a peer was lost", generation=3, previous_generation=2,
+                     world_size=4, joined=[2], source_rank=0, failed_step=41,
+                     last_completed=40, resumed_step=41, steps_lost=0, seconds=1.2),
     s.Anomaly(id="a1", job="j1", kind="loss_spike", ranks=[1], hosts=["node-a"], step=5,
               onset_at=1.0, detected_at=2.0, evidence=LossSpikeEvidence(
                   loss=float("nan"), baseline_median=2.1, mad=0.05, z=float("inf"), loss_z=6.0,
@@ -48,6 +52,8 @@ DURABLE: list[s.Durable] = [
                 recommended=["rollback"], summary="NaN loss on all ranks"),
     s.Action(id="x1", job="j1", action="restart", command_ids=["c9"]),
     s.Incident(id="i1", job="j1", cause="numeric", status="mitigating", rev=2,
+               recovery=s.RecoveryNote(path="restart", kind="rollback",
+                                       reason="rank 1 acked failed"),
                actions=[s.IncidentStep(action="rollback", status="done",
                                        params={"below_step": 40}, command_ids=["c1"])]),
     s.CheckpointCommitted(id="k1", job="j1", step=100, path="/ckpt/j1/step-100",

@@ -10,7 +10,7 @@ import nats
 
 from trainguard.bus import Bus
 from trainguard.codec import decode_any_durable, decode_telemetry
-from trainguard.envelope import normalize_headers
+from trainguard.envelope import H_ID, H_TYPE, normalize_headers
 from trainguard.schemas import CommandAck, Durable, NodeHello, RankHello, WorkerExit
 from trainguard.subjects import Subjects
 from trainguard.topology import provision, streams
@@ -20,6 +20,9 @@ class Tap:
     def __init__(self) -> None:
         self.telemetry: list[Any] = []
         self.durable: list[Durable] = []
+        self._ids: set[str] = set()
+        """Message ids seen: a publisher's retry reaches core subscribers again, though
+        the stream keeps one copy."""
 
     def of(self, cls: type) -> list[Any]:
         return [m for m in (*self.telemetry, *self.durable) if isinstance(m, cls)]
@@ -55,7 +58,11 @@ async def tapped(url: str, prefix: str, job: str,
 
     async def on_durable(msg: Any) -> None:
         headers = normalize_headers(msg.headers)
-        tap.durable.append(decode_any_durable(msg.data, headers.get("ce-type")))
+        ident = headers.get(H_ID, "")
+        if ident and ident in tap._ids:
+            return
+        tap._ids.add(ident)
+        tap.durable.append(decode_any_durable(msg.data, headers.get(H_TYPE)))
 
     for kind in ("hb", "step", "fp", "node", "gpu"):
         await nc.subscribe(s.pattern(kind, job=job), cb=on_tel)

@@ -86,11 +86,13 @@ def nats_permissions(role: Role, prefix: str = "tg", job: str = "*") -> dict[str
     responses = False
     match role:
         case "rank":
-            publish = [f"{p}.{k}.*" for k in ("hb", "step", "fp", "ckpt", "reg", "ack")]
+            publish = [f"{p}.{k}.*" for k in ("hb", "step", "fp", "ckpt", "reg", "ack",
+                                               "recovery")]
             publish += [f"{p}.rpc.resume"]
             subscribe += [f"{p}.cmd.all", f"{p}.cmd.rank.*"]
         case "agent":
-            publish = [f"{p}.{k}.*" for k in ("gpu", "node", "exit", "fr", "reg", "ack")]
+            publish = [f"{p}.{k}.*" for k in ("gpu", "node", "exit", "fr", "reg", "ack",
+                                               "recovery")]
             publish += [f"{p}.dead", f"{p}.rpc.save", *info,
                         *consumers_of(stream_name(prefix, "cmds"), pull=True)]
             subscribe += [f"{p}.cmd.all", f"{p}.cmd.host.*"]

@@ -18,6 +18,7 @@ import nats
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js import api as js_api
+from nats.js import errors as js_errors
 from opentelemetry.context import Context
 
 from . import tracing
@@ -30,6 +31,15 @@ from .schemas import DeadLetter, Durable, TelemetryMessage
 from .subjects import Subjects
 
 log = logging.getLogger("trainguard.bus")
+
+
+UNACKED_PUBLISH_ERRORS: tuple[type[BaseException], ...] = (
+    nats.errors.NoRespondersError, nats.errors.TimeoutError, TimeoutError,
+    nats.errors.ConnectionReconnectingError, nats.errors.OutboundBufferLimitError,
+    js_errors.NoStreamResponseError, js_errors.ServiceUnavailableError,
+)
+"""A JetStream publish that got no ack: the stream's leader is being elected (a NATS node
+lost) or the client is reconnecting. Worth a retry with the same message id."""
 
 
 class BusUnavailable(TrainguardError, ConnectionError):
@@ -126,14 +136,29 @@ class Bus:
         *,
         ctx: Context | None = None,
         timeout: float = 5.0,
+        retry_for: float = 0.0,
     ) -> js_api.PubAck:
         """Publish on JetStream with CloudEvents headers and trace context; await the ack.
 
+        ``retry_for``: seconds to go on retrying a publish that got no ack
+        (:data:`UNACKED_PUBLISH_ERRORS`), backing off from 0.1 s to 1 s. Each retry has the
+        same ``Nats-Msg-Id``, so one that did land before its ack was lost is deduped.
         Raises :class:`~trainguard.errors.MessageTooLarge` (nothing sent) for a message
         the server or the streams would not take.
         """
-        return await self._publish(subject, msg.KIND, encode_durable(msg),
-                                   self._headers(subject, msg, ctx), timeout)
+        body, headers = encode_durable(msg), self._headers(subject, msg, ctx)
+        deadline, pause = time.monotonic() + retry_for, 0.1
+        while True:
+            try:
+                return await self._publish(subject, msg.KIND, body, headers, timeout)
+            except UNACKED_PUBLISH_ERRORS as exc:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                log.warning("publish of %s on %s got no ack (%r); retrying", msg.KIND,
+                            subject, exc)
+                await asyncio.sleep(min(pause, left))
+                pause = min(1.0, pause * 2)
 
     async def publish_telemetry(self, subject: str, msg: TelemetryMessage) -> None:
         """Core NATS, fire-and-forget: no headers, no ack, no span."""

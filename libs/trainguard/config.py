@@ -56,6 +56,10 @@ class Settings:
     (:mod:`trainguard.ports`), or any free port (logged at start) without a base port."""
     base_port: int = 0
     """Base of the fixed health ports (``trainguard up`` defaults to 9460); 0: none."""
+    publish_retry_s: float = 10.0
+    """How long a service retries a durable publish that JetStream did not acknowledge
+    (no responders, timeout: a stream leader election after a NATS node loss). The retry
+    carries the same message id, so the stream dedupes one that did land."""
     max_deliver: int = 5
     """Deliveries of a message whose handler keeps failing before it is dead-lettered."""
     ack_wait: float = 30.0

@@ -37,6 +37,12 @@ FR_REQUEST: Final = setting("fr_request")
 GENERATION: Final = setting("generation")
 """The job's process-group generation the rank joins (rises at every new group and at
 every single-rank restart)."""
+JOIN: Final = setting("join")
+"""``peers``: the rank replaces a failed one in a running group and takes model, optimizer
+and step from the survivors (``trainguard.torch``'s in-place recovery), not from a
+checkpoint."""
+JOIN_PEERS: Final = "peers"
+"""The :data:`JOIN` value of a replacement rank."""
 
 # -- read by the Guard only --------------------------------------------------------------
 DISABLED: Final = setting("disabled")
@@ -57,14 +63,14 @@ ACCESS: Final = frozenset(setting(f) for f in (
 """Who a process is to the servers (:class:`trainguard.config.Settings` fields): never
 inherited from the agent by its ranks except as the agent hands them on, never published."""
 CONNECTION: Final = frozenset({NATS_URL, REDIS_URL, SUBJECT_PREFIX, JOB, HOST, GENERATION,
-                               FR_REQUEST, *ACCESS})
+                               JOIN, FR_REQUEST, *ACCESS})
 """Where and who (and which incarnation, and this node's dump-request file), not how to
 judge the job: kept out of
 :func:`job_settings`."""
 
 GUARD_KEYS: Final = frozenset({JOB, HOST, NATS_URL, SUBJECT_PREFIX, ALLOW_DRILLS, CREDENTIALS,
-                               NATS_TLS_CA, FR_REQUEST, GENERATION, DISABLED,
-                               CHECKPOINT_ROOT, REDIS_URL})
+                               NATS_TLS_CA, FR_REQUEST, GENERATION, JOIN,
+                               DISABLED, CHECKPOINT_ROOT, REDIS_URL})
 """The names the Guard reads (above). With every settings field's name they are what
 :func:`trainguard.config.known_variables` accepts; the per-job keys a job forwards in its
 hello (:func:`job_settings`) are detector settings (``TRAINGUARD_HANG_FLOOR``), known as

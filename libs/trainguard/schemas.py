@@ -52,6 +52,12 @@ class Heartbeat(Telemetry, tag="hb.v1"):
     dropped: int = 0
 
 
+RECOVERING_PHASE = "recovering"
+"""The heartbeat phase of a rank that lost a peer and waits for its group to re-form in
+place (``trainguard.torch``'s recovery): the detector holds its hang judgement meanwhile,
+for at most its ``recovery_timeout``."""
+
+
 class StepReport(Telemetry, tag="step.v1"):
     rank: int
     step: int
@@ -202,8 +208,10 @@ AgentDrill = Literal["kill", "freeze", "thaw", "ecc", "xid", "throttle"]
 AgentKind = Literal["restart", "isolate", "stop", "hold", "dump", AgentDrill]
 RankDrill = Literal["hang", "slow", "nan", "sdc", "crash"]
 """Faults a rank plays on itself (:mod:`trainguard.client.drills`)."""
-CollectiveKind = Literal["save_now", "set_interval"]
-"""Kinds every rank must run at the same step (``at_step`` or the side-group agreement)."""
+CollectiveKind = Literal["save_now", "set_interval", "reload"]
+"""Kinds every rank must run at the same step (``at_step`` or the side-group agreement).
+``reload``: load the committed checkpoint ``params.step`` in-process and go on from the
+step after it (a rollback without restarting a process)."""
 RankKind = Literal[CollectiveKind, RankDrill]
 CommandKind = Literal[AgentKind, RankKind]
 AGENT_KINDS: frozenset[str] = frozenset(get_args(AgentKind))
@@ -271,6 +279,9 @@ class WorkerExit(Durable, kw_only=True):
     error: str = ""
     initiated_by: str | None = None
     attempt: int = 0
+    generation: int = 0
+    """The job's process-group generation the rank ran in (0: an older agent). A rank
+    replaced in place keeps its attempt, so its failures are told apart by generation."""
     time: float = 0.0
 
 
@@ -310,6 +321,50 @@ class CheckpointReport(Durable, kw_only=True):
     Checkpointer's token); empty from older clients, which are told apart by ``attempt``."""
     ok: bool = True
     error: str = ""
+    time: float = 0.0
+
+
+RecoveryPath = Literal["in_place", "restart"]
+"""How a job got back to work: its survivors kept running and re-formed the group with a
+replacement (``in_place``), or every rank restarted from the last committed checkpoint."""
+RecoveryKind = Literal["replace", "rollback", "resize"]
+"""What the ranks recovered from: a lost rank replaced, a rollback to a committed
+checkpoint, or the group shrinking or growing."""
+
+
+class RecoveryReport(Durable, kw_only=True):
+    """A rank's account of one recovery, published by the lowest rank of the re-formed
+    group once it runs again (or by a rank that gave in-place up, with ``path="restart"``
+    and the reason), so the incident knows which path ran, what it cost and why."""
+
+    KIND: ClassVar[str] = "recovery"
+    id: str
+    job: str
+    rank: int
+    kind: RecoveryKind = "replace"
+    path: RecoveryPath = "in_place"
+    reason: str = ""
+    """Why in-place did not run (``path="restart"``), or what triggered it."""
+    generation: int = 0
+    """The generation of the re-formed group (``previous_generation`` before it)."""
+    previous_generation: int = 0
+    world_size: int = 0
+    joined: list[int] = []
+    """Ranks that took their state from a peer (the replacements)."""
+    source_rank: int | None = None
+    """The rank whose model and optimizer state the group continued with."""
+    failed_step: int | None = None
+    """The step the failure abandoned (None for a rollback)."""
+    last_completed: int | None = None
+    """The last step the group had completed before the failure."""
+    resumed_step: int = 0
+    """The first step the re-formed group runs."""
+    steps_lost: int = 0
+    """Completed steps the group runs again: ``last_completed - resumed_step + 1``, at
+    least 0 (in place after a lost rank: 0)."""
+    seconds: float = 0.0
+    """From the failure reaching this rank to the group ready to run ``resumed_step``."""
+    attempt: int = 0
     time: float = 0.0
 
 
@@ -416,6 +471,26 @@ class IncidentStep(msgspec.Struct, kw_only=True):
     """The scheduler hook this step ran (``isolate``), with its outcome."""
 
 
+class RecoveryNote(msgspec.Struct, kw_only=True):
+    """How an incident's job got back to work, from its ranks' and agents'
+    :class:`RecoveryReport` (the newest that followed the failure)."""
+
+    path: RecoveryPath
+    """``in_place``: the survivors kept running; ``restart``: the group restarted cold."""
+    kind: RecoveryKind = "replace"
+    reason: str = ""
+    """Why in place did not run (``restart``), or what the in-place recovery did."""
+    generation: int = 0
+    """The re-formed group's generation (in place)."""
+    resumed_step: int | None = None
+    steps_lost: int | None = None
+    seconds: float | None = None
+    """The failure reaching the ranks -> the group ready again (in place)."""
+    back_at: float | None = None
+    """When the job was back at work: ready in place, or (cold) training past the failure."""
+    report_id: str = ""
+
+
 class Incident(Durable, kw_only=True):
     KIND: ClassVar[str] = "incident"
     id: str
@@ -440,6 +515,8 @@ class Incident(Durable, kw_only=True):
     steps_lost: int | None = None
     restarted_attempt: int | None = None
     """The job's attempt when the remediator restarted it: resolution needs a later one."""
+    recovery: RecoveryNote | None = None
+    """Which recovery path ran, why, what it cost and when the job was back at work."""
     actions: list[IncidentStep] = []
     summary: str = ""
     escalation: str = ""
@@ -526,7 +603,8 @@ class DeadLetter(Durable, kw_only=True):
 
 
 DURABLE_TYPES: tuple[type[Durable], ...] = (
-    RankHello, NodeHello, WorkerExit, FlightRecorderReport, CheckpointReport, Anomaly,
+    RankHello, NodeHello, WorkerExit, FlightRecorderReport, CheckpointReport,
+    RecoveryReport, Anomaly,
     Diagnosis, Action, Incident, CheckpointCommitted, Command, CommandAck, ResumePoint, DeadLetter,
 )
 BY_CE_TYPE: dict[str, type[Durable]] = {t.ce_type(): t for t in DURABLE_TYPES}

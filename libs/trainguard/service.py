@@ -237,12 +237,14 @@ class Runtime:
             self.metrics.error(consumer, "dead_letter_failed")
 
     async def publish_event(self, subject: str, msg: Durable, ctx: Context | None = None) -> None:
-        """Publish a durable message inside a PRODUCER span (the trace goes on downstream)."""
+        """Publish a durable message inside a PRODUCER span (the trace goes on downstream),
+        retrying for ``publish_retry_s`` while JetStream does not acknowledge it."""
         with self.tracer.start_as_current_span(
             f"publish {subject}", context=ctx, kind=trace.SpanKind.PRODUCER,
             attributes={"messaging.system": "nats", "messaging.destination.name": subject},
         ):
-            await self.bus.publish_durable(subject, msg)
+            await self.bus.publish_durable(subject, msg,
+                                           retry_for=self.settings.publish_retry_s)
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:

@@ -31,7 +31,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 
 from . import tracing
-from .bus import Bus
+from .bus import UNACKED_PUBLISH_ERRORS, Bus
 from .codec import decode_any_durable
 from .deadletter import MAX_REASON, clip
 from .envelope import H_TYPE, normalize_headers
@@ -43,8 +43,7 @@ from .store import TRANSIENT_REDIS_ERRORS
 from .topology import ConsumerSpec
 
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
-    *TRANSIENT_REDIS_ERRORS, nats.errors.TimeoutError, nats.errors.ConnectionClosedError,
-    nats.errors.NoRespondersError, TimeoutError,
+    *TRANSIENT_REDIS_ERRORS, *UNACKED_PUBLISH_ERRORS, nats.errors.ConnectionClosedError,
 )
 
 DEAD_LETTER_RETRY_ERRORS: tuple[type[BaseException], ...] = (JetStreamError, *TRANSIENT_ERRORS)

@@ -64,6 +64,10 @@ class Keys:
     def progress(self, job: str) -> str:
         return self._k("progress", job)
 
+    def recoveries(self, job: str) -> str:
+        """Hash report id -> JSON ``RecoveryReport`` of the job's last hour (remediator)."""
+        return self._k("recovery", job)
+
     def lease(self, role: str, job: str) -> str:
         """Per-job ownership lease of a partitioned service (e.g. the detector)."""
         return self._k("lease", role, job)

@@ -6,6 +6,7 @@ Layout (DESIGN.md section 3), with the default prefix ``tg``::
     tg.<job>.gpu.<host>         tg.<job>.node.<host>        tg.<job>.exit.<host>
     tg.<job>.fr.<host>          (an agent's flight-recorder dumps)
     tg.<job>.ckpt.<rank>        tg.<job>.event.<kind>       tg.<job>.dead
+    tg.<job>.recovery.<rank>    (a rank's account of an in-place or cold recovery)
     tg.<job>.reg.<rank>         tg.<job>.reg.host-<host>    (rank and node hellos)
     tg.<job>.cmd.all            tg.<job>.cmd.host.<host>    tg.<job>.cmd.rank.<rank>
     tg.<job>.ack.<issuer>       tg.<job>.rpc.resume
@@ -102,6 +103,10 @@ class Subjects:
 
     def ckpt(self, job: str, rank: int) -> str:
         return f"{self._job(job)}.ckpt.{check_rank(rank)}"
+
+    def recovery(self, job: str, rank: int) -> str:
+        """A rank's :class:`~trainguard.schemas.RecoveryReport` (durable)."""
+        return f"{self._job(job)}.recovery.{check_rank(rank)}"
 
     def event(self, job: str, kind: str) -> str:
         if kind not in EVENT_KINDS:

@@ -7,7 +7,7 @@ Why each stream looks the way it does is in CONVENTIONS.md; in short:
 * ``CMDS``: commands; *interest* retention, since a work-queue stream refuses the
   overlapping filters that a broadcast to ``cmd.all`` needs. A command published before
   any consumer exists is dropped, which is why agents bind before saying hello.
-* ``REPORTS``: acks, worker exits, checkpoint reports, hellos.
+* ``REPORTS``: acks, worker exits, checkpoint reports, hellos, recovery reports.
 * ``DEAD``: ``<prefix>.*.dead`` plus JetStream's max-deliveries and terminated
   advisories (JetStream has no dead-letter queue of its own).
 
@@ -118,7 +118,8 @@ def streams(prefix: str, *, replicas: int = 1,
                    7 * DAY),
         StreamSpec("cmds", names["cmds"], (s.pattern("cmd", tail=">"),), interest, file, DAY),
         StreamSpec("reports", names["reports"],
-                   tuple(s.pattern(k) for k in ("ack", "exit", "fr", "ckpt", "reg")), limits, file,
+                   tuple(s.pattern(k) for k in ("ack", "exit", "fr", "ckpt", "reg", "recovery")),
+                   limits, file,
                    7 * DAY),
         StreamSpec("dead", stream_name(prefix, "dead"), (s.dead_pattern(), *advisories),
                    limits, file, 14 * DAY),

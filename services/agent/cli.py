@@ -49,7 +49,11 @@ def own_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-grace", type=float, help="SIGTERM-to-SIGKILL grace (s)")
     p.add_argument("--preempt-grace", type=float, help="save-now deadline on SIGTERM (s)")
     p.add_argument("--warm-spares", type=int, metavar="N",
-                   help="warm spare processes kept to replace ranks (default 1; 0: none)")
+                   help="warm spare processes kept to replace ranks (default: one per local "
+                        "rank; 0: none)")
+    p.add_argument("--in-place", action=argparse.BooleanOptionalAction, default=None,
+                   help="replace one failed rank while the others keep running, when the "
+                        "trainer recovers in place (default on)")
     return p
 
 
@@ -79,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
         "redis_url": ours.redis, "prefix": ours.prefix, "stop_grace": ours.stop_grace,
         "preempt_grace": ours.preempt_grace, "credentials": ours.credentials,
         "rank_credentials": ours.rank_credentials, "warm_spares": ours.warm_spares,
+        "in_place": ours.in_place,
     })
     from trainguard.subjects import check_token
 

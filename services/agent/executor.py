@@ -5,7 +5,9 @@ and targets are ours, duplicate ids, retries, epochs) is the library's
 :class:`~trainguard.receiver.Receiver`, shared with the ranks; what is the agent's own is
 here: drills gated, isolation refused on the rendezvous-store host, ranks that must be local.
 ``restart`` restarts the node's whole group, or with ``params.rank`` that rank alone (a new
-generation; the others keep running).
+generation; the others keep running): in place (the replacement takes its state from the
+survivors) when every rank declared it can, else, with ``params.fallback = "group"`` (the
+remediator's culprit restart), the whole group, else the rank alone from its checkpoint.
 ``hold`` is the control plane ending a job that cannot recover (a crash loop past its
 budget): the workers stop and ``trainguard launch`` exits 80, on every host (the store
 host's too: unlike an isolation, the whole job is meant to end).
@@ -32,7 +34,7 @@ class Node(Protocol):
 
     def restart(self, command_id: str) -> str: ...
 
-    def restart_rank(self, rank: int, command_id: str) -> str: ...
+    def restart_rank(self, rank: int, command_id: str, fallback: str = "") -> str: ...
 
     def isolate(self, command_id: str) -> str: ...
 
@@ -45,6 +47,10 @@ class Node(Protocol):
     def signal_rank(self, rank: int, action: str) -> str: ...
 
     def gpu_drill(self, kind: str, params: dict[str, object]) -> str: ...
+
+
+FALLBACKS = frozenset({"", "group"})
+"""``restart`` with ``params.rank``: what to do when the rank cannot be replaced in place."""
 
 
 class CommandExecutor:
@@ -90,8 +96,14 @@ class CommandExecutor:
             raise Refused("drills are disabled for this job: launch it with --allow-drills")
         match cmd.kind:
             case "restart":
-                if "rank" in cmd.params:  # one rank alone, at a new generation
-                    return "; ".join(node.restart_rank(r, cmd.id) for r in self._ranks(cmd))
+                if "rank" in cmd.params:  # one rank alone (in place when it can), at a new
+                    fallback = str(cmd.params.get("fallback") or "")  # generation
+                    if fallback not in FALLBACKS:
+                        raise Refused(f"params.fallback {fallback!r} is not one of "
+                                      f"{sorted(FALLBACKS)} ('group': restart the group "
+                                      "when the rank cannot be replaced in place)")
+                    return "; ".join(node.restart_rank(r, cmd.id, fallback)
+                                     for r in self._ranks(cmd))
                 return node.restart(cmd.id)
             case "stop":
                 return node.stop(cmd.id)

@@ -175,7 +175,7 @@ class Stopping(TrainguardError):
 
 def launch(settings: AgentSettings, torchrun_argv: list[str]) -> int:
     """Run the node's ranks until the job ends; returns the process exit code."""
-    if settings.warm_spares < 0:
+    if settings.warm_spares is not None and settings.warm_spares < 0:
         raise ConfigError(f"warm_spares must be 0 or more, not {settings.warm_spares} "
                           "(--warm-spares N or TRAINGUARD_WARM_SPARES)")
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
@@ -205,6 +205,8 @@ def launch(settings: AgentSettings, torchrun_argv: list[str]) -> int:
                      log_dir=log_dir)
     node.publish_fr = lambda r: link_box[0].publish(
         settings.subjects.fr(settings.job, settings.host), r)
+    node.publish_recovery = lambda r: link_box[0].publish(
+        settings.subjects.recovery(settings.job, r.rank), r)
     hello = NodeHello(job=settings.job, host=settings.host, local_ranks=list(range(nproc)),
                       nnodes_min=plan.min_nodes, nnodes_max=plan.max_nodes,
                       drills_allowed=settings.allow_drills, hosts_store=hosts_store,
@@ -220,24 +222,40 @@ def launch(settings: AgentSettings, torchrun_argv: list[str]) -> int:
         _leave(link)
         return EXIT_ISOLATED
 
+    rdzv_box: list[JobRendezvous] = []
+
     def on_signal(signum: int, frame: Any) -> None:
         if signum == signal.SIGTERM and node.ended_by is None:
             # Preemption: try to save within the grace period, then stop the workers.
             answer = link.request_save(settings.preempt_grace)
             log.warning("SIGTERM: save-now before stopping: %s", answer)
+        if rdzv_box:  # before this host's ranks stop: survivors elsewhere stop waiting
+            rdzv_box[0].mark_leaving(f"host {settings.host} left the job ({leaving_why(signum)})")
         raise Stopping(signum)
+
+    def leaving_why(signum: int) -> str:
+        if node.isolating:
+            return f"isolated by command {node.isolating}"
+        if node.holding:
+            return f"held by command {node.holding}"
+        if node.stopping:
+            return f"stopped by command {node.stopping}"
+        return f"its launcher got signal {signum}"
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, on_signal)
-    spares = SparePool(settings.warm_spares if program.warmable else 0, os.environ, log_dir)
+    wanted = nproc if settings.warm_spares is None else settings.warm_spares
+    spares = SparePool(wanted if program.warmable else 0, os.environ, log_dir)
     node.spare_pids = spares.ready_pids
     code = 1
     try:
         rdzv = JobRendezvous(plan)
+        rdzv_box.append(rdzv)
         supervisor = Supervisor(node=node, rdzv=rdzv, program=program, nproc=nproc,
                                 max_restarts=max_restarts, log_dir=log_dir, spares=spares,
                                 stop_grace=settings.stop_grace,
-                                refill_delay=settings.spare_refill_delay)
+                                refill_delay=settings.spare_refill_delay,
+                                in_place=settings.in_place)
         node.rank_restarter = supervisor.restart_rank
         print(f"trainguard launch: job {settings.job} on host {settings.host} "
               f"(rendezvous {plan.endpoint}, store host: {hosts_store}, "

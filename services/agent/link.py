@@ -55,6 +55,10 @@ from .settings import AgentSettings
 
 log = logging.getLogger("trainguard.agent")
 
+OUTBOX_RETRY_S = 15.0
+"""How long a report the ranks handed over (exits, recoveries) is retried while the bus is
+away, before it is dropped with a warning."""
+
 
 def consumer_spec(settings: AgentSettings) -> ConsumerSpec:
     s = settings.subjects
@@ -251,13 +255,11 @@ class AgentLink:
                 subject, msg = self._outbox.get_nowait()
             except queue.Empty:
                 return
-            for attempt in range(30):
-                try:
-                    await self._bus.publish_durable(subject, msg)
-                    break
-                except Exception as exc:
-                    log.debug("publish to %s failed (%r), attempt %d", subject, exc, attempt)
-                    await asyncio.sleep(0.5)
+            try:  # one message id for all tries: the stream keeps one copy
+                await self._bus.publish_durable(subject, msg, retry_for=OUTBOX_RETRY_S)
+            except Exception as exc:
+                log.warning("publish to %s failed for %g s, dropped: %r", subject,
+                            OUTBOX_RETRY_S, exc)
 
     async def _every(self, seconds: float, fn: Callable[[], Any]) -> None:
         while True:
@@ -389,9 +391,7 @@ class AgentLink:
             subject = self.settings.subjects.ack(cmd.job, cmd.issuer)
         except InvalidToken:
             return
-        for _ in range(10):
-            try:
-                await self._bus.publish_durable(subject, ack)
-                return
-            except Exception:
-                await asyncio.sleep(0.5)
+        try:  # one message id for all tries: the issuer sees one ack, not one per try
+            await self._bus.publish_durable(subject, ack, retry_for=self.settings.publish_retry_s)
+        except Exception as exc:
+            log.warning("the ack of command %s could not be published: %r", cmd.id, exc)

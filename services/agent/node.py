@@ -23,6 +23,7 @@ from trainguard.schemas import (
     FlightRecorderReport,
     GpuStats,
     ProcessState,
+    RecoveryReport,
     WorkerExit,
     XidEvent,
     is_stopped,
@@ -72,6 +73,9 @@ class LocalNode:
         self._publish_exit = publish_exit
         self.publish_fr: Callable[[FlightRecorderReport], None] | None = None
         """Where flight-recorder dumps collected on ``dump`` go (the launcher's link)."""
+        self.publish_recovery: Callable[[RecoveryReport], None] | None = None
+        """Where the agent says why a failure got the group restart and not the in-place
+        replacement (the launcher's link; ``recovery.<rank>``)."""
         self.oom = hostmem.OomWatch()
         self._lock = threading.Lock()
         self.workers: dict[int, Worker] = {}
@@ -85,8 +89,9 @@ class LocalNode:
         """The job's generation this node's ranks belong to (the newest one it knows)."""
         self.spare_pids: Callable[[], list[int]] = list
         """The pids of the idle warm spares ready to become a rank (the pool's)."""
-        self.rank_restarter: Callable[[int, str, float], str] | None = None
-        """Restarts one local rank alone: (local rank, command id, timeout) -> detail."""
+        self.rank_restarter: Callable[[int, str, float, str], str] | None = None
+        """Restarts one local rank alone: (local rank, command id, timeout, fallback) ->
+        detail."""
         self.restarting_since: float | None = None
         """Since when the worker group is restarting (a failure seen or a ``restart``
         command), until the new group started: the node heartbeat says so, so the detector
@@ -159,7 +164,8 @@ class LocalNode:
         return WorkerExit(id=uuid7(), job=self.settings.job, host=self.host, rank=w.rank,
                           local_rank=w.local_rank, pid=w.pid, exit_code=code, signal=sig,
                           stderr_tail=procs.stderr_tail(w.stderr, 4096), error=error,
-                          initiated_by=by, attempt=self.restart_count, time=now)
+                          initiated_by=by, attempt=self.restart_count,
+                          generation=self.generation, time=now)
 
     def workers_stopped(self, command_id: str) -> None:
         """Report the exits of a stop or isolation: the supervisor tore the workers down
@@ -193,6 +199,34 @@ class LocalNode:
                 if not (keep and pid in self.initiated):
                     self.initiated[pid] = by
 
+    def initiated_by(self, pid: int) -> str | None:
+        """The command (or ``launcher``) that stopped ``pid``, if one did."""
+        with self._lock:
+            return self.initiated.get(pid)
+
+    def report_fallback(self, rank: int, reason: str, world_size: int) -> None:
+        """Say why ``rank``'s failure restarts the whole group from the committed
+        checkpoint instead of replacing it in place (the incident records it)."""
+        log.info("rank %d: group restart, not in place: %s", rank, reason)
+        if self.publish_recovery is None:
+            return
+        self.publish_recovery(RecoveryReport(
+            id=uuid7(), job=self.settings.job, rank=rank, kind="replace", path="restart",
+            reason=reason, generation=self.generation, previous_generation=self.generation,
+            world_size=world_size, attempt=self.restart_count, time=time.time()))
+
+    def report_replaced(self, rank: int, generation: int, world_size: int, detail: str) -> None:
+        """Say that ``rank`` was replaced in place at ``generation``: the launcher's restart
+        of the failure, done (the re-formed group's lowest rank reports the rest once it
+        runs: source, resumed step, steps lost, seconds)."""
+        if self.publish_recovery is None:
+            return
+        self.publish_recovery(RecoveryReport(
+            id=uuid7(), job=self.settings.job, rank=rank, kind="replace", path="in_place",
+            reason=detail, generation=generation, previous_generation=generation - 1,
+            world_size=world_size, joined=[rank], attempt=self.restart_count,
+            time=time.time()))
+
     def restart_began(self, now: float | None = None) -> None:
         """The worker group is going down to be started again (idempotent per restart)."""
         with self._lock:
@@ -205,13 +239,15 @@ class LocalNode:
         procs.terminate(pids, self.settings.stop_grace)
         return f"stopped {len(pids)} local worker(s); the launcher restarts the group"
 
-    def restart_rank(self, rank: int, command_id: str) -> str:
-        """Restart one rank alone, at a new generation (the others keep running)."""
+    def restart_rank(self, rank: int, command_id: str, fallback: str = "") -> str:
+        """Restart one rank alone, at a new generation (the others keep running); in place
+        when the group can take it, else ``fallback="group"`` restarts the group."""
         with self._lock:
             worker = self.workers.get(rank)
         if worker is None or self.rank_restarter is None:
             raise ProcessLookupError(f"rank {rank} does not run on host {self.host}")
-        return self.rank_restarter(worker.local_rank, command_id, self.settings.stop_grace + 60)
+        return self.rank_restarter(worker.local_rank, command_id,
+                                   self.settings.stop_grace + 60, fallback)
 
     def isolate(self, command_id: str) -> str:
         self.isolating = command_id

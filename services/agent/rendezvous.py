@@ -9,6 +9,18 @@ store; a node's first rank is the sum of the lower group ranks'), and keeps the 
 by one at every new process group (a round) and at every single-rank restart, so every
 rank, every agent and the control plane can tell which incarnation of the group a rank
 belongs to.
+
+The **group store** is what the ranks reach at ``MASTER_ADDR:MASTER_PORT``
+(``TORCHELASTIC_USE_AGENT_STORE=True``): with the c10d backend a fresh ``TCPStore`` per
+round, served by the agent of the round's group rank 0 on the port torch's rendezvous
+chose for it (a plain trainer's ``init_process_group`` then never meets an older group's
+keys, the reason trainguard sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), and outliving
+every rank, so the survivors of a lost rank 0 can still re-form on it (with torch's own
+sharing, without that setting, the group store is the one torch's agent serves; with the
+static backend it is the rendezvous store). Under
+:func:`trainguard.groupstore.job_prefix` it carries the generation the ranks read (each
+single-rank replacement adds one there and to the job-wide counter, so a later round still
+draws above it) and the ranks' in-place keys.
 """
 
 from __future__ import annotations
@@ -18,12 +30,18 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from trainguard import groupstore
 from trainguard.errors import TrainguardError
+
+from . import inplace
 
 log = logging.getLogger("trainguard.agent")
 
-GENERATION_KEY = "generation"
 ROUND_GENERATION_KEY = "trainguard/generation"
+GROUP_READY_KEY = "group_ready"
+"""``<key>/<generation>`` is set in the group store (under the job prefix) once it holds
+the round's generation."""
+STORE_TIMEOUT_S = 60.0
 NPROC_KEY = "trainguard/nproc/"
 EXIT_BARRIER_PREFIX = "trainguard/exit_barrier"
 
@@ -72,6 +90,10 @@ class JobRendezvous:
                                       **plan.configs)
         self.handler: Any = registry.get_rendezvous_handler(params)
         self._job_store: Any = None
+        self._group_store: Any = None
+        """The current round's group store, under the job prefix (see the module doc)."""
+        self._round_store: Any = None
+        """Its ``TCPStore`` (the server itself on the round's group rank 0)."""
 
     @property
     def run_id(self) -> str:
@@ -79,7 +101,8 @@ class JobRendezvous:
 
     @property
     def use_agent_store(self) -> bool:
-        return bool(self.handler.use_agent_store)
+        """Always: the ranks' store is an agent's (the group store), never rank 0's."""
+        return True
 
     def next_round(self, local_world_size: int) -> Round:
         """Join the next round (blocks until the group forms) and assign ranks."""
@@ -92,42 +115,105 @@ class JobRendezvous:
         except RendezvousError as exc:
             raise RendezvousFailed(f"rendezvous failed: {exc}") from exc
         store = info.store
-        base = store.underlying_store if isinstance(store, dist.PrefixStore) else store
-        self._job_store = dist.PrefixStore(f"trainguard/{self.run_id}/", base)
+        base = store
+        while isinstance(base, dist.PrefixStore):  # the TCPStore itself, as ranks reach it
+            base = base.underlying_store
+        self._job_store = dist.PrefixStore(groupstore.job_prefix(self.run_id), base)
         group_rank, nodes = int(info.rank), int(info.world_size)
         store.set(f"{NPROC_KEY}{group_rank}", str(local_world_size))
         sizes = [int(v) for v in store.multi_get([f"{NPROC_KEY}{i}" for i in range(nodes)])]
         if group_rank == 0:
             # One new generation per group: the lowest node draws it, the others read it.
-            store.set(ROUND_GENERATION_KEY, str(self._job_store.add(GENERATION_KEY, 1)))
+            drawn = self._job_store.add(groupstore.GENERATION, 1)
+            store.set(ROUND_GENERATION_KEY, str(drawn))
         generation = int(store.get(ROUND_GENERATION_KEY))
         if self.plan.backend == "static":
             addr, _, port = self.plan.endpoint.rpartition(":")
             master_addr, master_port = addr, int(port)
+            self._round_store, self._group_store = None, self._job_store
         else:
             boot = info.bootstrap_store_info
             master_addr, master_port = str(boot.master_addr), int(boot.master_port)
+            # torch's own sharing (without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) serves the
+            # ranks' store from its agent already: a client of it then, like the others.
+            self._open_group_store(dist, master_addr, master_port, generation,
+                                   serve=group_rank == 0 and not self.handler.use_agent_store,
+                                   seed=group_rank == 0)
         return Round(group_rank=group_rank, group_world_size=nodes,
                      base_rank=sum(sizes[:group_rank]), world_size=sum(sizes),
                      master_addr=master_addr, master_port=master_port,
                      generation=generation, store=store)
 
+    def _open_group_store(self, dist: Any, addr: str, port: int, generation: int, *,
+                          serve: bool, seed: bool) -> None:
+        """The round's group store: served here (``serve``) or a client of it; group rank 0
+        (``seed``) raises its generation to the round's and marks it ready, the others
+        wait for that mark."""
+        from datetime import timedelta
+
+        timeout = timedelta(seconds=STORE_TIMEOUT_S)
+        self._group_store = self._round_store = None  # the last round's server goes now
+        ready = f"{GROUP_READY_KEY}/{generation}"
+        try:
+            self._round_store = dist.TCPStore(addr, port, is_master=serve,
+                                              wait_for_workers=False, timeout=timeout)
+            group = dist.PrefixStore(groupstore.job_prefix(self.run_id), self._round_store)
+            if seed:
+                behind = generation - int(group.add(groupstore.GENERATION, 0))
+                if behind > 0:
+                    group.add(groupstore.GENERATION, behind)
+                group.set(ready, "1")
+            else:
+                group.wait([ready], timeout)
+        except Exception as exc:  # the round's rank-0 agent went away: the next round tells
+            raise RendezvousFailed(f"group store {addr}:{port} unavailable: {exc}") from exc
+        self._group_store = group
+
     def bump_generation(self) -> int:
-        """A new generation for a single-rank restart (job-wide: every agent reads it)."""
-        return int(self._store().add(GENERATION_KEY, 1))
+        """A new generation for a single-rank restart (job-wide: every agent reads it):
+        one more in the group store the ranks read, and in the job-wide counter the next
+        round draws from, so both stay equal whoever bumps."""
+        group, job = self._group(), self._store()
+        new = int(group.add(groupstore.GENERATION, 1))
+        if group is not job:
+            job.add(groupstore.GENERATION, 1)
+        return new
 
     def generation(self) -> int | None:
         """The job's current generation, or None when the store does not answer."""
         try:
-            return int(self._store().add(GENERATION_KEY, 0))
+            return int(self._group().add(groupstore.GENERATION, 0))
         except Exception as exc:  # the store host left: the next round tells
             log.debug("generation read failed: %r", exc)
             return None
+
+    def mark_leaving(self, reason: str) -> None:
+        """Say in the group store that this node's ranks leave the job for good
+        (:func:`trainguard.groupstore.left_key`); best effort: a store that does not
+        answer only costs the survivors their rejoin timeout."""
+        try:
+            group = self._group()
+            generation = int(group.add(groupstore.GENERATION, 0))
+            group.set(groupstore.left_key(generation), reason)
+        except Exception as exc:
+            log.debug("could not mark this node as leaving: %r", exc)
+
+    def in_place_missing(self, generation: int, world_size: int) -> list[int] | None:
+        """Ranks of ``generation`` that have not declared in-place recovery (None: the
+        store does not answer, or no round yet): :func:`.inplace.missing_keys`."""
+        if self._group_store is None:
+            return None
+        return inplace.missing_keys(self._group_store, generation, world_size)
 
     def _store(self) -> Any:
         if self._job_store is None:
             raise RendezvousFailed("no rendezvous round yet")
         return self._job_store
+
+    def _group(self) -> Any:
+        if self._group_store is None:
+            raise RendezvousFailed("no group store for this round")
+        return self._group_store
 
     def nodes_waiting(self) -> int:
         """Nodes waiting to join or re-form (another node restarted, or a new one came)."""

@@ -24,12 +24,15 @@ class AgentSettings(Settings):
     rank_credentials: str = ""
     """The rank role's credentials file, handed to the ranks (``TRAINGUARD_CREDENTIALS`` of
     their environment); the agent's own is ``credentials``."""
-    warm_spares: int = 1
+    warm_spares: int | None = None
     """Warm spares kept per node (processes with torch imported, waiting to replace a
-    rank); 0 turns them off. As many as ``--nproc-per-node`` make a whole-group restart
-    warm for every rank."""
+    rank); None (the default): one per local rank, so a whole-group restart is warm for
+    every rank; 0 turns them off."""
     spare_refill_delay: float = 1.0
     """Seconds after a group (or a rank) started before used spares are refilled, so the
     refill's imports do not compete with the new ranks' start."""
+    in_place: bool = True
+    """Replace a single failed rank in place (its survivors keep running and hand it their
+    state) when every rank declared it can; off: every failure restarts the group."""
     scripted_gpus: int = 0
     """Fake GPUs for drills on machines without one (0: only with --allow-drills, 1 GPU)."""

@@ -56,14 +56,17 @@ def _die_with(parent: int) -> None:
 
 def _warm_up() -> None:
     """What every rank loads before its first step: torch, its distributed package, the
-    trainguard client (the checkpoint machinery too, where it is importable), and what
-    torch imports lazily on a first optimizer step (its compiler stack, seconds on a busy
-    machine), reached through the public API on a throwaway one-parameter model."""
+    trainguard client and the checkpoint machinery (a replacement rank loads a checkpoint
+    before it trains: DCP costs a second or more to import), and what torch imports lazily
+    on a first optimizer step (its compiler stack, seconds on a busy machine), reached
+    through the public API on a throwaway one-parameter model."""
     import torch
     import torch.distributed
 
     import trainguard
 
+    with contextlib.suppress(ImportError):
+        import torch.distributed.checkpoint
     with contextlib.suppress(ImportError):
         import trainguard.torch
     model = torch.nn.Linear(1, 1)

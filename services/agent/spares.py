@@ -91,7 +91,8 @@ class SparePool:
         self.started_total = 0
 
     def fill(self) -> None:
-        """Drop dead or stuck spares and start new ones up to ``size`` (supervising thread)."""
+        """Drop dead or stuck spares and, while fewer than ``size`` are kept, start one once
+        the others are ready (supervising thread; called again until the pool is full)."""
         with self._lock:
             for s in list(self._spares):
                 stuck = not s.ready.is_set() and \
@@ -107,7 +108,9 @@ class SparePool:
                     self._failures = 0
             if self._failures >= self.max_failures:
                 return
-            while len(self._spares) < self.size:
+            # One spare warms up at a time: a refill's torch imports compete with the ranks
+            # that just started (and with each other) for the node's cores.
+            if len(self._spares) < self.size and all(s.ready.is_set() for s in self._spares):
                 self.started_total += 1
                 path = os.path.join(self.log_dir, f"spare-{self.started_total}.log")
                 self._spares.append(Spare(self.env, path))

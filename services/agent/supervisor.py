@@ -5,8 +5,11 @@ start the node's ranks (each from a warm spare where one is ready, else a cold
 ``python``), watch them, and on a failure stop the rest and re-form the group at a new
 generation (torchrun's semantics: ``--max-restarts`` failures, membership changes free).
 Besides the whole group it restarts **one rank alone** (:meth:`Supervisor.restart_rank`):
-the rank is replaced at a new job-wide generation while the others keep running, which is
-what in-place recovery builds on. The process table it keeps is :class:`LocalNode`'s, so
+the rank is replaced at a new job-wide generation while the others keep running. When one
+rank fails and every rank of the generation declared in-place recovery (:mod:`.inplace`),
+that is what a failure gets too: the replacement starts with ``TRAINGUARD_JOIN=peers``
+(its state comes from the survivors), at the survivors' attempt, and nobody else restarts.
+The process table it keeps is :class:`LocalNode`'s, so
 heartbeats, exits and commands see the pid that really runs each rank (a spare's, once
 it became one).
 """
@@ -28,7 +31,7 @@ from dataclasses import dataclass, field
 from trainguard import envnames
 from trainguard.errors import TrainguardError
 
-from . import procs
+from . import inplace, procs
 from .node import LAUNCHER, Failure, LocalNode, Worker
 from .output import OutputTail, rank_files
 from .rendezvous import JobRendezvous, Round
@@ -79,6 +82,7 @@ class RankProc:
 class _Request:
     local_rank: int
     by: str
+    fallback: str = ""
     done: threading.Event = field(default_factory=threading.Event)
     answer: str = ""
     error: str = ""
@@ -92,7 +96,7 @@ class Supervisor:
     def __init__(self, *, node: LocalNode, rdzv: JobRendezvous, program: Program,
                  nproc: int, max_restarts: int, log_dir: str, spares: SparePool,
                  stop_grace: float, monitor_interval: float = 0.1,
-                 refill_delay: float = 1.0) -> None:
+                 refill_delay: float = 1.0, in_place: bool = True) -> None:
         self.node = node
         self.rdzv = rdzv
         self.program = program
@@ -103,6 +107,9 @@ class Supervisor:
         self.stop_grace = stop_grace
         self.monitor_interval = monitor_interval
         self.refill_delay = refill_delay
+        self.in_place = in_place
+        self.remaining = max_restarts
+        """Restarts left (``--max-restarts``); an in-place replacement spends one too."""
         self.restart_count = 0
         self.group: dict[int, RankProc] = {}
         self.round: Round | None = None
@@ -114,7 +121,6 @@ class Supervisor:
     def run(self) -> int:
         """Until the job ends here: 0 when the node's ranks succeeded, 1 when they failed
         past ``max_restarts``. Stops every rank and spare on the way out."""
-        remaining = self.max_restarts
         prefer: list[int] = []
         try:
             while True:
@@ -129,12 +135,12 @@ class Supervisor:
                 prefer = sorted(f.local_rank for f in failures.values()
                                 if f.exitcode != -signal.SIGTERM)
                 if kind == "failed":
-                    if remaining <= 0:
+                    if self.remaining <= 0:
                         log.error("ranks failed and no restarts are left (--max-restarts %d)",
                                   self.max_restarts)
                         self.rdzv.close()
                         return 1
-                    remaining -= 1
+                    self.remaining -= 1
                     self.restart_count += 1
         finally:
             self.stop_group()
@@ -149,7 +155,7 @@ class Supervisor:
         while True:
             codes = {lr: p.popen.poll() for lr, p in self.group.items()}
             failed = [self.group[lr] for lr, c in codes.items() if c not in (None, 0)]
-            if failed:
+            if failed and not self._recover_in_place(failed):
                 return "failed", self._end_group(failed)
             if all(c == 0 for c in codes.values()):
                 return "succeeded", {}
@@ -185,9 +191,13 @@ class Supervisor:
                  [p.rank for p in self.group.values() if p.warm])
 
     def rank_env(self, rnd: Round, local_rank: int, rank: int, generation: int,
-                 restart_count: int, error_file: str) -> dict[str, str]:
-        """torchrun's environment contract for one rank, plus the generation it joins."""
+                 restart_count: int, error_file: str, *, join: bool = False) -> dict[str, str]:
+        """torchrun's environment contract for one rank, plus the generation it joins
+        (``join``: as the in-place replacement of a failed rank, from its peers' state)."""
         env = dict(os.environ)
+        env.pop(envnames.JOIN, None)
+        if join:
+            env[envnames.JOIN] = "peers"
         env.update({
             envnames.RANK: str(rank), "GROUP_RANK": str(rnd.group_rank),
             "ROLE_RANK": str(rank), "ROLE_NAME": "default",
@@ -208,12 +218,12 @@ class Supervisor:
         return env
 
     def _spawn(self, local_rank: int, rank: int, generation: int,
-               restart_count: int) -> RankProc:
+               restart_count: int, *, join: bool = False) -> RankProc:
         assert self.round is not None
         stdout, stderr = rank_files(self.log_dir, restart_count, local_rank, generation)
         error_file = os.path.join(os.path.dirname(stderr), "error.json")
         env = self.rank_env(self.round, local_rank, rank, generation, restart_count,
-                            error_file)
+                            error_file, join=join)
         spare = self.spares.take() if self.program.warmable else None
         if spare is not None:
             p = self.program
@@ -276,10 +286,12 @@ class Supervisor:
                        exitcode=int(p.popen.returncode), message=error_message(p.error_file))
 
     # -- one rank alone ---------------------------------------------------------------
-    def restart_rank(self, local_rank: int, by: str, timeout: float) -> str:
+    def restart_rank(self, local_rank: int, by: str, timeout: float,
+                     fallback: str = "") -> str:
         """Replace one local rank at a new generation, the others untouched (any thread:
-        the supervising thread carries it out, since only it may start processes)."""
-        req = _Request(local_rank, by)
+        the supervising thread carries it out, since only it may start processes);
+        ``fallback="group"``: restart the group when in place is not possible."""
+        req = _Request(local_rank, by, fallback)
         self._requests.put(req)
         if not req.done.wait(timeout):
             raise SupervisionError(f"restart of local rank {local_rank} did not finish in "
@@ -295,27 +307,111 @@ class Supervisor:
             except queue.Empty:
                 return
             try:
-                req.answer = self._replace(req.local_rank, req.by)
+                req.answer = self._replace(req.local_rank, req.by, req.fallback)
             except Exception as exc:
                 req.error = f"{type(exc).__name__}: {exc}"
             req.done.set()
 
-    def _replace(self, local_rank: int, by: str) -> str:
+    def _replace(self, local_rank: int, by: str, fallback: str = "") -> str:
+        """A ``restart`` of one rank (``by``: the command): in place when the group can
+        take it; else, with ``fallback="group"`` (the remediator's culprit restart), the
+        whole group; else that rank alone at a new attempt (today's single-rank restart)."""
         old = self.group.get(local_rank)
         if old is None or self.round is None:
             raise SupervisionError(f"local rank {local_rank} is not running")
+        decision = self._decide([old], [])
+        if decision.in_place:
+            # Killed at once: a hung or frozen rank's sockets close, so the survivors'
+            # collective fails now instead of at its timeout.
+            self.node.initiate_pids([old.pid], by)
+            procs.signal_group(old.pid, signal.SIGKILL)
+            old.popen.wait()
+            self.tail.forget({old.stdout, old.stderr})
+            new = self._replace_in_place(old, self.node.generation)
+            if new is not None:
+                return (f"rank {old.rank} replaced in place: pid {old.pid} -> {new.pid} "
+                        f"({'warm spare' if new.warm else 'cold start'}), generation "
+                        f"{self.node.generation}; the other ranks keep running")
+            self._stop_all(by)
+            return (f"rank {old.rank}: another replacement raced this one; the group "
+                    "restarts from the committed checkpoint")
+        if fallback == "group":
+            self._stop_all(by)
+            return (f"rank {old.rank} cannot be replaced in place ({decision.reason}); "
+                    f"stopped {len(self.group)} local worker(s): the group restarts")
         self.node.initiate_pids([old.pid], by)
         self._stop([old])
         self.node.workers_exited({old.rank: self._failure(old)}, succeeded=False)
         generation = self.rdzv.bump_generation()
         self.restart_count += 1
         new = self._spawn(local_rank, old.rank, generation, self.restart_count)
-        self.group[local_rank] = new
+        self._took_over(new, generation)
+        return (f"rank {old.rank} restarted alone: pid {old.pid} -> {new.pid} "
+                f"({'warm spare' if new.warm else 'cold start'}), generation {generation}")
+
+    def _stop_all(self, by: str) -> None:
+        """Stop every local rank for command ``by``: the next poll sees them gone and
+        restarts the group (their exits are the command's)."""
+        self.node.restart_began()
+        self.node.initiate_pids([p.pid for p in self.group.values()], by)
+        self._stop(list(self.group.values()))
+
+    def _took_over(self, new: RankProc, generation: int) -> None:
+        self.group[new.local_rank] = new
         self.node.generation = generation
         self.node.worker_replaced(self._worker(new), self.restart_count)
         self._refill_at = time.monotonic() + self.refill_delay
-        return (f"rank {old.rank} restarted alone: pid {old.pid} -> {new.pid} "
-                f"({'warm spare' if new.warm else 'cold start'}), generation {generation}")
+
+    # -- in place ---------------------------------------------------------------------
+    def _decide(self, failed: list[RankProc], initiated: list[RankProc]) -> inplace.Decision:
+        assert self.round is not None
+        generation = self.rdzv.generation() if self.in_place else None
+        if generation is not None:
+            self.node.generation = generation
+        single = self.in_place and len(failed) == 1 and not initiated \
+            and self.remaining > 0 and generation is not None
+        missing = self.rdzv.in_place_missing(generation, self.round.world_size) \
+            if single and generation is not None else None
+        return inplace.decide(enabled=self.in_place, failed=[p.rank for p in failed],
+                              initiated=[p.rank for p in initiated],
+                              restarts_left=self.remaining, generation=generation,
+                              missing=missing)
+
+    def _recover_in_place(self, failed: list[RankProc]) -> bool:
+        """A rank failed by itself: replace it in place if the group can take it (True),
+        else say why (for the incident) and let the group restart (False)."""
+        initiated = [p for p in failed if self.node.initiated_by(p.pid)]
+        decision = self._decide(failed, initiated)
+        if decision.in_place and self._replace_in_place(failed[0], self.node.generation):
+            return True
+        if not initiated and self.node.ended_by is None:
+            reason = decision.reason or "another agent replaced a rank at the same moment"
+            for p in failed:
+                self.node.report_fallback(p.rank, reason, self.round.world_size
+                                          if self.round is not None else 0)
+        return False
+
+    def _replace_in_place(self, old: RankProc, seen: int) -> RankProc | None:
+        """Start ``old``'s replacement at the next generation, the others untouched. None
+        when the generation did not rise by exactly one from ``seen`` (another agent
+        replaced a rank meanwhile: two failures, too many for in place)."""
+        generation = self.rdzv.bump_generation()
+        if generation != seen + 1:
+            log.warning("generation rose from %d to %d meanwhile: two replacements at once, "
+                        "restarting the group instead", seen, generation)
+            return None
+        # The exit first: the detector's crash evidence must not wait for the replacement.
+        self.node.workers_exited({old.rank: self._failure(old)}, succeeded=False)
+        self.remaining -= 1
+        new = self._spawn(old.local_rank, old.rank, generation, self.restart_count, join=True)
+        self._took_over(new, generation)
+        detail = (f"rank {old.rank} replaced in place on {self.node.host}: pid {old.pid} -> "
+                  f"{new.pid} ({'warm spare' if new.warm else 'cold start'}), generation "
+                  f"{generation}")
+        log.info("%s", detail)
+        assert self.round is not None
+        self.node.report_replaced(old.rank, generation, self.round.world_size, detail)
+        return new
 
 
 def error_message(path: str) -> str:

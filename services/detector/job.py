@@ -176,6 +176,11 @@ class JobState:
             self._new_attempt(attempt, t)
             self.recount()
 
+    def rolled_back(self, t: float) -> None:
+        """The ranks went back to an earlier step without a new process (a ``reload``):
+        a new generation of the job, at the same attempt."""
+        self._new_attempt(self.attempt, t)
+
     def _new_attempt(self, attempt: int, t: float) -> None:
         self.generation += 1
         self.attempt = attempt
@@ -210,6 +215,16 @@ class JobState:
             r.host = host
             self._joined(r, t)
         return r
+
+    def host_restarted(self, host: str, attempt: int, t: float) -> None:
+        """The host's agent says its worker group is at a later ``attempt`` (it restarted
+        the group): the job re-formed, even before any new rank speaks, so an incident
+        waiting for the launcher's restart sees it now rather than after the ranks' start."""
+        newest = self.host_attempt.get(host)
+        if newest is not None and attempt > newest:
+            self.host_attempt[host] = attempt
+            self._new_attempt(max(self.attempt, attempt), t)
+            self.recount()
 
     def current(self, r: RankInfo) -> bool:
         """Whether ``r`` is of its host's newest attempt (the job's current worker group)."""
@@ -346,6 +361,13 @@ class JobState:
                 return
         t = sr.time
         step = sr.step
+        if r.last_step is not None and step < r.last_step:
+            # The same process went back: a rollback in place (every rank reloaded a
+            # checkpoint in-process). The job's steps start over like after a resume, and
+            # so do the baselines judged per generation.
+            r.last_step, r.hb_step = step, None
+            if step <= self.closed_upto or (self.max_step is not None and step < self.max_step):
+                self.rolled_back(t)
         if r.last_step is None or step > r.last_step:
             r.last_step = step
         if self.max_step is None or step > self.max_step:

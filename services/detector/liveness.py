@@ -20,6 +20,9 @@ its ranks' silence explained: none of them is ``unresponsive``, no process state
 is judged, and the job (a torchrun group restarts as a whole) has no hang, until the agent's
 beat says the restart is over and the detector hears that host's ranks in the new attempt,
 or for at most ``restart_timeout`` (a restart that takes longer is stuck, and judged).
+Likewise a rank in the heartbeat phase ``recovering`` (its group re-forms in place around a
+replacement) holds the hang judgement for at most ``recovery_timeout``; a crash whose rank
+came back as a new process at the same attempt (replaced in place) is resolved.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 from trainguard.evidence import CrashEvidence, HangEvidence, RankPhase, UnresponsiveEvidence
 from trainguard.schemas import (
     GONE_STATES,
+    RECOVERING_PHASE,
     STOPPED_STATES,
     NodeHeartbeat,
     WorkerExit,
@@ -35,6 +39,7 @@ from trainguard.schemas import (
 )
 
 from .job import Census, JobState, RankInfo
+from .thresholds import Thresholds
 
 ODD_STATES = STOPPED_STATES | GONE_STATES
 """Process states the rules watch every tick (the others prove nothing either way)."""
@@ -75,6 +80,7 @@ class Liveness:
 
     # -- agent's process states -----------------------------------------------------------
     def on_node(self, job: JobState, node: NodeHeartbeat, now: float) -> None:
+        job.host_restarted(node.host, node.attempt, node.time)
         self._restart_mark(job, node)
         for rank, letter in node.ranks.items():
             r = job.ranks.get(rank)
@@ -202,7 +208,7 @@ class Liveness:
         excused = self.restarting_hosts(job, now)
         self.judge_silence(job, census, now, excused)
         if census is None or stalled <= base or not census.live or excused \
-                or self.exit_pending(job, now):
+                or self.exit_pending(job, now) or self.recovering(census, now, job.th):
             return
         limit = base
         if census.majority in job.long_phases:
@@ -210,6 +216,13 @@ class Liveness:
             basis = f"phase:{census.majority}"
         if stalled > limit:
             self._hang(job, census, now, stalled_since, limit, basis)
+
+    @staticmethod
+    def recovering(census: Census, now: float, th: Thresholds) -> bool:
+        """A rank re-forms its group in place (heartbeat phase ``recovering``, for at most
+        ``recovery_timeout``): the stall is the recovery, not a hang."""
+        return any(r.phase == RECOVERING_PHASE and r.phase_start is not None
+                   and now - r.phase_start <= th.recovery_timeout for r in census.live)
 
     @staticmethod
     def exit_pending(job: JobState, now: float) -> bool:
@@ -285,5 +298,14 @@ class Liveness:
         for key in job.book.keys("crash:"):
             _, rank, attempt = key.split(":")
             r = job.ranks.get(int(rank))
-            if r is not None and r.attempt > int(attempt):
+            if r is not None and (r.attempt > int(attempt) or self.replaced(job, key, r)):
                 job.book.clear(key, now, restarted_attempt=r.attempt)
+
+    @staticmethod
+    def replaced(job: JobState, key: str, r: RankInfo) -> bool:
+        """The crashed rank runs again as another process at the same attempt: replaced in
+        place (its survivors, and so the attempt, carried on)."""
+        crash = job.book.get(key)
+        evidence = crash.evidence if crash is not None else None
+        return isinstance(evidence, CrashEvidence) and bool(evidence.pid) and r.heard \
+            and not r.exited and r.pid not in (0, evidence.pid)

@@ -49,6 +49,10 @@ class Thresholds:
     """A rank must stay in D or t (traced) this long to be a hang; T counts at once."""
     restart_timeout: float = 60.0
     """An agent's "restarting" explains its ranks' silence for at most this long."""
+    recovery_timeout: float = 90.0
+    """A rank in the heartbeat phase ``recovering`` (its group re-forming in place) holds
+    the hang judgement at most this long (the ranks give up after their 60 s
+    ``rejoin_timeout``, and the agent then restarts the group)."""
     exit_max_age: float = 600.0
     """Worker exits older than this (replayed after an outage) update state, never alert."""
     exit_grace: float = 15.0

@@ -19,6 +19,7 @@ from trainguard.rpc import (
     Req,
     Requester,
     ResumeRequest,
+    RollbackReply,
     RollbackRequest,
     SaveRequest,
     call,
@@ -40,8 +41,15 @@ class Coordinator:
 
     async def rollback(self, job: str, below_step: int) -> Outcome:
         """Point the job's resume pointer below ``below_step`` (effective on a restart)."""
-        return rollback_outcome(*await self._call(
-            job, ROLLBACK, RollbackRequest(below_step=below_step), 10.0))
+        return (await self.rollback_to(job, below_step))[1]
+
+    async def rollback_to(self, job: str, below_step: int
+                          ) -> tuple[RollbackReply | None, Outcome]:
+        """:meth:`rollback`, with the reply (where the pointer went: a ``reload`` in place
+        names that step and path)."""
+        reply, error = await self._call(job, ROLLBACK, RollbackRequest(below_step=below_step),
+                                        10.0)
+        return reply, rollback_outcome(reply, error)
 
     async def resume_step(self, job: str) -> int:
         """Where training resumed: the resume pointer; without one (or without an answer),

@@ -24,6 +24,7 @@ from trainguard.envelope import uuid7
 from trainguard.schemas import Diagnosis, Incident, NodeHello, WorkerExit
 from trainguard.state import NodeRecord
 
+from . import recovery
 from .engine import (
     AGENT_ACTIONS,
     CRASHING,
@@ -57,14 +58,19 @@ def ended_attempt(ex: WorkerExit, now: float) -> int | None:
     return ex.attempt
 
 
-def attempt_member(attempt: int | None) -> str:
-    """The budget entry of an ended attempt; an unknown attempt is always a new entry."""
-    return f"{ATTEMPT}{attempt}" if attempt is not None else f"restart:{uuid7()}"
+def attempt_member(attempt: int | None, generation: int = 0) -> str:
+    """The budget entry of an ended attempt; an unknown attempt is always a new entry. A
+    rank replaced in place keeps its attempt, so its generation tells its failures apart
+    (``attempt:<n>:<generation>``; exits of older agents carry none)."""
+    if attempt is None:
+        return f"restart:{uuid7()}"
+    return f"{ATTEMPT}{attempt}" + (f":{generation}" if generation else "")
 
 
 def attempt_of(member: str) -> int | None:
     head, _, tail = member.partition(ATTEMPT)
-    return int(tail) if not head and tail.isdigit() else None
+    number = tail.partition(":")[0]
+    return int(number) if not head and number.isdigit() else None
 
 
 # -- holding a job -----------------------------------------------------------------------
@@ -172,7 +178,8 @@ def resolution(inc: Incident, view: JobView, resolved_anomalies: Collection[str]
                policy: Policy, now: float) -> Resolution | None:
     """Whether an incident whose steps have run ends now, and why."""
     restarting = any(s.action in RESTARTING for s in inc.actions)
-    if restarting and resolved_by_progress(inc, view, inc.restarted_attempt):
+    if restarting and (recovery.resolved_in_place(inc, view, now) if recovery.in_place(inc)
+                       else resolved_by_progress(inc, view, inc.restarted_attempt)):
         return "progress"
     if not restarting and (set(inc.anomaly_ids) <= set(resolved_anomalies)
                            or (inc.mitigated_at is not None and not inc.anomaly_ids)):
@@ -184,7 +191,8 @@ def resolution(inc: Incident, view: JobView, resolved_anomalies: Collection[str]
 
 def needs_resume_step(inc: Incident, why: Resolution) -> bool:
     """Steps lost are counted for a job the remediator restarted: from where it resumed."""
-    return why == "progress" and inc.restarted_attempt is not None
+    return why == "progress" and inc.restarted_attempt is not None \
+        and not recovery.in_place(inc)
 
 
 def settle(inc: Incident, why: Resolution, policy: Policy, now: float,
@@ -195,6 +203,7 @@ def settle(inc: Incident, why: Resolution, policy: Policy, now: float,
         inc.escalation = f"not resolved within {policy.resolve_timeout_s:.0f}s of detection"
         return
     inc.status, inc.resolved_at = "resolved", now
+    recovery.settle_note(inc, now)
     if why == "progress" and resume_step is not None:
         inc.resume_step = resume_step
         if inc.failure_step is not None:

@@ -28,6 +28,7 @@ from trainguard.schemas import (
     Diagnosis,
     Incident,
     IncidentStep,
+    RecoveryReport,
     StepStatus,
 )
 from trainguard.state import BlocklistEntry, NodeRecord
@@ -58,6 +59,10 @@ class JobView:
     """When this cause was first seen on these hosts (for "isolate if sustained")."""
     attempt: int | None = None
     last_step: int | None = None
+    world_size: int = 0
+    """The current group's world size (the detector's progress; 0: unknown)."""
+    recoveries: tuple[RecoveryReport, ...] = ()
+    """The job's recovery reports of the last hour (:mod:`.recovery`)."""
 
 
 # -- incidents ---------------------------------------------------------------------------
@@ -189,6 +194,9 @@ def plan(inc: Incident, d: Diagnosis, policy: Policy, view: JobView,
         elif action == "rollback":
             below = inc.failure_step if inc.failure_step is not None else 0
             steps.append(_step("rollback", below_step=below))
+        elif action == "restart" and culprit(inc) is not None:
+            rank, host = culprit(inc) or (0, "")
+            steps.append(_step("restart", rank=rank, host=host, fallback="group"))
         else:
             steps.append(_step(action))
     if any(s.action in ("isolate", "rollback") for s in steps) \
@@ -199,6 +207,14 @@ def plan(inc: Incident, d: Diagnosis, policy: Policy, view: JobView,
             s.action == "restart" for s in steps) and any(a in RESTARTING for a in actions):
         steps.append(_step("restart"))
     return steps, notes
+
+
+def culprit(inc: Incident) -> tuple[int, str] | None:
+    """The one rank (and its host) a ``rank_hang`` names: its restart replaces that rank
+    (in place when the job can take it, else the group restarts)."""
+    if inc.cause == "rank_hang" and len(inc.ranks) == 1 and len(inc.hosts) == 1:
+        return inc.ranks[0], inc.hosts[0]
+    return None
 
 
 def restarts_after(inc: Incident, view: JobView) -> int:

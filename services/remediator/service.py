@@ -42,14 +42,15 @@ from trainguard.schemas import (
     IncidentStep,
     NodeHello,
     RankHello,
+    RecoveryReport,
     WorkerExit,
 )
-from trainguard.service import Consumer, Delivery, Runtime, Service
+from trainguard.service import TRANSIENT_ERRORS, Consumer, Delivery, Runtime, Service
 from trainguard.state import Keys
 from trainguard.targets import addressed
 from trainguard.topology import ConsumerSpec
 
-from . import endings, hooks
+from . import endings, hooks, recovery
 from . import engine as rules
 from .acks import AckBox
 from .coordinator import Coordinator
@@ -60,6 +61,9 @@ from .settings import RemediatorSettings
 from .store import Store
 
 log = get_logger("trainguard.remediator")
+
+TRANSIENT_PAUSE_S, TRANSIENT_PAUSE_MAX_S = 0.5, 5.0
+"""Backoff of an incident whose step met Redis or JetStream away."""
 
 Persist = Callable[[], Awaitable[None]]
 """Saves the incident before a command goes out: a successor must know it was sent."""
@@ -102,6 +106,8 @@ class RemediatorService(Service[RemediatorSettings]):
             # consumer takes every hello and leaves the ranks' to the detector.
             Consumer(ConsumerSpec("reports", "remediator-nodes", (s.pattern("reg"),)),
                      self.on_hello, (NodeHello, RankHello)),
+            Consumer(ConsumerSpec("reports", "remediator-recovery", (s.pattern("recovery"),)),
+                     self.on_recovery, (RecoveryReport,)),
         ]
 
     async def start(self, rt: Runtime) -> None:
@@ -165,7 +171,13 @@ class RemediatorService(Service[RemediatorSettings]):
         idempotent); :meth:`_watch` holds the job once they pass it."""
         attempt = endings.ended_attempt(ex, time.time())
         if attempt is not None:
-            await self.store.note_attempt(ex.job, attempt, ex.time or time.time())
+            await self.store.note_attempt(ex.job, attempt, ex.time or time.time(),
+                                          ex.generation)
+
+    async def on_recovery(self, report: RecoveryReport, delivery: Delivery) -> None:
+        """Keep a rank's or agent's account of a recovery (any replica: keyed by its id);
+        the leader's incidents read it (:mod:`.recovery`) as they wait and resolve."""
+        await self.store.note_recovery(report)
 
     async def on_hello(self, hello: NodeHello | RankHello, delivery: Delivery) -> None:
         """Keep the host's node record from its agent's durable hellos (any replica: the
@@ -242,28 +254,29 @@ class RemediatorService(Service[RemediatorSettings]):
                                               f"incident:{inc.id}")
 
     async def _execute(self, ident: str, job: str) -> None:
-        """Run the incident's pending steps in order, persisting after each."""
+        """Run the incident's pending steps in order, persisting after each.
+
+        A transient failure (Redis or JetStream away longer than their own retries) pauses
+        the incident, never ends its task: the loop reloads it and goes on from what was
+        saved, so a step already persisted as done is not run again.
+        """
         assert self.leader is not None
+        pause = TRANSIENT_PAUSE_S
         try:
             while self.leader.leading:
-                async with self._lock(ident):
-                    inc = await self.store.load(job, ident)
-                    if inc is None or not rules.is_open(inc):
-                        return
-                    index = rules.next_step(inc)
-                    if index is None:
-                        if rules.conclude(inc, time.time()):
-                            await self._save(inc)
-                        return
-                    step = inc.actions[index]
-                    grace = rules.grace_to_wait(step)
-                    if not grace:
-                        rules.start_step(inc, step, time.time())
-                        await self._do(inc, step,
-                                       functools.partial(self._save, inc, publish=False))
-                        rules.finish_step(inc, step)
-                        await self._save(inc)
-                        continue
+                try:
+                    grace, index, inc = await self._step(ident, job)
+                except TRANSIENT_ERRORS as exc:
+                    log.bind(job=job, incident=ident).warning(
+                        "incident %s paused %.1fs: %r", ident, pause, exc)
+                    await asyncio.sleep(pause)
+                    pause = min(TRANSIENT_PAUSE_MAX_S, pause * 2)
+                    continue
+                pause = TRANSIENT_PAUSE_S
+                if inc is None:
+                    return
+                if not grace:
+                    continue
                 # Unlocked: a better diagnosis (superseding this guess) may re-plan meanwhile.
                 await asyncio.sleep(grace)
                 async with self._lock(ident):
@@ -274,6 +287,34 @@ class RemediatorService(Service[RemediatorSettings]):
                 # re-planned meanwhile, or waited: the loop runs what is planned now
         except NotLeader:
             log.warning("lost leadership during incident %s", ident)
+
+    async def _step(self, ident: str, job: str) -> tuple[float, int, Incident | None]:
+        """Run the incident's next step, or say how long its grace still is.
+
+        Returns ``(grace, index, incident)``: grace 0 after a step ran; the incident None
+        when there is nothing more to run (ended, or concluded now).
+        """
+        async with self._lock(ident):
+            inc = await self.store.load(job, ident)
+            if inc is None or not rules.is_open(inc):
+                return 0.0, -1, None
+            index = rules.next_step(inc)
+            if index is None:
+                if rules.conclude(inc, time.time()):
+                    await self._save(inc)
+                return 0.0, -1, None
+            step = inc.actions[index]
+            grace = rules.grace_to_wait(step)
+            if grace:
+                return grace, index, inc
+            rules.start_step(inc, step, time.time())
+            await self._do(inc, step, functools.partial(self._save, inc, publish=False))
+            rules.finish_step(inc, step)
+            # Saved before it is announced: a publish that fails now cannot run it again.
+            await self._save(inc)
+            await self.runtime.publish_event(self.settings.subjects.event(inc.job, "action"),
+                                             rules.action_event(inc, step, time.time()))
+            return 0.0, index, inc
 
     async def _do(self, inc: Incident, step: IncidentStep, persist: Persist) -> None:
         with self.runtime.tracer.start_as_current_span(
@@ -286,11 +327,11 @@ class RemediatorService(Service[RemediatorSettings]):
                 await self._dispatch(inc, step, persist)
             except NotLeader:
                 raise
-            except Exception as exc:  # any failure of a step escalates its incident
+            except TRANSIENT_ERRORS:
+                raise  # not the step's failure: the executor pauses and runs it again
+            except Exception as exc:  # any other failure of a step escalates its incident
                 step.status, step.detail = "failed", f"{type(exc).__name__}: {exc}"
             span.set_attribute("trainguard.outcome", step.status)
-        await self.runtime.publish_event(self.settings.subjects.event(inc.job, "action"),
-                                    rules.action_event(inc, step, time.time()))
 
     async def _dispatch(self, inc: Incident, step: IncidentStep, persist: Persist) -> None:
         assert self.leader is not None
@@ -304,8 +345,11 @@ class RemediatorService(Service[RemediatorSettings]):
                 step.status, step.detail = await self.coordinator.save(
                     inc.job, float(step.params.get("deadline", 60)))
             case "rollback":
-                step.status, step.detail = await self.coordinator.rollback(
+                reply, (step.status, step.detail) = await self.coordinator.rollback_to(
                     inc.job, int(step.params.get("below_step", 0)))
+                if step.status == "done" and reply is not None and reply.step is not None:
+                    await self._reload(inc, step, reply.step,
+                                       reply.point.path if reply.point is not None else "")
             case "dump":
                 host = str(step.params["host"])
                 await self._command(inc, step, "dump", [host], persist, host=host,
@@ -385,13 +429,55 @@ class RemediatorService(Service[RemediatorSettings]):
                 (logger.info if run.status == "ok" else logger.error)(
                     "release hook for %s: %s", host, hooks.summary(run))
 
-    async def _restart(self, inc: Incident, step: IncidentStep, persist: Persist) -> None:
+    async def _reload(self, inc: Incident, step: IncidentStep, at: int, path: str) -> None:
+        """Roll back in place: every rank loads checkpoint ``at`` in-process at one agreed
+        step (``reload``, collective, to ``cmd.all``). All of them done: no process
+        restarts (the plan's restart is skipped); otherwise the restart of today runs."""
+        assert self.leader is not None
         view = await self.store.view(inc.job, inc.cause)
+        if view.world_size <= 0:
+            step.detail += "; no reload in place: the job's world size is unknown"
+            return
+        subject, cmd = addressed(self.settings.subjects, inc.job, "reload",
+                                 {"step": at, "path": path}, issuer="remediator",
+                                 everyone=True, epoch=self.leader.epoch,
+                                 seq=await self.store.next_seq(inc.job),
+                                 deadline=self.policy.ack_timeout_s)
+        step.command_ids.append(cmd.id)
+        await self.runtime.publish_event(subject, cmd)
+        acks = await self._acks.collect(cmd.id, recovery.reload_responders(view.world_size),
+                                        self.policy.ack_timeout_s)
+        done, detail = recovery.reload_verdict(acks, view.world_size)
+        step.params[recovery.RELOADED] = done
+        step.detail = f"{step.detail}; {detail}"
+        if not done:
+            # The job trained on while the reload was tried, and may have committed a
+            # checkpoint of the bad state above the pointer since: rolled back again, the
+            # restart that follows resumes where the first rollback pointed.
+            status, again = await self.coordinator.rollback(
+                inc.job, int(step.params.get("below_step", 0)))
+            if status != "done":
+                step.status = status
+            step.detail = f"{step.detail}; rolled back again before the restart: {again}"
+
+    async def _restart(self, inc: Incident, step: IncidentStep, persist: Persist) -> None:
+        if recovery.rolled_back_in_place(inc):
+            step.status = "skipped"
+            step.detail = "rolled back in place on every rank: no process restarted"
+            return
+        view = await self.store.view(inc.job, inc.cause)
+        if "rank" in step.params:
+            await self._restart_culprit(inc, step, view, persist)
+            return
         if rules.waits_for_launcher(inc):
             deadline = time.monotonic() + self.policy.launcher_grace_s
-            while time.monotonic() < deadline and not rules.launcher_restarted(inc, view):
+            while time.monotonic() < deadline and not rules.launcher_restarted(inc, view) \
+                    and not self._in_place(inc, view):
                 await asyncio.sleep(1.0)
                 view = await self.store.view(inc.job, inc.cause)
+        if self._in_place(inc, view):
+            step.status, step.detail = "skipped", recovery.skip_detail(inc)
+            return
         if rules.launcher_restarted(inc, view):
             rules.skip_restart(inc, step, view)
             return
@@ -402,6 +488,28 @@ class RemediatorService(Service[RemediatorSettings]):
         inc.restarted_attempt = view.attempt
         await self._command(inc, step, "restart", sorted(view.hosts), persist, everyone=True)
         await self.store.note_attempt(inc.job, view.attempt, time.time())  # the one it ends
+
+    @staticmethod
+    def _in_place(inc: Incident, view: rules.JobView) -> bool:
+        """The agent replaced ``inc``'s rank in place (its report came): that is the
+        launcher's restart, and the survivors' attempt does not rise to say so."""
+        recovery.apply(inc, view.recoveries)
+        return recovery.recovered_in_place(inc)
+
+    async def _restart_culprit(self, inc: Incident, step: IncidentStep, view: rules.JobView,
+                               persist: Persist) -> None:
+        """Restart the one culprit rank: in place when its group can take it (the agent
+        kills it at once and starts a replacement), else the agent restarts the group."""
+        moot = endings.moot(inc, view, "restart")
+        if moot is not None:
+            step.status, step.detail = moot
+            return
+        host = str(step.params["host"])
+        inc.restarted_attempt = view.attempt
+        await self._command(inc, step, "restart", [host], persist, host=host,
+                            params={"rank": step.params["rank"],
+                                    "fallback": step.params.get("fallback", "group")})
+        await self.store.note_attempt(inc.job, None, time.time())  # each one counts
 
     async def _command(self, inc: Incident, step: IncidentStep, kind: str, hosts: list[str],
                        persist: Persist, *, params: dict[str, Any] | None = None,
@@ -456,6 +564,7 @@ class RemediatorService(Service[RemediatorSettings]):
         """Settle ``inc`` if it is over, or give it the steps that hold its job (True: run
         them)."""
         view = await self.store.view(inc.job, inc.cause)
+        noted = recovery.apply(inc, view.recoveries)
         why = endings.resolution(inc, view, self._resolved_anomalies, self.policy, now)
         if why is not None:
             resume = await self.coordinator.resume_step(inc.job) \
@@ -465,6 +574,8 @@ class RemediatorService(Service[RemediatorSettings]):
             return False
         reason = endings.hold_reason(inc, view, self.policy)
         if reason is None:
+            if noted:
+                await self._save(inc)  # which path ran, and why: a revision of its own
             return False
         log.bind(job=inc.job, incident=inc.id).warning("holding job %s (incident %s): %s",
                                                        inc.job, inc.id, reason)

@@ -21,7 +21,7 @@ from redis.exceptions import WatchError
 
 from trainguard.codec import decode_durable, encode_durable
 from trainguard.errors import DecodeError
-from trainguard.schemas import Diagnosis, Incident, NodeHello
+from trainguard.schemas import Diagnosis, Incident, NodeHello, RecoveryReport
 from trainguard.state import (
     BlocklistEntry,
     Keys,
@@ -92,10 +92,42 @@ class Store:
         """Count an occurrence of ``d``'s cause (for "escalate after N in an hour")."""
         await self.redis.zadd(self.keys.cause_times(d.job, d.cause), {d.id: now}, nx=True)
 
-    async def note_attempt(self, job: str, attempt: int | None, at: float) -> None:
+    async def note_attempt(self, job: str, attempt: int | None, at: float,
+                           generation: int = 0) -> None:
         """Count an ended attempt of ``job`` against its hourly restart budget, once per
-        attempt number (its failure, seen on several hosts, then restarted by us)."""
-        await self.redis.zadd(self.keys.restarts(job), {attempt_member(attempt): at}, nx=True)
+        attempt number (its failure, seen on several hosts, then restarted by us) and
+        generation (a rank replaced in place keeps its attempt)."""
+        await self.redis.zadd(self.keys.restarts(job),
+                              {attempt_member(attempt, generation): at}, nx=True)
+
+    async def next_seq(self, job: str) -> int:
+        """A collective command's sequence number (shared with the other issuers)."""
+        return int(await self.redis.incr(self.keys.cmd_seq(job)))
+
+    async def note_recovery(self, report: RecoveryReport) -> None:
+        """Keep a recovery report for the job's incidents (any replica: keyed by its id)."""
+        await self.redis.hset(self.keys.recoveries(report.job), report.id,
+                              encode_durable(report))
+
+    async def recoveries(self, job: str, now: float) -> tuple[RecoveryReport, ...]:
+        """The job's reports of the last hour (older ones are removed as they are read)."""
+        key = self.keys.recoveries(job)
+        kept: list[RecoveryReport] = []
+        stale: list[str | bytes] = []
+        for ident, raw in (await self.redis.hgetall(key)).items():
+            try:
+                report = decode_durable(raw if isinstance(raw, bytes) else raw.encode(),
+                                        RecoveryReport)
+            except DecodeError:
+                stale.append(ident)
+                continue
+            if now - report.time > HOUR:
+                stale.append(ident)
+            else:
+                kept.append(report)
+        if stale:
+            await self.redis.hdel(key, *stale)
+        return tuple(sorted(kept, key=lambda r: r.time))
 
     async def block(self, host: str, entry: BlocklistEntry) -> None:
         await self.leader.hset(self.keys.blocklist(), host, encode_blocklist_entry(entry))
@@ -171,4 +203,6 @@ class Store:
             with contextlib.suppress(msgspec.ValidationError, msgspec.DecodeError):
                 p = decode_progress(raw)
                 view.attempt, view.last_step = p.attempt, p.last_step
+                view.world_size = p.world_size
+        view.recoveries = await self.recoveries(job, now)
         return view

@@ -7,16 +7,14 @@ import time
 from typing import Any
 
 from tests.conftest import wait_until
+from tests.integration.diagnoses import diagnoser_settings, diagnoses
 from tests.integration.recorder import running
 from tests.unit.test_flightrec import FIXTURES, faulted
 from trainguard import flightrec
 from trainguard.bus import Bus
-from trainguard.codec import decode_durable
-from trainguard.config import load_settings
 from trainguard.evidence import FlightRecorderEvidence, HangEvidence
-from trainguard.schemas import Anomaly, Diagnosis, FlightRecorderReport
+from trainguard.schemas import Anomaly, FlightRecorderReport
 from trainguard.services.diagnoser.service import DiagnoserService
-from trainguard.services.diagnoser.settings import DiagnoserSettings
 from trainguard.subjects import Subjects
 
 SET = "gpu_error_1st"
@@ -26,14 +24,9 @@ async def test_agents_dumps_name_the_culprits_of_a_hang(nats_url: str, redis_url
                                                         prefix: str, job: str,
                                                         nc: Any) -> None:
     s = Subjects(prefix)
-    settings = load_settings(DiagnoserSettings, env={}, overrides={
-        "nats_url": nats_url, "redis_url": redis_url, "prefix": prefix})
-    got: list[Diagnosis] = []
+    settings = diagnoser_settings(nats_url, redis_url, prefix)
+    got = await diagnoses(nc, s, job)
 
-    async def on_diag(msg: Any) -> None:
-        got.append(decode_durable(msg.data, Diagnosis))
-
-    await nc.subscribe(s.event(job, "diagnosis"), cb=on_diag)
     records = {r.rank: r for r in flightrec.read_dir(str(FIXTURES / SET))}
     svc = DiagnoserService(settings)
     async with running(svc):

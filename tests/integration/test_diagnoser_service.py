@@ -8,14 +8,13 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from tests.conftest import wait_until
+from tests.integration.diagnoses import diagnoser_settings, diagnoses
 from tests.integration.recorder import running
 from trainguard.bus import Bus
 from trainguard.codec import decode_durable, encode_telemetry
-from trainguard.config import load_settings
 from trainguard.evidence import CrashEvidence, HangEvidence
-from trainguard.schemas import Anomaly, DeadLetter, Diagnosis, GpuSample, WorkerExit, XidEvent
+from trainguard.schemas import Anomaly, DeadLetter, GpuSample, WorkerExit, XidEvent
 from trainguard.services.diagnoser.service import DiagnoserService
-from trainguard.services.diagnoser.settings import DiagnoserSettings
 from trainguard.state import Keys
 from trainguard.subjects import Subjects
 
@@ -23,18 +22,13 @@ from trainguard.subjects import Subjects
 async def test_exit_and_crash_become_one_diagnosis(nats_url: str, redis_url: str, prefix: str,
                                                    job: str, nc: Any) -> None:
     s = Subjects(prefix)
-    settings = load_settings(DiagnoserSettings, env={}, overrides={
-        "nats_url": nats_url, "redis_url": redis_url, "prefix": prefix})
-    got: list[Diagnosis] = []
+    settings = diagnoser_settings(nats_url, redis_url, prefix)
+    got = await diagnoses(nc, s, job)
     dead: list[DeadLetter] = []
-
-    async def on_diag(msg: Any) -> None:
-        got.append(decode_durable(msg.data, Diagnosis))
 
     async def on_dead(msg: Any) -> None:
         dead.append(decode_durable(msg.data, DeadLetter))
 
-    await nc.subscribe(s.event(job, "diagnosis"), cb=on_diag)
     await nc.subscribe(s.dead(job), cb=on_dead)
     svc = DiagnoserService(settings)
     async with running(svc):
@@ -86,14 +80,9 @@ async def test_a_throughput_drop_while_a_rank_straggles_joins_the_straggler(
     from trainguard.evidence import StragglerEvidence, ThroughputDropEvidence
 
     s = Subjects(prefix)
-    settings = load_settings(DiagnoserSettings, env={}, overrides={
-        "nats_url": nats_url, "redis_url": redis_url, "prefix": prefix})
-    got: list[Diagnosis] = []
+    settings = diagnoser_settings(nats_url, redis_url, prefix)
+    got = await diagnoses(nc, s, job)
 
-    async def on_diag(msg: Any) -> None:
-        got.append(decode_durable(msg.data, Diagnosis))
-
-    await nc.subscribe(s.event(job, "diagnosis"), cb=on_diag)
     async with running(DiagnoserService(settings)):
         bus = Bus(nc, s, source="test")
         now = time.time()

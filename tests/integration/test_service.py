@@ -379,7 +379,9 @@ async def test_core_callbacks_are_isolated_per_message(
                          headers={"ce-type": CommandAck.ce_type()})
         await Bus(nc, s, source="test").publish_durable(s.ack(job, "recorder"), CommandAck(
             command_id="c-1", job=job, responder="x", outcome="done"))
-        await wait_until(lambda: seen and dead, what="the good ack and the poison's letter")
+        # Each message runs on its own: the failing one may finish after the other two.
+        await wait_until(lambda: seen and dead and errors(rt, "acks", "callback_error"),
+                         what="the good ack, the poison's letter and the failing callback")
         assert [a.command_id for a in seen] == ["c-1"]
         letter = dead[0]
         assert (letter.consumer, letter.service, letter.truncated) == ("acks", "recorder", True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
@@ -11,7 +12,7 @@ import pytest
 from nats.js import api
 
 from tests.conftest import wait_until
-from trainguard.bus import Bus
+from trainguard.bus import UNACKED_PUBLISH_ERRORS, Bus
 from trainguard.schemas import Command
 from trainguard.subjects import Subjects
 from trainguard.topology import ConsumerSpec, ensure_consumer, provision, stream_name, streams
@@ -97,3 +98,23 @@ async def test_max_deliveries_advisory_is_captured_in_the_dead_stream(nc: Any, p
 def test_stream_names_follow_the_prefix(prefix_value: str, base: str) -> None:
     names = [spec.name for spec in streams(prefix_value)]
     assert names == [f"{base}_{r}" for r in ("EVENTS", "CMDS", "REPORTS", "DEAD")]
+
+
+async def test_a_publish_without_ack_is_retried_until_the_stream_answers(
+        nc: Any, prefix: str, job: str, caplog: pytest.LogCaptureFixture) -> None:
+    """No stream answers at first (as while its leader is elected): the publish waits for
+    it within ``retry_for``, then lands once; without ``retry_for`` it fails at once."""
+    bus = Bus(nc, Subjects(prefix), source="test")
+    subject = Subjects(prefix).cmd_all(job)
+    cmd = Command(id="c1", job=job, kind="save_now", issuer="test")
+    with pytest.raises(UNACKED_PUBLISH_ERRORS):
+        await bus.publish_durable(subject, cmd, timeout=0.5)
+    publishing = asyncio.create_task(bus.publish_durable(subject, cmd, timeout=0.5,
+                                                         retry_for=60.0))
+    await wait_until(lambda: "got no ack" in caplog.text, timeout=10,
+                     what="a publish that got no ack")
+    await provision(nc.jetstream(), streams(prefix))
+    ack = await asyncio.wait_for(publishing, 60)
+    assert ack.stream == stream_name(prefix, "cmds") and not ack.duplicate
+    # Interest retention drops it at once (no consumer): its sequence says it landed once.
+    assert (await nc.jetstream().stream_info(stream_name(prefix, "cmds"))).state.last_seq == 1

@@ -40,8 +40,8 @@ class FakeNode:
         self.calls.append(f"restart:{command_id}")
         return "restarted"
 
-    def restart_rank(self, rank: int, command_id: str) -> str:
-        self.calls.append(f"restart:{rank}:{command_id}")
+    def restart_rank(self, rank: int, command_id: str, fallback: str = "") -> str:
+        self.calls.append(f"restart:{rank}:{command_id}" + (f":{fallback}" if fallback else ""))
         return f"rank {rank} restarted alone"
 
     def isolate(self, command_id: str) -> str:
@@ -92,6 +92,16 @@ def test_a_restart_naming_a_rank_restarts_that_rank_alone() -> None:
     assert elsewhere is not None and elsewhere.outcome == "refused"
     assert ex.handle(cmd("r3", "restart")) is not None  # no rank: the whole group
     assert node.calls == ["restart:3:r1", "restart:r3"]
+
+
+def test_a_culprit_restart_names_its_fallback() -> None:
+    node = FakeNode()
+    ex = CommandExecutor(node)
+    group = ex.handle(cmd("g", "restart", params={"rank": 2, "fallback": "group"}))
+    assert group is not None and group.outcome == "done"
+    bad = ex.handle(cmd("b", "restart", params={"rank": 2, "fallback": "cluster"}))
+    assert bad is not None and bad.outcome == "refused" and "params.fallback" in bad.detail
+    assert node.calls == ["restart:2:g:group"]
 
 
 def test_rank_commands_are_not_the_agents() -> None:

@@ -121,3 +121,29 @@ def test_a_rank_that_closed_holds_the_hang_until_its_exit_names_the_crash() -> N
                 job.beat("comm", only={0, 2, 3})
                 job.d.tick(job.now)
             assert "hang" in [t.anomaly.kind for t in job.d.drain()]
+
+
+def test_an_agent_that_restarted_its_group_re_forms_the_job_before_its_ranks_speak() -> None:
+    job = Job({"node-a": 3, "node-b": 5})
+    job.steps(10)
+    state = job.d.jobs["j"]
+    before = job.d.progress("j", job.now)
+    assert before is not None
+    job.now += 0.5
+    # node-a's agent restarted its group (attempt 4); its new ranks are still starting.
+    job.d.on_telemetry(NodeHeartbeat(job="j", time=job.now, host="node-a",
+                                     ranks={0: "S", 1: "S"}, pids={0: 300, 1: 301}, attempt=4))
+    after = job.d.progress("j", job.now)
+    assert after is not None and after.attempt > before.attempt
+    assert state.host_attempt["node-a"] == 4
+    # The new ranks' own word at that attempt is the same re-form, not another one.
+    generation = state.generation
+    job.attempts["node-a"] = 4
+    job.step = 5
+    job.steps(5)
+    assert state.generation == generation
+    assert job.states() == {0: "ok", 1: "ok", 2: "ok", 3: "ok"}
+    # An agent's beat at the attempt already known changes nothing.
+    job.d.on_telemetry(NodeHeartbeat(job="j", time=job.now, host="node-b",
+                                     ranks={2: "S", 3: "S"}, pids={2: 102, 3: 103}, attempt=5))
+    assert state.generation == generation

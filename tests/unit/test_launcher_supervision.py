@@ -82,6 +82,7 @@ def test_a_rank_gets_torchruns_environment_and_its_generation(
                          nproc=2, max_restarts=7, log_dir=str(tmp_path),
                          spares=SparePool(0, {}, str(tmp_path)), stop_grace=1.0)
         env = sup.rank_env(rnd, 1, 1, 9, 2, "/x/error.json")
+        joining = sup.rank_env(rnd, 1, 1, 9, 2, "/x/error.json", join=True)
         sup.tail.close()
     finally:
         rdzv.close()
@@ -91,9 +92,10 @@ def test_a_rank_gets_torchruns_environment_and_its_generation(
                                 "TORCHELASTIC_USE_AGENT_STORE", envnames.GENERATION)} == {
         "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
         "GROUP_RANK": "0", "TORCHELASTIC_RESTART_COUNT": "2", "TORCHELASTIC_MAX_RESTARTS": "7",
-        "TORCHELASTIC_RUN_ID": "job-1", "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCHELASTIC_RUN_ID": "job-1", "TORCHELASTIC_USE_AGENT_STORE": "True",
         envnames.GENERATION: "9"}
     assert env["MASTER_PORT"] == str(rnd.master_port)
+    assert envnames.JOIN not in env and joining[envnames.JOIN] == "peers"
     assert envnames.GENERATION not in envnames.job_settings(env)  # not a detector threshold
 
 

@@ -102,6 +102,8 @@ class CommandDesk:
         self.inbox: collections.deque[Queued] = collections.deque(maxlen=10_000)
         self.agreement: Agreement | None = None
         self._agreement_checked = False
+        self._regrouped = False
+        """The group re-formed: the agreement is built again at the next completed step."""
         self._at_step: list[Queued] = []
         self._collective: dict[int, Queued] = {}
         self._highest_seq = 0
@@ -144,11 +146,15 @@ class CommandDesk:
         """Run what is due. ``completed`` is the step this rank just finished, or None
         when entering a step."""
         if completed is not None and not self._agreement_checked \
-                and completed % self.sync_every == 0:
-            # The first boundary: every rank gets here at the same step (new_group is a
-            # collective), and torch.distributed is up by now if the trainer uses it.
-            self._agreement_checked = True
+                and (completed % self.sync_every == 0 or self._regrouped):
+            # The first boundary, or the first step a re-formed group completes: every
+            # rank gets here at the same step (new_group is a collective), and
+            # torch.distributed is up by now if the trainer uses it.
+            self._agreement_checked, self._regrouped = True, False
             self.agreement = find_agreement(self.identity.world_size)
+            if self.agreement is None:  # kept for an agreement there is none of
+                for seq in sorted(self._collective):
+                    self._execute(self._collective.pop(seq))
         inbox = self.inbox
         while inbox:
             self._admit(inbox.popleft(), completed)
@@ -172,7 +178,8 @@ class CommandDesk:
         if cmd.at_step is not None:
             self._at_step.append(q)
             return
-        if cmd.kind in COLLECTIVE_KINDS and cmd.seq > 0 and self.agreement is not None:
+        if cmd.kind in COLLECTIVE_KINDS and cmd.seq > 0 and (self.agreement is not None
+                                                              or self._regrouped):
             self._collective[cmd.seq] = q
             self._highest_seq = max(self._highest_seq, cmd.seq)
             return
@@ -196,6 +203,41 @@ class CommandDesk:
 
     def note_completed(self, step: int) -> None:
         self._last_completed = step
+
+    @property
+    def scheduled(self) -> list[Command]:
+        """Collective commands received and not run yet: waiting for their ``at_step``, for
+        an agreement, or not admitted yet."""
+        held = [q.command for q in (*self._at_step, *self._collective.values(), *self.inbox)]
+        return [c for c in held if c.kind in COLLECTIVE_KINDS]
+
+    def adopt_scheduled(self, commands: list[Command]) -> None:
+        """A replacement takes the collective commands its peers hold: sent before it
+        came, it never received them, and they run on every rank at one step."""
+        held = {c.id for c in self.scheduled}
+        for cmd in commands:
+            if cmd.id not in held:
+                self.inbox.append(Queued(cmd, None, time.time()))
+
+    @property
+    def agreed_seq(self) -> int:
+        return self._agreed_seq
+
+    def adopt_agreed(self, seq: int) -> None:
+        """A replacement rank starts where its peers' agreement is: it never received the
+        commands they agreed on before it came, so it must not wait for them."""
+        self._agreed_seq = max(self._agreed_seq, seq)
+        self._highest_seq = max(self._highest_seq, seq)
+
+    def regrouped(self) -> None:
+        """The process group was re-formed: the agreement's side group went with the old
+        one. Every rank (a replacement too) builds it again when it completes the step the
+        group continues at, and keeps collective commands for it meanwhile: run on
+        arrival, they would run at a different step on each rank (a ``set_interval`` on
+        the survivors only, and the replacement's save would meet their all_reduce)."""
+        self.agreement = None
+        self._agreement_checked = False
+        self._regrouped = True
 
     def _agree_and_run(self) -> None:
         assert self.agreement is not None

@@ -18,8 +18,9 @@ import signal
 import sys
 import threading
 import time
+import traceback
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -29,7 +30,14 @@ from ..auth import TlsFiles, access_from
 from ..codec import decode_durable
 from ..errors import DecodeError, TrainguardError
 from ..rpc import RESUME, ResumeRequest, decode_resume
-from ..schemas import RANK_DRILLS, CheckpointReport, Command, RankHello, ResumePoint
+from ..schemas import (
+    RANK_DRILLS,
+    CheckpointReport,
+    Command,
+    RankHello,
+    RecoveryReport,
+    ResumePoint,
+)
 from ..subjects import DEFAULT_PREFIX, Subjects
 from . import frdump
 from .commands import CommandDesk, Handler
@@ -37,6 +45,7 @@ from .drills import Drills
 from .handle import RESUME_TIMEOUT
 from .identity import Identity, environment_record, resolve_identity
 from .rankstate import RankState
+from .recovery import CommandState, Loop, Recovery, iterate
 from .reports import Reports
 from .steps import Step
 from .transport import Transport
@@ -134,6 +143,11 @@ class Guard:
         self._closed = False
         self._close_hooks: list[Callable[[], None]] = []
         self._lock = threading.Lock()
+        self._recovery: Recovery | None = None
+        self._loop: Loop | None = None
+        self.joining = env.get(envnames.JOIN, "") == envnames.JOIN_PEERS
+        """This rank replaces a failed one: its state comes from its peers at the first
+        iteration of :meth:`steps`, so ``resume_point()`` loads nothing."""
         self.on("set_interval", self._set_interval)
         for kind in RANK_DRILLS:
             self.on(kind, self._drills.handle)
@@ -210,6 +224,73 @@ class Guard:
     def step(self, n: int) -> Step:
         return Step(n, self.state, self._enter, self._exit)
 
+    def steps(self, start: int, stop: int) -> Iterator[int]:
+        """``for step in guard.steps(start, stop):`` instead of ``range(start, stop)``.
+
+        With ``trainguard.torch.init_process_group`` a step abandoned because a peer was
+        lost is recovered in place here (the group re-forms, state comes from a peer) and
+        run again; a rollback in place continues after the checkpoint's step. Without it,
+        the same steps as ``range``."""
+        self.start()
+        loop = self._loop = Loop()
+        try:
+            yield from iterate(loop, start, stop, self._recovery, self._regrouped)
+        finally:
+            self._loop = None
+            self.joining = False
+
+    def set_recovery(self, recovery: Recovery | None) -> None:
+        """Installed by ``trainguard.torch.init_process_group``."""
+        self._recovery = recovery
+
+    @property
+    def recovery(self) -> Recovery | None:
+        return self._recovery
+
+    @property
+    def abandoned(self) -> int | None:
+        """The step a lost peer abandoned, until the loop recovers (None otherwise): code
+        after ``with guard.step(n)`` skips its per-step work when it is ``n``."""
+        return self._loop.abandoned if self._loop is not None else None
+
+    def rewind(self, next_step: int) -> None:
+        """Continue the ``guard.steps`` loop at ``next_step`` (a rollback in place has just
+        restored the state after ``next_step - 1``). Raises when the trainer does not
+        iterate ``guard.steps``: its loop could not go back."""
+        if self._loop is None:
+            raise RuntimeError("the trainer does not iterate guard.steps(): it cannot go "
+                               "back to a checkpoint in place")
+        self._loop.next_step = next_step
+        self.commands.note_completed(next_step - 1)
+
+    def await_commands(self, timeout: float) -> bool:
+        """Wait, at most ``timeout`` seconds, until this rank receives commands (connected
+        and subscribed); False if it does not by then. A replacement waits before it joins
+        the state agreement: a command sent after it would otherwise reach its peers only."""
+        self.start()
+        if not self.enabled:
+            return False
+        return self.transport.wait_connected(time.monotonic() + timeout)
+
+    @property
+    def command_state(self) -> CommandState:
+        """What the collective commands agreed so far made of this Guard (a replacement
+        adopts its peers')."""
+        every, from_step = self._interval
+        return CommandState(command_seq=self.commands.agreed_seq, checkpoint_every=every,
+                            checkpoint_from=from_step, scheduled=tuple(self.commands.scheduled))
+
+    def adopt_command_state(self, state: CommandState) -> None:
+        self.commands.adopt_agreed(state.command_seq)
+        self.commands.adopt_scheduled(list(state.scheduled))
+        self._interval = (state.checkpoint_every, state.checkpoint_from)
+
+    def publish_recovery(self, report: RecoveryReport) -> None:
+        """Used by ``trainguard.torch``'s in-place recovery (durable, retried until acked)."""
+        self.start()
+        if self.enabled:
+            self.transport.publish_durable(self.subjects.recovery(self.job, self.rank), report)
+
     def on(self, kind: str, handler: Handler) -> None:
         """Run ``handler(command)`` for commands of ``kind`` at safe points; its return
         value (a string) goes into the ack's detail, an exception makes the ack failed."""
@@ -224,6 +305,8 @@ class Guard:
         """True after every ``every_steps``-th step since ``from_step``: integer arithmetic,
         identical on every rank once they run the same ``set_interval``."""
         every, from_step = self._interval
+        if self.abandoned == step:
+            return False
         return every > 0 and step >= from_step and (step - from_step + 1) % every == 0
 
     @property
@@ -284,11 +367,7 @@ class Guard:
         deadline = time.monotonic() + timeout
         # Right after start the connection may still be coming up: wait for it, bounded,
         # and not at all once an attempt failed (a refused connect is a bus that is down).
-        t = self.transport
-        while not t.connected and not t.stats.connect_failures \
-                and time.monotonic() < deadline:
-            time.sleep(0.005)
-        if not t.connected:
+        if not self.transport.wait_connected(deadline, until_failure=True):
             return None
         remaining = max(0.05, deadline - time.monotonic())
         payload = RESUME.encode_request(ResumeRequest(rank=self.rank,
@@ -322,13 +401,14 @@ class Guard:
         while drills:
             log.warning("drill: %s", drills.pop(0)())
 
-    def _exit(self, step: Step, duration: float, *, failed: bool) -> None:
+    def _exit(self, step: Step, duration: float, *, failed: bool,
+              error: BaseException | None = None) -> bool:
         self.state.phase = None
         if failed:
-            return
+            return self._absorb(step.n, error)
         if not self.enabled:  # still tracked: a Checkpointer warms up after the first step
             self.commands.note_completed(step.n)
-            return
+            return False
         try:
             if self._phase_accounting is not None:
                 self._phase_accounting(step.phases)
@@ -338,6 +418,32 @@ class Guard:
             log.debug("step report failed", exc_info=True)
         self.commands.note_completed(step.n)
         self.commands.safe_point(step.n)  # DrillCrash propagates on purpose
+        return False
+
+    def _absorb(self, n: int, error: BaseException | None) -> bool:
+        """Abandon step ``n`` for an in-place recovery, if the failure is a lost peer and
+        the loop is ``guard.steps`` (a ``range`` loop could not run the step again)."""
+        loop, recovery = self._loop, self._recovery
+        if loop is None or recovery is None or not isinstance(error, Exception):
+            return False
+        try:
+            absorbed = recovery.absorbs(error)
+        except Exception:
+            log.debug("recovery.absorbs failed", exc_info=True)
+            return False
+        if absorbed:
+            # The finished frames' locals (the failed collective's work, its tensors) would
+            # keep the old process group and its sockets alive until the loop moves on.
+            traceback.clear_frames(error.__traceback__)
+            loop.abandoned, loop.error = n, error
+        return absorbed
+
+    def _regrouped(self, next_step: int) -> None:
+        """After a re-form: the group continues after step ``next_step - 1`` (the source's
+        state), and the command agreement's side group went with the old group: the next
+        ``sync_every`` boundary builds it again on every rank."""
+        self.commands.note_completed(next_step - 1)
+        self.commands.regrouped()
 
     # -- background thread ------------------------------------------------------------
     def _beat(self) -> None:

@@ -10,10 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Final, Protocol
 
-from ..schemas import CheckpointReport, ResumePoint
+from ..schemas import CheckpointReport, RecoveryReport, ResumePoint
 from .commands import Handler
 from .identity import Identity
 from .rankstate import RankState
+from .recovery import CommandState, Recovery
 
 RESUME_TIMEOUT: Final = 0.5
 """Bound of ``resume_point``'s question to the coordinator, connecting included. The
@@ -28,6 +29,8 @@ class GuardHandle(Protocol):
     optimizer: Any
     checkpoint_root: str | None
     """Where ``resume_point()`` looks for ``LATEST`` without the coordinator."""
+    joining: bool
+    """A replacement rank before its first agreement: its state comes from its peers."""
 
     @property
     def identity(self) -> Identity:
@@ -59,3 +62,23 @@ class GuardHandle(Protocol):
 
     def resume_point(self, root: str | None = None,
                      timeout: float = RESUME_TIMEOUT) -> ResumePoint | None: ...
+
+    # -- in-place recovery (trainguard.torch.inplace, the Checkpointer's reload) ---------
+    @property
+    def recovery(self) -> Recovery | None: ...
+
+    def set_recovery(self, recovery: Recovery | None) -> None: ...
+
+    @property
+    def abandoned(self) -> int | None: ...
+
+    def rewind(self, next_step: int) -> None: ...
+
+    def await_commands(self, timeout: float) -> bool: ...
+
+    @property
+    def command_state(self) -> CommandState: ...
+
+    def adopt_command_state(self, state: CommandState) -> None: ...
+
+    def publish_recovery(self, report: RecoveryReport) -> None: ...

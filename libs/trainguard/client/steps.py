@@ -17,7 +17,10 @@ from .values import plain_float
 
 
 class StepEnds(Protocol):
-    def __call__(self, step: Step, duration: float, *, failed: bool) -> None: ...
+    def __call__(self, step: Step, duration: float, *, failed: bool,
+                 error: BaseException | None = None) -> bool:
+        """True absorbs ``error``: the step is abandoned and the loop recovers in place."""
+        ...
 
 
 class Phase:
@@ -50,7 +53,9 @@ class Phase:
 class Step:
     """``with guard.step(n) as s:`` — one training step.
 
-    ``on_enter(step)`` runs as it begins; ``on_exit(step, seconds, failed=...)`` as it ends.
+    ``on_enter(step)`` runs as it begins; ``on_exit(step, seconds, failed=..., error=...)``
+    as it ends, and decides whether a failure is absorbed (a lost peer inside
+    ``guard.steps``, recovered in place).
     """
 
     __slots__ = ("_on_enter", "_on_exit", "_t0", "extra", "grad_norm", "loss", "lr", "n",
@@ -102,5 +107,6 @@ class Step:
         return self
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self._on_exit(self, time.perf_counter() - self._t0, failed=et is not None)
+                 tb: TracebackType | None) -> bool:
+        return self._on_exit(self, time.perf_counter() - self._t0, failed=et is not None,
+                             error=ev)

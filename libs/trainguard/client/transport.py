@@ -19,6 +19,7 @@ import collections
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -173,8 +174,18 @@ class Transport:
 
     @property
     def connected(self) -> bool:
+        """Connected, with the subscriptions made (they are made before this turns true)."""
         nc = self._nc
         return bool(nc is not None and nc.is_connected)
+
+    def wait_connected(self, deadline: float, *, until_failure: bool = False) -> bool:
+        """Wait until :attr:`connected` or ``deadline`` (monotonic); with ``until_failure``
+        not past a failed connect attempt either (a refused connect is a bus that is down).
+        Returns :attr:`connected`."""
+        while not self.connected and time.monotonic() < deadline \
+                and not (until_failure and self.stats.connect_failures):
+            time.sleep(0.005)
+        return self.connected
 
     # -- the transport thread ---------------------------------------------------------
     def _run(self) -> None:

@@ -6,8 +6,10 @@ is what an instrumented rank does before it trains: ``import trainguard``, a Gua
 Checkpointer, ``resume_point()`` and the step inside ``guard.step`` (with
 ``TRAINGUARD_DISABLED=1`` that trainer runs with trainguard off). Each rank writes
 ``<out>/rank-<r>.json`` once its first step is done: when its process started (from
-``/proc``), when its imports, its process group and its first step were done (epoch
-seconds). ``bench/bench_start.py`` and an end-to-end test read those files.
+``/proc``), when torch's and trainguard's imports, its process group, its model and
+trainguard's set-up (Guard, Checkpointer, resume lookup; after a barrier, so it is this
+rank's own time) and its first step were done (epoch seconds). ``bench/bench_start.py``
+and an end-to-end test read those files.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
+    torch_imported = time.time()
     guard: Any = None
     if args.mode == "trainguard":
         import trainguard
@@ -57,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 64)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    dist.barrier()  # the set-up below then times this rank's own work, not a peer's lag
+    model_ready = time.time()
     start = 0
     if args.mode == "trainguard":
         guard = trainguard.Guard(job=args.job)
@@ -65,11 +70,13 @@ def main(argv: list[str] | None = None) -> int:
         ckpt = tgt.Checkpointer(guard, root=root)
         point = ckpt.resume_point()
         start = ckpt.load(point, model, optimizer) + 1 if point else 0
+    set_up = time.time()
     x = torch.randn(32, 64)
     record: dict[str, Any] = {"rank": rank, "mode": args.mode, "pid": os.getpid(),
                               "disabled": bool(guard is not None and not guard.enabled),
                               "process_start": started, "imported": imported,
-                              "pg_ready": pg_ready}
+                              "pg_ready": pg_ready, "torch_imported": torch_imported,
+                              "model_ready": model_ready, "set_up": set_up}
     for step in range(start, start + args.steps):
         with guard.step(step) if guard is not None else contextlib.nullcontext():
             optimizer.zero_grad()

@@ -10,7 +10,9 @@ through ``trainguard.torch.Checkpointer`` and resumes from ``ckpt.resume_point()
 Batches depend only on (seed, rank, step), so a resumed run sees the same data.
 For baselines without trainguard (``TRAINGUARD_DISABLED=1``): ``--raise-at``, ``--hang-at``,
 ``--nan-at`` and ``--slow`` inject faults, ``--progress-file`` records progress and
-``--plain-ckpt`` checkpoints with plain ``torch.save``.
+``--plain-ckpt`` checkpoints with plain ``torch.save``. ``--in-place`` forms the group with
+``trainguard.torch.init_process_group`` and iterates ``guard.steps``, so a lost peer is
+recovered in place; ``--final-params`` keeps rank 0's final parameters for comparisons.
 
     python -m torch.distributed.run --nproc-per-node 2 -m trainguard.examples.toy_trainer \
         --job demo --steps 200
@@ -83,6 +85,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="without trainguard: rank 0 saves model and optimizer with torch.save "
                         "every --ckpt-every steps to DIR/latest.pt, and every rank resumes "
                         "from it at start")
+    p.add_argument("--in-place", action="store_true",
+                   help="recover in place: trainguard.torch.init_process_group and "
+                        "guard.steps (DDP through trainguard.torch.ddp)")
+    p.add_argument("--rejoin-timeout", type=float, default=60.0,
+                   help="with --in-place: seconds a survivor waits for the replacement")
+    p.add_argument("--final-params", default=None, metavar="PATH",
+                   help="rank 0 writes the final state_dict here with torch.save")
     return p.parse_args(argv)
 
 
@@ -197,16 +206,22 @@ class TinyModel(nn.Module):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(args.seed)
-    model: nn.Module = CharLM() if args.model == "lm" else TinyModel()
-    text = corpus(args.seed) if args.model == "lm" else None
     guard = trainguard.Guard(job=args.job, heartbeat_interval=args.heartbeat,
                              fingerprint_every=args.fingerprint_every,
                              sync_every=args.sync_every, seed=args.seed,
                              checkpoint_every=args.ckpt_every if args.ckpt_root else None)
-    if args.ddp:
+    if args.in_place:
+        tgt.init_process_group(guard, "gloo", timeout=args.pg_timeout,
+                               rejoin_timeout=args.rejoin_timeout)
+    else:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(args.seed)
+    model: nn.Module = CharLM() if args.model == "lm" else TinyModel()
+    text = corpus(args.seed) if args.model == "lm" else None
+    if args.ddp and args.in_place:
+        model = tgt.ddp(model, guard)  # rebuilt on the new group after an in-place re-form
+    elif args.ddp:
         model = nn.parallel.DistributedDataParallel(model)
         tgt.instrument_ddp(model, guard)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -238,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         nan_rank, nan_step = _rank_step(args.nan_at)
     slow_rank, _, slow_factor = (args.slow or "-1:1").partition(":")
     slow = float(slow_factor) if int(slow_rank) == rank and first_attempt else 1.0
-    for step in range(start, args.steps):
+    for step in guard.steps(start, args.steps) if args.in_place else range(start, args.steps):
         if rank == fail_rank and step == fail_step and first_attempt:
             progress.fault(step, "crash")
             raise RuntimeError(args.raise_message)
@@ -282,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
                             p.grad /= world
             s.report(loss=loss.detach(), grad_norm=tgt.grad_norm(model), samples=8)
             optimizer.step()
+        if guard.abandoned == step:
+            continue  # a peer was lost: the next iteration recovers and runs it again
         progress.step(step)
         if heartbeat is not None:
             heartbeat()
@@ -290,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.plain_ckpt and rank == 0 and (step + 1) % args.ckpt_every == 0:
             _plain_save(args.plain_ckpt, step, model, optimizer)
     progress.close()
+    if args.final_params and rank == 0:
+        torch.save(model.state_dict(), args.final_params)
     if ckpt is not None:
         ckpt.close()
     guard.close()

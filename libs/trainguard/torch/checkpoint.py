@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 
 from ..checksum import METADATA_FILE, file_digest
 from ..client.handle import RESUME_TIMEOUT, GuardHandle
+from ..client.recovery import recovery_report
 from ..codec import decode_durable, encode_durable
 from ..envelope import uuid7
 from ..schemas import CheckpointReport, Command, FileDigest, ResumePoint
@@ -171,6 +172,8 @@ class Checkpointer:
         self.use_async = use_async
         self.extra_fn = extra_fn
         self.distributed = dist.is_available() and dist.is_initialized()
+        self._timeout = timeout
+        self._own_group = process_group is None
         if self.distributed and process_group is None:
             process_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
         self.group = process_group
@@ -198,7 +201,29 @@ class Checkpointer:
         self._lock = threading.Lock()
         guard.checkpoint_root = str(self.root)
         guard.on("save_now", self._on_save_now)
+        guard.on("reload", self._on_reload)
         guard.on_close(self.close)  # guard.close() finishes the save in flight first
+        if guard.recovery is not None:
+            # A replacement builds the side group here, at construction; its survivors at
+            # the same point of their recovery (before the state agreement).
+            guard.recovery.on_regroup(self._regroup)
+
+    def _regroup(self) -> None:
+        """The process group was re-formed in place: the side group went with the old one."""
+        try:
+            self.wait(self._timeout)
+        except _save_errors() as exc:
+            log.warning("the save in flight at the re-form failed: %s", _describe(exc))
+            self._pending = None
+        if not self._own_group:
+            self._broken = "the process group passed to the Checkpointer did not survive " \
+                           "the in-place re-form; let it make its own"
+            return
+        self._broken = ""
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self._timeout))
+        self.group_rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.generation = self._agree_generation()
 
     def _agree_generation(self) -> str:
         """Group rank 0's fresh token, broadcast on the side group (collective)."""
@@ -226,6 +251,9 @@ class Checkpointer:
         """
         self._model, self._optimizer = model, optimizer
         if step == self._last_step:
+            return
+        if step == self.guard.abandoned:
+            log.info("step %d was abandoned (a peer was lost): not saved", step)
             return
         self.wait()
         self._last_step = step
@@ -372,8 +400,11 @@ class Checkpointer:
         """``guard.resume_point()`` asked once, on group rank 0, and shared with every rank.
 
         Collective. Ranks asking on their own could straddle a commit and load different
-        steps; this way they load the same one.
+        steps; this way they load the same one. A replacement rank (``TRAINGUARD_JOIN=peers``)
+        gets None without asking: its state comes from its peers.
         """
+        if self.guard.joining:
+            return None
         point = self.guard.resume_point(timeout=timeout) if self.group_rank == 0 else None
         if not self.distributed or self.world_size < 2:
             return point
@@ -450,6 +481,39 @@ class Checkpointer:
         extra = self.extra_fn() if self.extra_fn is not None else None
         self.save(step, model, optimizer, extra, blocking=bool(cmd.params.get("blocking")))
         return f"step={step} saving to {self.path_for(step)}"
+
+    def _on_reload(self, cmd: Command) -> str:
+        """``reload``: roll back in place to committed checkpoint ``params.step`` (at the same
+        step on every rank), and let ``guard.steps`` continue after it."""
+        step = int(cmd.params["step"])
+        path = str(cmd.params.get("path") or self.path_for(step))
+        model = self.guard.model if self.guard.model is not None else self._model
+        optimizer = self.guard.optimizer if self.guard.optimizer is not None else self._optimizer
+        if model is None:
+            raise RuntimeError("nothing to reload into: call guard.attach(model, optimizer)")
+        last = self.guard.last_completed_step
+        t0 = time.perf_counter()
+        self.guard.rewind(step + 1)  # raises first when the loop is not guard.steps
+        try:
+            loaded = self.load(path, model, optimizer)
+        except BaseException:
+            self.guard.rewind((last if last is not None else step) + 1)
+            raise
+        if loaded != step:
+            self.guard.rewind(loaded + 1)
+        seconds = time.perf_counter() - t0
+        recovery = self.guard.recovery
+        if self.group_rank == 0:
+            generation = recovery.generation if recovery is not None else \
+                self.guard.identity.attempt.generation
+            self.guard.publish_recovery(recovery_report(
+                self.guard, kind="rollback", path="in_place",
+                reason=str(cmd.params.get("reason") or "reload"),
+                generation=generation, previous_generation=generation,
+                world_size=self.world_size, last_completed=last, resumed_step=loaded + 1,
+                steps_lost=max(0, (last if last is not None else loaded) - loaded),
+                seconds=seconds))
+        return f"step={loaded} reloaded in place from {path}"
 
     def _completed_step(self) -> int | None:
         # The Guard has no public accessor for the last completed step yet.

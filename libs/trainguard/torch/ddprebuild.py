@@ -1,0 +1,89 @@
+"""``trainguard.torch.ddp(module, guard)``: a DDP model that survives an in-place re-form.
+
+A ``DistributedDataParallel`` is bound to the process group it was built on; after the
+group re-forms in place it must be built again, and its construction is a collective that
+broadcasts rank 0's parameters, so it runs after the state agreement on every rank (on a
+replacement rank its first build waits for that agreement). The trainer keeps one object
+to call: :class:`InPlaceDDP` holds the user's module as ``module`` (the state-dict keys are
+DDP's own) and forwards to the current DDP.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+from torch import nn
+
+from ..client.handle import GuardHandle
+from .ddp import instrument_ddp
+
+
+class InPlaceDDP(nn.Module):
+    """The user's module under a ``DistributedDataParallel`` that is rebuilt on re-forms.
+
+    Args:
+        module: the model to replicate.
+        guard: the rank's Guard (with ``trainguard.torch.init_process_group`` installed).
+        instrument: time collectives with :func:`instrument_ddp` (re-registered each build).
+        ddp_kwargs: passed to ``DistributedDataParallel`` (``device_ids``, ...).
+    """
+
+    def __init__(self, module: nn.Module, guard: GuardHandle, *, instrument: bool = True,
+                 **ddp_kwargs: Any) -> None:
+        super().__init__()
+        self.module = module
+        self._guard = guard
+        self._instrument = instrument
+        self._kwargs = ddp_kwargs
+        self._current: list[nn.parallel.DistributedDataParallel] = []
+        """The DDP of the current group, in a list: kept out of the module tree (and so out
+        of ``parameters()`` and ``state_dict()``, which stay the module's)."""
+        self.builds = 0
+        if guard.recovery is not None:
+            guard.recovery.on_teardown(self.release)
+            guard.recovery.on_regroup(self.rebuild, after_sync=True)
+        if not guard.joining:
+            self.rebuild()
+
+    @property
+    def ddp(self) -> nn.parallel.DistributedDataParallel:
+        if not self._current:
+            raise RuntimeError("DDP is not built yet: a replacement rank builds it at the "
+                               "first iteration of guard.steps()")
+        return self._current[0]
+
+    def release(self) -> None:
+        """Drop the DDP of the group being torn down. Its reducer holds that group (and
+        hooks the parameters' gradients) until freed; it sits in reference cycles, so the
+        teardown's ``gc.collect`` is what frees it and closes the group's sockets."""
+        self._current.clear()
+
+    def rebuild(self) -> None:
+        """Build DDP on the current default group (collective)."""
+        self.release()
+        gc.collect()  # not at a later backward on a dead group
+        ddp = nn.parallel.DistributedDataParallel(self.module, **self._kwargs)
+        if self._instrument:
+            instrument_ddp(ddp, self._guard)
+        self._current[:] = [ddp]
+        self.builds += 1
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.ddp(*args, **kwargs)
+
+    def no_sync(self) -> Any:
+        """DDP's ``no_sync()`` context (gradient accumulation)."""
+        return self.ddp.no_sync()
+
+    def train(self, mode: bool = True) -> InPlaceDDP:
+        super().train(mode)
+        for ddp in self._current:
+            ddp.train(mode)  # type: ignore[no-untyped-call]
+        return self
+
+
+def ddp(module: nn.Module, guard: GuardHandle, *, instrument: bool = True,
+        **ddp_kwargs: Any) -> InPlaceDDP:
+    """Wrap ``module`` in DDP that is rebuilt on the new group after an in-place re-form."""
+    return InPlaceDDP(module, guard, instrument=instrument, **ddp_kwargs)

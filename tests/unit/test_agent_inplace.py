@@ -1,0 +1,55 @@
+"""The agent's in-place rule (:mod:`services.agent.inplace`): one failed rank of a group
+whose every rank declared in-place recovery is replaced alone; anything else restarts the
+group cold, and the reason says why."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from trainguard import groupstore
+from trainguard.services.agent.inplace import decide, missing_keys
+
+OK: dict[str, Any] = {"enabled": True, "failed": [2], "initiated": [], "restarts_left": 5,
+                      "generation": 4, "missing": []}
+
+
+@pytest.mark.parametrize(("change", "in_place", "said"), [
+    ({}, True, ""),
+    ({"enabled": False}, False, "--no-in-place"),
+    ({"initiated": [2]}, False, "stopped by a command"),
+    ({"failed": [1, 2]}, False, "2 ranks failed at once (1, 2)"),
+    ({"restarts_left": 0}, False, "no restarts left"),
+    ({"generation": None}, False, "does not answer"),
+    ({"missing": None}, False, "cannot be read"),
+    ({"missing": [0, 3]}, False, "rank(s) 0, 3 did not declare in-place recovery in "
+                                 "generation 4"),
+    ({"failed": list(range(20))}, False, "0, 1, 2, 3, 4, 5, 6, 7 and 12 more"),
+])
+def test_in_place_or_why_not(change: dict[str, Any], in_place: bool, said: str) -> None:
+    d = decide(**{**OK, **change})
+    assert d.in_place is in_place
+    assert said in d.reason if said else d.reason == ""
+
+
+class DictStore:
+    """The two calls of torch's Store the rule makes, over a dict (the real TCPStore is
+    exercised end to end; this pins which keys are asked for)."""
+
+    def __init__(self, keys: set[str], broken: bool = False) -> None:
+        self.keys, self.broken = keys, broken
+
+    def check(self, keys: list[str]) -> bool:
+        if self.broken:
+            raise RuntimeError("store gone")
+        return all(k in self.keys for k in keys)
+
+
+def test_missing_keys_names_the_ranks_that_did_not_declare() -> None:
+    store = DictStore({groupstore.in_place_key(7, r) for r in (0, 1, 3)})
+    assert missing_keys(store, 7, 4) == [2]
+    assert missing_keys(store, 8, 2) == [0, 1]
+    every = DictStore({groupstore.in_place_key(7, r) for r in range(4)})
+    assert missing_keys(every, 7, 4) == []
+    assert missing_keys(DictStore(set(), broken=True), 7, 4) is None

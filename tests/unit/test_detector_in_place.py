@@ -1,0 +1,87 @@
+"""The detector and in-place recovery: a group re-forming around a replacement is not a
+hang (for a bounded time), a crashed rank replaced by a new process at the same attempt
+ends its crash, and a rollback in place (steps going back, no new process) starts the
+job's steps and baselines over like a resume."""
+
+from __future__ import annotations
+
+from tests.unit.test_detector_attempts import HOSTS, Job
+from trainguard.schemas import RECOVERING_PHASE, Heartbeat, StepReport, WorkerExit
+
+
+def kinds(job: Job) -> list[tuple[str, str]]:
+    return [(t.anomaly.kind, t.anomaly.status) for t in job.d.drain()]
+
+
+def crash_rank_2(job: Job) -> None:
+    job.d.on_exit(WorkerExit(id="x", job="j", host="node-b", rank=2, pid=job.pids[2],
+                             exit_code=-9, signal="SIGKILL", attempt=job.attempts["node-b"],
+                             time=job.now), job.now)
+
+
+def wait_recovering(job: Job, seconds: float, survivors: set[int],
+                    since: float | None = None) -> float:
+    """The survivors beat in ``recovering`` (since ``since``) for ``seconds``; no step
+    completes. Returns when their recovery began."""
+    began = job.now if since is None else since
+    end = job.now + seconds
+    while job.now < end:
+        job.now += 0.5
+        for r in survivors:
+            host = HOSTS[r]
+            job.d.on_telemetry(Heartbeat(
+                job="j", time=job.now, rank=r, attempt=job.attempts[host], host=host,
+                pid=job.pids[r], step=job.step, phase=RECOVERING_PHASE,
+                phase_elapsed=job.now - began))
+        job.d.tick(job.now)
+    return began
+
+
+def test_survivors_recovering_in_place_are_not_a_hang_for_a_while() -> None:
+    job = Job({"node-a": 0, "node-b": 0})
+    job.steps(30)
+    crash_rank_2(job)
+    assert kinds(job) == [("crash", "open")]
+    limit = job.d.jobs["j"].th.recovery_timeout
+    began = wait_recovering(job, 30.0, {0, 1, 3})  # far past the 5 s hang floor
+    assert kinds(job) == []
+    wait_recovering(job, limit, {0, 1, 3}, began)  # a recovery that never ends is judged
+    assert ("hang", "open") in kinds(job)
+
+
+def test_a_crashed_rank_replaced_at_the_same_attempt_ends_its_crash() -> None:
+    job = Job({"node-a": 0, "node-b": 0})
+    job.steps(30)
+    state = job.d.jobs["j"]
+    generation = state.generation
+    crash_rank_2(job)
+    wait_recovering(job, 2.0, {0, 1, 3})
+    job.pids[2] = 999  # the replacement: a warm spare's pid, same attempt
+    job.steps(5)
+    assert kinds(job) == [("crash", "open"), ("crash", "resolved")]
+    assert state.generation == generation  # the survivors never re-formed their job
+    assert sorted(r.rank for r in state.in_attempt()) == [0, 1, 2, 3]
+    assert job.states() == {0: "ok", 1: "ok", 2: "ok", 3: "ok"}
+
+
+def test_a_rollback_in_place_starts_the_steps_and_baselines_over() -> None:
+    job = Job({"node-a": 0, "node-b": 0})
+    job.steps(80)  # past the numeric warm-up: the baselines are learned
+    state, numerics = job.d.jobs["j"], job.d.rules["j"].numerics
+    generation, restarts = state.generation, numerics.restarts
+    job.step = 40  # every rank reloaded the checkpoint of step 39, same processes
+    for _ in range(10):  # the re-run steps are judged, not dropped as already closed
+        job.now += 0.5
+        for r, host in HOSTS.items():
+            job.d.on_telemetry(Heartbeat(job="j", time=job.now, rank=r,
+                                         attempt=job.attempts[host], host=host,
+                                         pid=job.pids[r], step=job.step, phase="compute"))
+            job.d.on_telemetry(StepReport(job="j", time=job.now, rank=r, step=job.step,
+                                          attempt=0, duration=0.5, loss=5.0, grad_norm=9.0,
+                                          phases={"compute": 0.45, "comm": 0.05}))
+        job.step += 1
+        job.d.tick(job.now)
+    assert state.generation == generation + 1  # once, not once per rank
+    assert numerics.restarts == restarts + 1
+    assert state.max_step == 49
+    assert kinds(job) == []  # a new baseline: the other loss is no spike, nor a hang

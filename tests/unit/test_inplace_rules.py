@@ -1,0 +1,258 @@
+"""In-place recovery's rules without a multi-rank job: what is absorbed, the loop's course,
+where the job store is, and the NCCL path's decisions (run on CPU with a real gloo group)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed import TCPStore
+
+from trainguard import Guard, envnames
+from trainguard.client import DrillCrash
+from trainguard.embedded import free_port
+from trainguard.torch.inplace import (
+    NCCL_CLEANUP_ONLY,
+    agent_store_address,
+    comm_device,
+    init_process_group,
+    nccl_error_handling,
+    needs_abort,
+    teardown,
+)
+from trainguard.torch.peerloss import is_peer_loss
+
+GLOO_RESET = ("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+              "[127.0.0.1]:41877: Connection reset by peer")
+
+
+def shape_mismatch() -> RuntimeError:
+    try:
+        torch.ones(3) + torch.ones(4)
+    except RuntimeError as exc:
+        return exc
+    raise AssertionError("no error from a shape mismatch")
+
+
+@pytest.mark.parametrize("error", [
+    RuntimeError(GLOO_RESET),
+    RuntimeError("[pair.cc:598] Connection closed by peer [127.0.0.1]:29500"),
+    dist.DistBackendError("NCCL communicator was aborted on rank 1"),
+    dist.DistNetworkError("recv failed"),
+    dist.DistStoreError("store timeout"),
+    RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1970, remote process exited or there "
+                 "was a network error, NCCL version 2.21.5 ncclRemoteError"),
+    RuntimeError("[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9)"),
+], ids=["gloo-reset", "gloo-closed", "DistBackendError", "DistNetworkError",
+        "DistStoreError", "nccl-remote", "nccl-watchdog"])
+def test_a_lost_peer_is_absorbed(error: BaseException) -> None:
+    assert is_peer_loss(error)
+
+
+@pytest.mark.parametrize("error", [
+    DrillCrash("crash drill"),
+    ValueError("connection reset by peer"),  # the text alone is not enough: the type counts
+    shape_mismatch(),
+    RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+    KeyboardInterrupt(),
+], ids=["DrillCrash", "ValueError", "shape-mismatch", "oom", "KeyboardInterrupt"])
+def test_the_trainers_own_errors_are_not(error: BaseException) -> None:
+    assert not is_peer_loss(error)
+
+
+class Scripted:
+    """A Recovery of the test's own: absorbs what ``absorb`` says, resumes at ``resume``."""
+
+    def __init__(self, absorb: Callable[[BaseException], bool], resume: int) -> None:
+        self.absorb, self.resume = absorb, resume
+        self.recovered: list[tuple[int, BaseException]] = []
+        self.regroup: list[Callable[[], None]] = []
+
+    @property
+    def generation(self) -> int:
+        return 1
+
+    @property
+    def joining(self) -> bool:
+        return False
+
+    def absorbs(self, error: BaseException) -> bool:
+        return self.absorb(error)
+
+    def begin(self, start: int) -> int:
+        return start
+
+    def recover(self, failed_step: int, error: BaseException) -> int:
+        self.recovered.append((failed_step, error))
+        return self.resume
+
+    def on_regroup(self, fn: Callable[[], None], *, after_sync: bool = False) -> None:
+        self.regroup.append(fn)
+
+    def on_teardown(self, fn: Callable[[], None]) -> None:
+        self.regroup.append(fn)
+
+
+@pytest.fixture
+def guard() -> Iterator[Guard]:
+    g = Guard(job="unit", rank=0, world_size=1, enabled=False, checkpoint_every=4)
+    yield g
+    g.close()
+
+
+def test_an_absorbed_step_is_abandoned_and_run_again(guard: Guard) -> None:
+    rec = Scripted(lambda e: isinstance(e, ConnectionError), resume=5)
+    guard.set_recovery(rec)
+    ran, completed, checkpoints = [], [], []
+    failed_once = False
+    for step in guard.steps(0, 9):
+        ran.append(step)
+        with guard.step(step):
+            if step == 7 and not failed_once:
+                failed_once = True
+                raise ConnectionError("peer gone")
+        if guard.abandoned == step:
+            assert not guard.should_checkpoint(step)
+            continue
+        completed.append(step)
+        if guard.should_checkpoint(step):
+            checkpoints.append(step)
+    assert ran == [0, 1, 2, 3, 4, 5, 6, 7, 5, 6, 7, 8]
+    assert [s for s, _ in rec.recovered] == [7]
+    assert guard.last_completed_step == 8 and 7 not in completed[:7]
+    assert checkpoints == [3, 7]  # step 7 is saved once it really completed
+
+
+def test_other_errors_go_through_and_a_range_loop_absorbs_nothing(guard: Guard) -> None:
+    guard.set_recovery(Scripted(lambda e: isinstance(e, ConnectionError), resume=0))
+    with pytest.raises(ValueError, match="bad batch"):
+        for step in guard.steps(0, 3):
+            with guard.step(step):
+                raise ValueError("bad batch")
+    with pytest.raises(ConnectionError):  # a range() loop could not run the step again
+        for step in range(3):
+            with guard.step(step):
+                raise ConnectionError("peer gone")
+
+
+def test_a_failed_recovery_ends_the_loop_with_its_error(guard: Guard) -> None:
+    class GivesUp(Scripted):
+        def recover(self, failed_step: int, error: BaseException) -> int:
+            raise error
+
+    guard.set_recovery(GivesUp(lambda e: True, resume=0))
+    with pytest.raises(ConnectionError, match="peer gone"):
+        for step in guard.steps(0, 3):
+            with guard.step(step):
+                raise ConnectionError("peer gone")
+
+
+def test_rewind_needs_the_steps_loop(guard: Guard) -> None:
+    with pytest.raises(RuntimeError, match=r"guard\.steps"):
+        guard.rewind(3)
+    seen = []
+    for step in guard.steps(0, 8):
+        seen.append(step)
+        with guard.step(step):
+            pass
+        if step == 5 and seen.count(5) == 1:
+            guard.rewind(2)
+    assert seen == [0, 1, 2, 3, 4, 5, 2, 3, 4, 5, 6, 7]
+
+
+LAUNCH = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1",
+          "MASTER_PORT": "29400", "TORCHELASTIC_RUN_ID": "r1", envnames.GENERATION: "3"}
+
+
+def test_the_job_store_is_found_only_under_trainguard_launch() -> None:
+    assert agent_store_address(LAUNCH) == ("127.0.0.1", 29400, "r1", 3)
+    plain = {k: v for k, v in LAUNCH.items() if k != envnames.GENERATION}
+    assert "TRAINGUARD_GENERATION" in str(agent_store_address(plain))
+    private = {**LAUNCH, "TORCHELASTIC_USE_AGENT_STORE": "False"}
+    assert "no agent store" in str(agent_store_address(private))
+    assert "unreadable" in str(agent_store_address({**LAUNCH, "MASTER_PORT": "x"}))
+
+
+def test_nccl_aborts_first_and_keeps_the_process_alive() -> None:
+    assert needs_abort("nccl") and needs_abort("cpu:gloo,cuda:nccl")
+    assert not needs_abort("gloo")
+    # Modes 1 and 3 (and torch's default, unset) tear the process down on an NCCL error.
+    for mode in ("", "1", "3"):
+        assert nccl_error_handling({"TORCH_NCCL_ASYNC_ERROR_HANDLING": mode}) == \
+            NCCL_CLEANUP_ONLY
+    for mode in ("0", "2"):
+        assert nccl_error_handling({"TORCH_NCCL_ASYNC_ERROR_HANDLING": mode}) is None
+    assert comm_device("gloo") == torch.device("cpu")
+
+
+@pytest.fixture
+def one_rank(monkeypatch: pytest.MonkeyPatch) -> Iterator[TCPStore]:
+    """A one-rank job under a stand-in agent store (a real TCPStore)."""
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10),
+                     wait_for_workers=False)
+    env = {**LAUNCH, "MASTER_PORT": str(port), envnames.RANK: "0",
+           envnames.WORLD_SIZE: "1", "GLOO_SOCKET_IFNAME": "lo"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    yield store
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_teardown_aborts_a_real_group_then_destroys_it(one_rank: TCPStore,
+                                                       guard: Guard) -> None:
+    rec = init_process_group(guard, "gloo", timeout=10)
+    assert rec.enabled and rec.generation == 3 and guard.recovery is rec
+    assert dist.get_world_size() == 1
+    teardown("nccl")  # the abort path on a group that has one: gloo's
+    assert not dist.is_initialized()
+    rec.form(4)  # a new generation forms on the same job store
+    assert dist.is_initialized() and rec.generation == 4
+
+
+def test_plain_torchrun_is_a_plain_group_with_in_place_off(
+        monkeypatch: pytest.MonkeyPatch, guard: Guard) -> None:
+    port = free_port()
+    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), envnames.RANK: "0",
+                 envnames.WORLD_SIZE: "1"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv(envnames.GENERATION, raising=False)
+    guard.joining = True  # as if TRAINGUARD_JOIN=peers: with no job store it cannot join
+    try:
+        rec = init_process_group(guard, "gloo", timeout=10)
+        assert not rec.enabled and "no agent store" in rec.off_reason
+        assert not guard.joining  # so its resume_point() loads the checkpoint as a restart
+        assert not rec.absorbs(RuntimeError(GLOO_RESET))  # reported as a restart instead
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_after_a_re_form_collective_commands_wait_for_the_groups_first_step() -> None:
+    """Run on arrival, a collective command would run at a different step on each rank
+    (the replacement came after its peers had it); kept, it runs once the re-formed
+    group completed its first step and rebuilt its agreement (none with one rank: then
+    locally, at that step)."""
+    from trainguard.client.commands import Queued
+    from trainguard.schemas import Command
+
+    g = Guard(job="unit", rank=0, world_size=1, nats_url=f"nats://127.0.0.1:{free_port()}",
+              sync_every=1000, checkpoint_every=10)
+    try:
+        desk = g.commands
+        desk.safe_point(0)  # the first boundary
+        desk.regrouped()
+        desk.inbox.append(Queued(Command(id="i1", job="unit", kind="set_interval", seq=1,
+                                         issuer="coordinator",
+                                         params={"every_steps": 7, "from_step": 30}),
+                                 None, 0.0))
+        desk.safe_point(None)  # entering the step the re-formed group continues at
+        assert desk.executed == [] and g.checkpoint_interval == (10, 0)
+        desk.safe_point(21)  # its first completed step
+        assert desk.executed == ["i1"] and g.checkpoint_interval == (7, 30)
+    finally:
+        g.close(timeout=1.0)
