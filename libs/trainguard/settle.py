@@ -2,7 +2,8 @@
 
 * ok -> ``ack`` after the handler returns;
 * :class:`Retry`, or a transient Redis/NATS error -> delayed redelivery (never
-  dead-lettered, so a dependency outage delays work instead of losing it);
+  dead-lettered, so a dependency outage delays work instead of losing it); a Retry's
+  delay is jittered (:func:`retry_delay`);
 * :class:`Reject`, an undecodable, wrongly typed or oversized message, a handler whose
   publish was refused as too large, or one that failed ``max_deliver`` times -> the
   dead-letter subject with the reason (published *before* the ``term``: in an interest
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import random
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -53,6 +55,18 @@ DEAD_LETTER_RETRY_ERRORS: tuple[type[BaseException], ...] = (JetStreamError, *TR
 def redelivery_delay(deliveries: int) -> float:
     """Backoff for the n-th failed delivery: 0.2 s doubling to a 10 s cap."""
     return float(min(10.0, 0.2 * 2 ** max(0, deliveries - 1)))
+
+
+def retry_delay(delay: float) -> float:
+    """A :class:`Retry`'s redelivery delay, jittered by +-50 %.
+
+    A Retry mostly means "not mine": several replicas share one consumer and only one
+    may handle the message (a job's owner, the leader). With a fixed delay the server's
+    redelivery can fall, round after round, on the pull request of the replica that just
+    refused it, which re-pulls at once (two detectors bounced each other's exits for a
+    minute that way); jitter breaks that rhythm.
+    """
+    return delay * random.uniform(0.5, 1.5)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +172,7 @@ class Settler:
                 await consumer.handler(body, delivery)
             except Retry as exc:
                 span.set_attribute("trainguard.outcome", "retry")
-                await self._nak(consumer, msg, exc.delay, "retry")
+                await self._nak(consumer, msg, retry_delay(exc.delay), "retry")
             except Reject as exc:
                 self.metrics.error(name, "rejected")
                 await self._dead(consumer, msg, headers, deliveries, exc.reason, "rejected")
