@@ -115,6 +115,18 @@ class Job:
         self.generation = int(self.job_store.add(groupstore.GENERATION, 1))
         return self.spawn(rank, join=True)
 
+    def shrink(self, rank: int, reason: str) -> None:
+        """What the agent of a host that leaves in place does (``Supervisor.leaving``):
+        the next generation's resize record, then the generation, then its rank stops."""
+        resize = groupstore.plan_shrink(self.world, 2, [rank], min_nodes=1,
+                                        serves_store=False, reason=reason)
+        assert isinstance(resize, groupstore.Resize), resize
+        self.job_store.set(groupstore.resize_key(self.generation + 1), resize.encode())
+        self.generation = int(self.job_store.add(groupstore.GENERATION, 1))
+        self.kill(rank)
+        del self.procs[rank]
+        self.world = resize.world_size
+
     def wait(self, timeout: float = 180.0) -> dict[int, int]:
         deadline = time.monotonic() + timeout
         codes = {}

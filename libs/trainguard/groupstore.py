@@ -18,13 +18,24 @@ reach at ``MASTER_ADDR:MASTER_PORT`` (``services/agent/rendezvous.py``). Under
   preempted) to why: its ranks of that generation will not be replaced, so a survivor
   waiting to re-form gives up in place at once and its agent restarts the group at the
   world size that is left, instead of waiting out the rejoin timeout.
+- :func:`resize_key`: written by an agent whose host leaves while the job can go on in
+  place without it (:func:`plan_shrink`), *before* it raises the generation: the
+  :class:`Resize` of that generation. A survivor that sees the generation rise reads the
+  records since its own and forms the new group at their world size; its agent adopts
+  the size for later replacements. It then stands in for the ``left`` key.
 
 The agents own the generation; the ranks only read it and wait for it to rise.
 """
 
 from __future__ import annotations
 
-from typing import Final
+import json
+import logging
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any, Final
+
+log = logging.getLogger("trainguard.groupstore")
 
 GENERATION: Final = "generation"
 """The job's generation counter (``store.add(GENERATION, 0)`` reads it)."""
@@ -48,3 +59,81 @@ def in_place_key(generation: int, rank: int) -> str:
 def left_key(generation: int) -> str:
     """Set to why by an agent whose ranks of ``generation`` leave the job for good."""
     return f"left/{generation}"
+
+
+def resize_key(generation: int) -> str:
+    """Set, once, to the :class:`Resize` that ``generation`` was formed with."""
+    return f"resize/{generation}"
+
+
+@dataclass(frozen=True)
+class Resize:
+    """How one generation's group differs in size from the previous one's."""
+
+    world_size: int
+    """Ranks of the new generation: ``0 .. world_size-1``, numbered as before."""
+    nodes: int
+    """Agents of the new generation (the exit barrier at the job's end counts them)."""
+    left: tuple[int, ...]
+    """The previous generation's ranks that left (the highest ones)."""
+    reason: str
+
+    def encode(self) -> str:
+        return json.dumps({"world_size": self.world_size, "nodes": self.nodes,
+                           "left": list(self.left), "reason": self.reason})
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> Resize:
+        """Raises ValueError on a record this version cannot read."""
+        try:
+            d = json.loads(raw)
+            return cls(int(d["world_size"]), int(d["nodes"]),
+                       tuple(int(r) for r in d["left"]), str(d.get("reason", "")))
+        except (TypeError, KeyError, ValueError) as exc:
+            raise ValueError(f"unreadable resize record {raw!r}: {exc}") from exc
+
+
+def plan_shrink(world_size: int, nodes: int, leaving: Collection[int], *,
+                min_nodes: int, serves_store: bool, reason: str) -> Resize | str:
+    """The group without ``leaving`` (this host's ranks), or why it cannot go on in place.
+
+    Survivors keep their ranks, so only the highest ranks can leave in place: a rank's
+    number is on everything it publishes and subscribes to, and renumbering them is not
+    supported. The host that serves the job store cannot leave (the survivors re-form on
+    it), nor one whose going takes the job below ``min_nodes``.
+    """
+    gone = sorted(set(leaving))
+    if not gone:
+        return "it runs no rank"
+    if serves_store:
+        return "it serves the job store the survivors re-form on"
+    if nodes - 1 < max(1, min_nodes):
+        return f"{nodes - 1} node(s) would be left, below --nnodes minimum {min_nodes}"
+    left = world_size - len(gone)
+    if left < 1:
+        return "no rank would be left"
+    if gone != list(range(left, world_size)):
+        return (f"its ranks {gone[:8]} are not the highest of {world_size}: the survivors "
+                "would have to be renumbered")
+    return Resize(world_size=left, nodes=nodes - 1, left=tuple(gone), reason=reason)
+
+
+def read_resizes(store: Any, after: int, upto: int) -> list[tuple[int, Resize]]:
+    """The :class:`Resize` records in ``store`` (a ``torch.distributed.Store`` under
+    :func:`job_prefix`) of generations ``after+1 .. upto``, oldest first: what a survivor
+    or an agent adopts when the generation rose. An unreadable record is skipped with a
+    warning; a store that does not answer gives none."""
+    if store is None or upto <= after:
+        return []
+    out: list[tuple[int, Resize]] = []
+    try:
+        for generation in range(after + 1, upto + 1):
+            key = resize_key(generation)
+            if store.check([key]):
+                try:
+                    out.append((generation, Resize.decode(bytes(store.get(key)))))
+                except ValueError as exc:
+                    log.warning("generation %d: %s", generation, exc)
+    except Exception as exc:
+        log.debug("resize records unreadable: %r", exc)
+    return out

@@ -222,15 +222,19 @@ def launch(settings: AgentSettings, torchrun_argv: list[str]) -> int:
         _leave(link)
         return EXIT_ISOLATED
 
-    rdzv_box: list[JobRendezvous] = []
+    supervisor_box: list[Supervisor] = []
 
     def on_signal(signum: int, frame: Any) -> None:
         if signum == signal.SIGTERM and node.ended_by is None:
             # Preemption: try to save within the grace period, then stop the workers.
             answer = link.request_save(settings.preempt_grace)
             log.warning("SIGTERM: save-now before stopping: %s", answer)
-        if rdzv_box:  # before this host's ranks stop: survivors elsewhere stop waiting
-            rdzv_box[0].mark_leaving(f"host {settings.host} left the job ({leaving_why(signum)})")
+        if supervisor_box:  # before this host's ranks stop: the survivors elsewhere go on
+            # in place without them, or stop waiting for them. A hold or a stop is sent to
+            # every host: nobody goes on then.
+            supervisor_box[0].leaving(
+                f"host {settings.host} left the job ({leaving_why(signum)})",
+                shrink=node.holding is None and node.stopping is None)
         raise Stopping(signum)
 
     def leaving_why(signum: int) -> str:
@@ -250,12 +254,12 @@ def launch(settings: AgentSettings, torchrun_argv: list[str]) -> int:
     code = 1
     try:
         rdzv = JobRendezvous(plan)
-        rdzv_box.append(rdzv)
         supervisor = Supervisor(node=node, rdzv=rdzv, program=program, nproc=nproc,
                                 max_restarts=max_restarts, log_dir=log_dir, spares=spares,
                                 stop_grace=settings.stop_grace,
                                 refill_delay=settings.spare_refill_delay,
                                 in_place=settings.in_place)
+        supervisor_box.append(supervisor)
         node.rank_restarter = supervisor.restart_rank
         print(f"trainguard launch: job {settings.job} on host {settings.host} "
               f"(rendezvous {plan.endpoint}, store host: {hosts_store}, "

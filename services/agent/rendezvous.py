@@ -187,16 +187,34 @@ class JobRendezvous:
             log.debug("generation read failed: %r", exc)
             return None
 
-    def mark_leaving(self, reason: str) -> None:
-        """Say in the group store that this node's ranks leave the job for good
-        (:func:`trainguard.groupstore.left_key`); best effort: a store that does not
-        answer only costs the survivors their rejoin timeout."""
+    def mark_leaving(self, reason: str, resize: groupstore.Resize | None = None) -> bool:
+        """Say in the group store that this node's ranks leave the job for good.
+
+        With ``resize`` the job goes on in place without them: the record for the next
+        generation first, then the generation rises, so a survivor that sees it rise finds
+        the record (True). Otherwise, or when another node's change claimed that generation
+        first, the ``left`` key (:func:`trainguard.groupstore.left_key`): survivors stop
+        waiting at once. Best effort: a store that does not answer only costs the survivors
+        their rejoin timeout."""
         try:
             group = self._group()
             generation = int(group.add(groupstore.GENERATION, 0))
+            if resize is not None:
+                record = resize.encode()
+                stored = group.compare_set(groupstore.resize_key(generation + 1), "", record)
+                if bytes(stored).decode(errors="replace") == record:
+                    self.bump_generation()
+                    return True
+                reason = f"{reason} (another change of the group came first)"
             group.set(groupstore.left_key(generation), reason)
         except Exception as exc:
             log.debug("could not mark this node as leaving: %r", exc)
+        return False
+
+    def resizes(self, after: int, upto: int) -> list[tuple[int, groupstore.Resize]]:
+        """The resize records of generations ``after+1 .. upto``, oldest first (an
+        unreadable one is skipped with a warning; an unanswering store gives none)."""
+        return groupstore.read_resizes(self._group_store, after, upto)
 
     def in_place_missing(self, generation: int, world_size: int) -> list[int] | None:
         """Ranks of ``generation`` that have not declared in-place recovery (None: the
@@ -240,3 +258,4 @@ class JobRendezvous:
             self.handler.shutdown()
         except Exception as exc:
             log.debug("rendezvous shutdown failed: %r", exc)
+

@@ -26,9 +26,9 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from trainguard import envnames
+from trainguard import envnames, groupstore
 from trainguard.errors import TrainguardError
 
 from . import inplace, procs
@@ -129,7 +129,8 @@ class Supervisor:
                 kind, failures = self._watch()
                 if kind == "succeeded":
                     self.node.workers_exited({}, succeeded=True)
-                    self.rdzv.exit_barrier(rnd)
+                    # The round as it is now: a node that left in place is not waited for.
+                    self.rdzv.exit_barrier(self.round or rnd)
                     self.rdzv.close()
                     return 0
                 prefer = sorted(f.local_rank for f in failures.values()
@@ -167,7 +168,7 @@ class Supervisor:
                     return "membership", self._end_group([])
                 generation = self.rdzv.generation()
                 if generation is not None:
-                    self.node.generation = generation
+                    self._follow(generation)
             self._serve_requests()
             if self._refill_at is not None and now >= self._refill_at:
                 self.spares.fill()
@@ -363,11 +364,57 @@ class Supervisor:
         self._refill_at = time.monotonic() + self.refill_delay
 
     # -- in place ---------------------------------------------------------------------
+    def _follow(self, generation: int) -> None:
+        """The job's generation rose to ``generation``: adopt the sizes another node's
+        leaving gave it (:meth:`leaving`), so a later replacement joins at the right size
+        and the exit barrier counts the nodes that are left."""
+        seen = self.node.generation
+        if generation > seen and self.round is not None:
+            for gen, resize in self.rdzv.resizes(seen, generation):
+                self.round = replace(self.round, world_size=resize.world_size,
+                                     group_world_size=resize.nodes)
+                log.info("generation %d: the group goes on in place at %d ranks on %d "
+                         "node(s) (%s)", gen, resize.world_size, resize.nodes, resize.reason)
+        self.node.generation = generation
+
+    def leaving(self, reason: str, *, shrink: bool) -> None:
+        """This node's ranks are about to stop for good (isolated, preempted; the
+        launcher's signal handler calls this first). With ``shrink``, when the job can go
+        on in place without them, the survivors re-form at the smaller world size and keep
+        running; else they stop waiting for replacements at once and restart."""
+        plan = self._shrink_plan(reason) if shrink else "the whole job stops"
+        if isinstance(plan, str):
+            log.info("host %s leaves; the job cannot go on in place without it: %s",
+                     self.node.host, plan)
+            reason = f"{reason}; not in place: {plan}"
+        if self.rdzv.mark_leaving(reason, plan if not isinstance(plan, str) else None):
+            assert not isinstance(plan, str)
+            log.info("host %s leaves: the job goes on in place at %d ranks", self.node.host,
+                     plan.world_size)
+
+    def _shrink_plan(self, reason: str) -> groupstore.Resize | str:
+        rnd = self.round
+        if rnd is None or not self.group:
+            return "no group is running here"
+        if not self.in_place:
+            return "in-place recovery is off for this agent (--no-in-place)"
+        generation = self.rdzv.generation()
+        if generation is None:
+            return "the job store does not answer"
+        missing = self.rdzv.in_place_missing(generation, rnd.world_size)
+        if missing is None or missing:
+            return (f"rank(s) {missing[:8]} did not declare in-place recovery" if missing
+                    else "the in-place keys cannot be read")
+        return groupstore.plan_shrink(
+            rnd.world_size, rnd.group_world_size, [p.rank for p in self.group.values()],
+            min_nodes=self.rdzv.plan.min_nodes, serves_store=rnd.group_rank == 0,
+            reason=reason)
+
     def _decide(self, failed: list[RankProc], initiated: list[RankProc]) -> inplace.Decision:
         assert self.round is not None
         generation = self.rdzv.generation() if self.in_place else None
         if generation is not None:
-            self.node.generation = generation
+            self._follow(generation)
         single = self.in_place and len(failed) == 1 and not initiated \
             and self.remaining > 0 and generation is not None
         missing = self.rdzv.in_place_missing(generation, self.round.world_size) \

@@ -31,24 +31,36 @@ SLACK_S: Final = 2.0
 """Reports up to this long before an incident's onset still belong to it: the onset is
 the detector's reading (an exit's time, a stall's start) and clocks differ a little."""
 ROLLBACK_CAUSES: Final = frozenset({"numeric", "sdc_suspect"})
+RESIZE_WAIT_S: Final = 5.0
+"""How long the restart that follows an isolation waits for the survivors' word that they
+went on in place without the host (they say so within a second or two; a job that cannot
+restarts as before, this much later)."""
 GROUP_REPORT_WAIT_S: Final = 15.0
 """How long past detection an incident recovered in place waits for the re-formed group's
 own report once training passed the failure on the agent's word alone."""
 
 
-def _wanted_kind(inc: Incident) -> str:
+REGROUPED: Final = frozenset({"replace", "resize"})
+"""Report kinds of a group that re-formed in place (a rank replaced, or a host gone)."""
+
+
+def _wanted_kinds(inc: Incident) -> frozenset[str]:
     rollback = inc.cause in ROLLBACK_CAUSES or any(s.action == "rollback" for s in inc.actions)
-    return "rollback" if rollback else "replace"
+    if rollback:
+        return frozenset({"rollback"})
+    if any(s.action == "isolate" for s in inc.actions):
+        return REGROUPED  # the survivors go on without the host, or a rank was replaced
+    return frozenset({"replace"})
 
 
 def matching(inc: Incident, reports: Iterable[RecoveryReport]) -> RecoveryReport | None:
-    """The newest report of the kind ``inc`` needs (a rollback, or a rank replaced) made
-    after its onset, if any."""
+    """The newest report of the kind ``inc`` needs (a rollback, a rank replaced, the group
+    gone on without an isolated host) made after its onset, if any."""
     since = inc.onset_at if inc.onset_at is not None else inc.detected_at
     if since is None:
         return None
-    kind = _wanted_kind(inc)
-    found = [r for r in reports if r.kind == kind and r.time >= since - SLACK_S]
+    kinds = _wanted_kinds(inc)
+    found = [r for r in reports if r.kind in kinds and r.time >= since - SLACK_S]
     return max(found, key=lambda r: (r.time, r.path == "in_place"), default=None)
 
 
@@ -83,9 +95,15 @@ def in_place(inc: Incident) -> bool:
     return inc.recovery is not None and inc.recovery.path == "in_place"
 
 
+def isolated(inc: Incident) -> bool:
+    """``inc`` took a host out of the job (its survivors may go on in place)."""
+    return any(s.action == "isolate" and s.status == "done" for s in inc.actions)
+
+
 def recovered_in_place(inc: Incident) -> bool:
-    """A rank of ``inc`` was replaced in place: the restart it planned is done already."""
-    return in_place(inc) and inc.recovery is not None and inc.recovery.kind == "replace"
+    """The group of ``inc`` re-formed in place (a rank replaced, or the survivors went on
+    without an isolated host): the restart it planned is done already."""
+    return in_place(inc) and inc.recovery is not None and inc.recovery.kind in REGROUPED
 
 
 def skip_detail(inc: Incident) -> str:

@@ -469,6 +469,11 @@ class RemediatorService(Service[RemediatorSettings]):
         if "rank" in step.params:
             await self._restart_culprit(inc, step, view, persist)
             return
+        if recovery.isolated(inc):
+            deadline = time.monotonic() + recovery.RESIZE_WAIT_S
+            while time.monotonic() < deadline and not self._in_place(inc, view):
+                await asyncio.sleep(0.5)
+                view = await self.store.view(inc.job, inc.cause)
         if rules.waits_for_launcher(inc):
             deadline = time.monotonic() + self.policy.launcher_grace_s
             while time.monotonic() < deadline and not rules.launcher_restarted(inc, view) \

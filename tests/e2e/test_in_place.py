@@ -5,7 +5,8 @@ store, node-b ranks 2-3), 4 gloo ranks of the toy trainer with ``--in-place``
 the parameters of an uninterrupted run, with a plain all-reduce loop and with DDP
 (``trainguard.torch.ddp``, rebuilt on the re-formed group); a hung rank is killed and
 replaced; a NaN rolls back in place; two ranks lost at once fall back to the committed
-checkpoint, and the incident says so and why; an isolated host's ranks are not waited for.
+checkpoint, and the incident says so and why; an isolated host leaves and the others go on
+in place at world size 2.
 """
 
 from __future__ import annotations
@@ -232,11 +233,11 @@ async def test_two_ranks_lost_at_once_fall_back_to_the_checkpoint_and_say_why(
 
 
 
-async def test_an_isolated_host_ends_the_survivors_wait_and_the_rest_go_on_smaller(
+async def test_an_isolated_host_leaves_and_the_survivors_go_on_smaller_in_place(
         cluster: InPlaceCluster) -> None:
-    """Isolating node-b: its ranks are not replaced, so node-a's survivors give up in place
-    at once (not after their rejoin timeout) with node-b's reason, and node-a's agent
-    restarts its ranks at world size 2, which finish the job."""
+    """Isolating node-b: its agent records the smaller group before its ranks stop, so
+    node-a's ranks keep their processes, re-form at world size 2 (rank 0 reports the
+    resize, both say hello at the new size) and finish the job; node-b exits 200."""
     c = cluster
     await wait_until(lambda: any(k.status == "committed" for k in c.observer.checkpoints),
                      timeout=60, what="a committed checkpoint")
@@ -244,12 +245,16 @@ async def test_an_isolated_host_ends_the_survivors_wait_and_the_rest_go_on_small
     await wait_until(lambda: c.procs["node-b"].poll() is not None, timeout=90, interval=0.5,
                      what="node-b's launcher to leave")
     assert c.procs["node-b"].returncode == EXIT_ISOLATED, c.log_tail()
-    gave_up = await wait_until(lambda: [r for r in c.recoveries if r.path == "restart"
-                                        and "host node-b left the job" in r.reason],
-                               timeout=90, interval=0.5, what="the survivors' reason")
-    assert {r.rank for r in gave_up} == {0, 1} and "isolated by command" in gave_up[0].reason
-    await wait_until(lambda: any(h.world_size == 2 for h in c.hellos), timeout=150,
-                     interval=0.5, what="node-a's ranks at world size 2")
+    [resize] = await wait_until(lambda: [r for r in c.recoveries if r.kind == "resize"],
+                                timeout=90, interval=0.5, what="the survivors' resize")
+    assert (resize.path, resize.rank, resize.world_size, resize.steps_lost) == (
+        "in_place", 0, 2, 0), resize
+    assert "host node-b left the job" in resize.reason and "isolated by command" in \
+        resize.reason
+    await wait_until(lambda: {h.rank for h in c.hellos if h.world_size == 2} == {0, 1},
+                     timeout=60, interval=0.5, what="node-a's ranks at world size 2")
     await wait_until(lambda: c.procs["node-a"].poll() is not None, timeout=150,
                      interval=0.5, what="the job to finish on node-a")
     assert c.procs["node-a"].returncode == 0, c.log_tail()
+    assert len(c.pids[0]) == 1 and len(c.pids[1]) == 1, c.pids  # never restarted
+    assert not [r for r in c.recoveries if r.path == "restart"], c.recoveries

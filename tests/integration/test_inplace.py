@@ -26,7 +26,7 @@ from trainguard import envnames, groupstore
 from trainguard.bus import Bus
 from trainguard.codec import decode_any_durable
 from trainguard.envelope import normalize_headers
-from trainguard.schemas import Command, RecoveryReport
+from trainguard.schemas import Command, RankHello, RecoveryReport
 from trainguard.subjects import Subjects
 from trainguard.topology import streams
 
@@ -281,3 +281,38 @@ async def test_a_host_that_left_ends_the_wait_at_once_and_says_so(
     restart = [r for r in reports.values() if r.path == "restart"]
     assert sorted(r.rank for r in restart) == [0, 1]
     assert all(why in r.reason and "world size that is left" in r.reason for r in restart)
+
+
+async def test_a_host_that_leaves_in_place_leaves_the_survivors_running_smaller(
+        tmp_path: Path, nats_url: str, prefix: str, job: str) -> None:
+    """Rank 2's host leaves with a resize record (as an isolated agent does): ranks 0 and 1
+    keep their processes, re-form at world size 2, lose no step, say hello at the new
+    size and finish; rank 0 reports the resize."""
+    why = "host node-b left the job (isolated by command c1)"
+
+    def leave() -> None:
+        try:
+            run.start()
+            run.wait_for_step(8)
+            wait_ready(run)
+            run.shrink(2, why)
+            assert run.wait() == {0: 0, 1: 0}, run.logs()
+        finally:
+            run.stop()
+
+    async with recoveries(nats_url, prefix, job) as (reports, tap, _):
+        run = Job(tmp_path, WORLD, ARGS, env=bus_env(nats_url, prefix, job))
+        await asyncio.to_thread(leave)
+        await wait_until(lambda: [r for r in reports.values() if r.kind == "resize"],
+                         what="the resize report")
+        await wait_until(lambda: sorted(h.rank for h in tap.durable if isinstance(
+            h, RankHello) and h.world_size == 2) == [0, 1], what="hellos at world size 2")
+    assert run.steps_done() == list(range(STEPS)), run.logs()
+    assert len(set(run.pids())) == 1  # rank 0 never restarted
+    assert run.ready_in_place(), "the smaller generation's ranks set their keys"
+    [report] = [r for r in reports.values() if r.kind == "resize"]
+    assert (report.path, report.rank, report.world_size, report.generation) == (
+        "in_place", 0, 2, run.generation)
+    assert report.reason == why and report.joined == []
+    assert report.steps_lost == 0 and report.resumed_step == report.last_completed + 1
+    assert not [r for r in reports.values() if r.path == "restart"]

@@ -53,3 +53,34 @@ def test_missing_keys_names_the_ranks_that_did_not_declare() -> None:
     every = DictStore({groupstore.in_place_key(7, r) for r in range(4)})
     assert missing_keys(every, 7, 4) == []
     assert missing_keys(DictStore(set(), broken=True), 7, 4) is None
+
+
+# -- shrinking in place: the pure rule ------------------------------------------------------
+
+@pytest.mark.parametrize(("world", "nodes", "leaving", "min_nodes", "store", "why"), [
+    (4, 2, [], 1, False, "runs no rank"),
+    (4, 2, [0, 1], 1, True, "serves the job store"),
+    (4, 2, [2, 3], 2, False, "below --nnodes minimum 2"),
+    (6, 3, [2, 3], 1, False, "not the highest of 6"),
+    (4, 2, [3], 1, False, None),
+    (4, 2, [2, 3], 1, False, None),
+    (2, 2, [0, 1], 1, False, "no rank would be left"),
+])
+def test_only_the_highest_ranks_of_a_host_that_does_not_hold_the_store_leave_in_place(
+        world: int, nodes: int, leaving: list[int], min_nodes: int, store: bool,
+        why: str | None) -> None:
+    got = groupstore.plan_shrink(world, nodes, leaving, min_nodes=min_nodes,
+                                 serves_store=store, reason="isolated")
+    if why is None:
+        assert got == groupstore.Resize(world_size=world - len(leaving), nodes=nodes - 1,
+                                        left=tuple(sorted(leaving)), reason="isolated")
+    else:
+        assert isinstance(got, str) and why in got, got
+
+
+def test_a_resize_record_round_trips_and_a_bad_one_is_refused() -> None:
+    r = groupstore.Resize(world_size=2, nodes=1, left=(2, 3), reason="host node-b left")
+    assert groupstore.Resize.decode(r.encode().encode()) == r
+    for bad in (b"", b"{}", b'{"world_size": "x", "nodes": 1, "left": []}', b"[1]"):
+        with pytest.raises(ValueError, match="unreadable resize record"):
+            groupstore.Resize.decode(bad)

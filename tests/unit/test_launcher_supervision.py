@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from trainguard import envnames
+from trainguard import envnames, groupstore
 from trainguard.config import load_settings
 from trainguard.embedded import free_port
 from trainguard.services.agent.node import LocalNode
@@ -110,3 +110,52 @@ def test_programs_and_error_files(tmp_path: Path) -> None:
     err.write_text(json.dumps({"message": {"message": "RuntimeError: boom", "extraInfo": {}}}))
     assert error_message(str(err)) == "RuntimeError: boom"
     assert error_message(str(tmp_path / "missing.json")) == ""
+
+
+def test_a_leaving_node_resizes_the_next_generation_and_the_other_adopts_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """node-b (ranks 2-3) leaves in place: the record of the next generation is written
+    before the generation rises, so node-a's supervisor, following the generation, starts
+    a later replacement at world size 2 and counts one node at the exit barrier."""
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    endpoint = f"127.0.0.1:{free_port()}"
+    a, b = JobRendezvous(plan(endpoint, 2, host=True)), JobRendezvous(plan(endpoint, 2,
+                                                                          host=False))
+    rounds: dict[str, Round] = {}
+    threads = [threading.Thread(target=lambda n=n, r=r: rounds.__setitem__(n, r.next_round(2)))
+               for n, r in (("a", a), ("b", b))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    settings = load_settings(AgentSettings, env={}, overrides={"job": "j", "host": "node-a"})
+    node = LocalNode(settings, hosts_store=True, gpu=None, publish_exit=lambda e: None)
+    sup = Supervisor(node=node, rdzv=a, program=Program("train.py", []), nproc=2,
+                     max_restarts=3, log_dir=str(tmp_path),
+                     spares=SparePool(0, {}, str(tmp_path)), stop_grace=1.0)
+    try:
+        lower, upper = sorted(rounds.values(), key=lambda r: r.group_rank)
+        leaving = a if upper is rounds["a"] else b
+        staying = b if leaving is a else a
+        sup.rdzv, sup.round = staying, lower
+        node.generation = lower.generation
+        resize = groupstore.plan_shrink(4, 2, [2, 3], min_nodes=1, serves_store=False,
+                                        reason="host node-b left the job (isolated)")
+        assert isinstance(resize, groupstore.Resize)
+        assert leaving.mark_leaving("host node-b left the job (isolated)", resize)
+        generation = staying.generation()
+        assert generation == lower.generation + 1
+        assert staying.resizes(lower.generation, generation) == [(generation, resize)]
+        sup._follow(generation)
+        assert (sup.round.world_size, sup.round.group_world_size) == (2, 1)
+        assert node.generation == generation
+        env = sup.rank_env(sup.round, 1, 1, generation, 0, "/x/error.json", join=True)
+        assert env["WORLD_SIZE"] == "2"
+        # Without a resize (a hold, or the job cannot go on): the left key, no new generation.
+        assert not leaving.mark_leaving("host node-b left the job (held)")
+        assert staying.generation() == generation
+        assert staying.resizes(generation, generation + 5) == []
+    finally:
+        sup.tail.close()
+        b.close()
+        a.close()

@@ -66,6 +66,21 @@ def test_a_rollback_incident_takes_rollback_reports() -> None:
     assert found is not None and found.id == "y"
 
 
+def test_an_isolation_takes_the_survivors_resize_as_its_restart() -> None:
+    """An isolated host's survivors go on in place without it (a ``resize`` report):
+    that is the restart the incident planned (its restart step waits a little for it)."""
+    planned = crash(cause="hbm_ecc", failure_attempt=None, actions=[
+        IncidentStep(action="isolate", status="running"), IncidentStep(action="restart")])
+    assert not recovery.isolated(planned)
+    inc = crash(cause="hbm_ecc", failure_attempt=None, actions=[
+        IncidentStep(action="isolate", status="done"), IncidentStep(action="restart")])
+    assert recovery.isolated(inc)
+    assert recovery.matching(crash(), [report("s", NOW, kind="resize")]) is None
+    assert recovery.apply(inc, [report("s", NOW, kind="resize", reason="host b left")])
+    assert recovery.recovered_in_place(inc)
+    assert "recovered in place" in recovery.skip_detail(inc)
+
+
 def test_an_in_place_replacement_is_the_launchers_restart() -> None:
     inc = crash()
     assert recovery.apply(inc, [report("r1", NOW - 8)])

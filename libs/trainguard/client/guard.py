@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import faulthandler
 import logging
 import os
@@ -164,14 +165,7 @@ class Guard:
         t.every(self.heartbeat_interval, self._beat)
         if (fr := frdump.Trigger.from_env(self.rank)) is not None:
             t.every(frdump.POLL_S, fr.poll)  # the agent's flight-recorder dump requests
-        hello = RankHello(job=self.job, rank=self.rank, world_size=self.world_size,
-                          local_rank=self.identity.local_rank, host=self.host,
-                          pid=os.getpid(), attempt=self.identity.attempt,
-                          env={**environment_record(self.seed),
-                               **envnames.job_settings(os.environ),
-                               "drills": "1" if self.allow_drills else "0"},
-                          time=time.time())
-        t.publish_durable(self.subjects.reg_rank(self.job, self.rank), hello)
+        self._say_hello()
         t.start()
         self._install_stack_dumps()
         ref = weakref.ref(self)
@@ -444,6 +438,31 @@ class Guard:
         ``sync_every`` boundary builds it again on every rank."""
         self.commands.note_completed(next_step - 1)
         self.commands.regrouped()
+
+    def _say_hello(self) -> None:
+        """The rank's hello: who it is, at which attempt and world size, in which
+        environment (sent again when the group goes on at another size)."""
+        hello = RankHello(job=self.job, rank=self.rank, world_size=self.world_size,
+                          local_rank=self.identity.local_rank, host=self.host,
+                          pid=os.getpid(), attempt=self.identity.attempt,
+                          env={**environment_record(self.seed),
+                               **envnames.job_settings(os.environ),
+                               "drills": "1" if self.allow_drills else "0"},
+                          time=time.time())
+        self.transport.publish_durable(self.subjects.reg_rank(self.job, self.rank), hello)
+
+    def resize(self, world_size: int) -> None:
+        """The group re-formed in place at ``world_size`` (a host left): this rank's
+        reports, acks and command agreement follow, and a new hello tells the control
+        plane. The rank keeps its number (only the highest ranks leave in place)."""
+        if world_size <= self.rank:
+            raise ValueError(f"world size {world_size} leaves no room for rank {self.rank}")
+        self.world_size = world_size
+        self.identity = dataclasses.replace(self.identity, world_size=world_size)
+        self.commands.identity = self.identity
+        self.reports.world_size = world_size
+        if self._started and not self._closed:
+            self._say_hello()
 
     # -- background thread ------------------------------------------------------------
     def _beat(self) -> None:

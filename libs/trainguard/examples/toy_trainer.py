@@ -116,9 +116,10 @@ class Progress:
         if self.fd is not None:
             os.write(self.fd, line.encode())
 
-    def step(self, step: int) -> None:
+    def step(self, step: int, world: int) -> None:
         if self.rank == 0:
-            self._write(f"{time.time():.6f} {step} {self.attempt} {os.getpid()}\n")
+            self._write(f"{time.time():.6f} {step} {self.attempt} {os.getpid()} "
+                        f"world={world}\n")
 
     def fault(self, step: int, kind: str) -> None:
         self._write(f"{time.time():.6f} {step} {self.attempt} {os.getpid()} fault={kind} "
@@ -215,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                                rejoin_timeout=args.rejoin_timeout)
     else:
         dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout))
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()  # kept across an in-place re-form; the world size is not
     torch.manual_seed(args.seed)
     model: nn.Module = CharLM() if args.model == "lm" else TinyModel()
     text = corpus(args.seed) if args.model == "lm" else None
@@ -291,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
                     time.sleep((time.monotonic() - t_compute) * (slow - 1.0))
             if not args.ddp:
                 with s.phase("comm"):
+                    world = dist.get_world_size()  # smaller once a host left in place
                     for p in model.parameters():
                         if p.grad is not None:
                             dist.all_reduce(p.grad)
@@ -299,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
             optimizer.step()
         if guard.abandoned == step:
             continue  # a peer was lost: the next iteration recovers and runs it again
-        progress.step(step)
+        progress.step(step, dist.get_world_size())
         if heartbeat is not None:
             heartbeat()
         if ckpt is not None and guard.should_checkpoint(step):

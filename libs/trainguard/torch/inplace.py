@@ -238,10 +238,10 @@ class InPlace:
             for fn in self._release:
                 fn()
             teardown(self.backend)
-            self._rejoin(previous, t0 + self.rejoin_timeout)
+            resized = self._rejoin(previous, t0 + self.rejoin_timeout)
             t1 = time.monotonic()
             step = self._agree(failed_step, self._seen_wall, joined=False,
-                               previous=previous)
+                               previous=previous, resized=resized)
             t2 = time.monotonic()
         except Exception as exc:
             self._report_restart(f"in-place recovery failed: {exc}", error,
@@ -254,10 +254,13 @@ class InPlace:
         self.mark_ready()
         return step
 
-    def _rejoin(self, previous: int, deadline: float) -> None:
+    def _rejoin(self, previous: int, deadline: float) -> groupstore.Resize | None:
         """Wait for a generation above ``previous`` and form its group; if forming fails
-        because the generation rose again meanwhile, form the newest one."""
+        because the generation rose again meanwhile, form the newest one. Returns the
+        resize the newest group was formed with, if a host left in place meanwhile."""
         next_left = time.monotonic()
+        resized: groupstore.Resize | None = None
+        applied = previous  # resize records are read once each
         while True:
             generation = self.newest_generation()
             while generation <= previous:
@@ -272,9 +275,13 @@ class InPlace:
                                            "group restarts at the world size that is left")
                 time.sleep(POLL_S)
                 generation = self.newest_generation()
+            for _, resize in groupstore.read_resizes(self.job_store, applied, generation):
+                resized = resize
+                self._resize(resize)
+            applied = generation
             try:
                 self.form(generation)
-                return
+                return resized
             except Exception as exc:
                 teardown(self.backend)
                 if self.newest_generation() <= generation or time.monotonic() >= deadline:
@@ -283,8 +290,17 @@ class InPlace:
                 log.warning("generation %d rose while forming its group; forming the newest",
                             generation)
 
+    def _resize(self, resize: groupstore.Resize) -> None:
+        """A host left and the group goes on without it: this rank keeps its number."""
+        if self.guard.rank >= resize.world_size:
+            raise RejoinFailed(f"this rank's host leaves the job ({resize.reason})")
+        if resize.world_size != self.guard.world_size:
+            log.warning("trainguard: the group goes on at %d ranks (%s)", resize.world_size,
+                        resize.reason)
+            self.guard.resize(resize.world_size)
+
     def _agree(self, failed_step: int | None, failure_time: float | None, *, joined: bool,
-               previous: int | None = None) -> int:
+               previous: int | None = None, resized: groupstore.Resize | None = None) -> int:
         """Run the regroup hooks, agree on the source, take its state; returns the step to
         run next. Group rank 0 publishes the RecoveryReport."""
         g = self.guard
@@ -303,7 +319,8 @@ class InPlace:
         if dist.get_rank() == 0:
             seconds = time.time() - agreed.failure_time if agreed.failure_time else 0.0
             g.publish_recovery(recovery_report(
-                g, kind="replace", path="in_place", reason="a peer was lost",
+                g, kind="resize" if resized is not None else "replace", path="in_place",
+                reason=resized.reason if resized is not None else "a peer was lost",
                 generation=self._generation,
                 previous_generation=previous if previous is not None else self._generation - 1,
                 world_size=dist.get_world_size(), joined=agreed.joined,

@@ -1,0 +1,149 @@
+"""Host isolation: the decision -> the job's first step at the smaller world size, in place
+beside the cold path, in one run.
+
+The demo's two agents (node-a: ranks 0-1 and the job store, node-b: ranks 2-3) run the toy
+trainer; once a checkpoint is committed, node-b is isolated (the ``isolate`` command, as
+the remediator sends it). In place (``--in-place``): node-b's agent records the smaller
+group before its ranks stop and node-a's ranks re-form at world size 2 in their own
+processes. Cold (the same trainer without it): node-a's ranks fail and their agent
+restarts them at world size 2 from the committed checkpoint. The clock runs from the
+command to rank 0's first completed step at world size 2 (its progress file); steps lost
+are the completed steps it runs again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_recovery import CKPT_EVERY, HOSTS, STEP_TIME, Tracker
+
+VARIANTS = {"in-place": "trainguard, in place", "restart": "trainguard, group restart"}
+WINDOW_S = 90.0
+
+
+def progress(path: Path) -> list[tuple[float, int, int, int]]:
+    """Rank 0's completed steps: (time, step, pid, world size)."""
+    out = []
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        parts = line.split()
+        extra = dict(p.split("=", 1) for p in parts[4:] if "=" in p)
+        if len(parts) < 4 or "fault" in extra or "world" not in extra:
+            continue
+        out.append((float(parts[0]), int(parts[1]), int(parts[3]), int(extra["world"])))
+    return out
+
+
+async def run(variant: str, root: Path, tracker: Tracker) -> dict[str, Any]:
+    from trainguard.codec import encode_durable
+    from trainguard.demo.cluster import Cluster
+    from trainguard.envelope import make_headers
+    from trainguard.subjects import Subjects
+    from trainguard.targets import addressed
+
+    class ShrinkCluster(Cluster):
+        progress_file: Path
+
+        def launch_argv(self, host: str) -> list[str]:
+            return [*super().launch_argv(host), "--progress-file", str(self.progress_file),
+                    *(["--in-place"] if variant == "in-place" else [])]
+
+    work = root / variant
+    shutil.rmtree(work, ignore_errors=True)
+    cluster = ShrinkCluster(work, "bench", steps=1_000_000, step_time=STEP_TIME,
+                            ckpt_every=CKPT_EVERY)
+    cluster.progress_file = work / "progress"
+    res: dict[str, Any] = {"variant": variant, "label": VARIANTS[variant]}
+    try:
+        await cluster.start(timeout=150)
+        for proc in cluster.procs.values():
+            tracker.add_root(proc.pid)
+        obs = cluster.observer
+        deadline = time.monotonic() + 150
+        while not (any(k.status == "committed" for k in obs.checkpoints)
+                   and obs.max_step >= 30):
+            if time.monotonic() > deadline:
+                res["pending"] = "no committed checkpoint in 150 s"
+                return res
+            await asyncio.sleep(0.1)
+        before = progress(cluster.progress_file)
+        subject, cmd = addressed(Subjects(cluster.prefix), cluster.job, "isolate", {},
+                                 issuer="cli", host="node-b")
+        t0 = time.time()
+        await cluster.publish(subject, encode_durable(cmd),
+                              make_headers(cmd, source="bench/bench_shrink", subject=subject))
+        deadline = time.monotonic() + WINDOW_S
+        back = None
+        while back is None and time.monotonic() < deadline:
+            back = next((r for r in progress(cluster.progress_file)
+                         if r[0] > t0 and r[3] == 2), None)
+            await asyncio.sleep(0.05)
+        if back is None:
+            res["pending"] = f"no step at world size 2 within {WINDOW_S:.0f} s"
+            return res
+        done_before = max(r[1] for r in progress(cluster.progress_file)
+                          if r[0] <= t0 or r[3] == 4)
+        res.update(back_s=round(back[0] - t0, 2), resumed_step=back[1],
+                   steps_lost=max(0, done_before - back[1] + 1),
+                   rank0_kept=back[2] == before[-1][2] if before else None)
+        return res
+    except Exception as exc:
+        res["pending"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        return res
+    finally:
+        tracker.kill({p.pid for n, p in cluster.procs.items() if n in HOSTS})
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(cluster.stop(), timeout=120)
+        tracker.kill({p.pid for p in cluster.procs.values()})
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| setup | isolate -> first step at world size 2 | steps lost | rank 0 kept "
+             "its process |", "| --- | --- | --- | --- |"]
+    for r in rows:
+        if "pending" in r:
+            lines.append(f"| {r['label']} | - ({r['pending']}) | - | - |")
+        else:
+            lines.append(f"| {r['label']} | {r['back_s']:.2f} s | {r['steps_lost']} | "
+                         f"{'yes' if r['rank0_kept'] else 'no'} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=None, help="write the rows as JSON here")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated, of {', '.join(VARIANTS)}")
+    p.add_argument("--workdir", default=None, help="keep the clusters' logs here")
+    args = p.parse_args()
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        p.error(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+    tracker = Tracker()
+    rows = []
+    with contextlib.ExitStack() as stack:
+        tmp = args.workdir or stack.enter_context(tempfile.TemporaryDirectory(
+            prefix="bench-shrink-"))
+        for variant in variants:
+            print(f"running {VARIANTS[variant]} ...", flush=True)
+            rows.append(asyncio.run(run(variant, Path(tmp), tracker)))
+    print(table(rows))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"rows": rows}, indent=2))
+    return 0 if all("pending" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
