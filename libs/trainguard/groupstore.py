@@ -21,8 +21,9 @@ reach at ``MASTER_ADDR:MASTER_PORT`` (``services/agent/rendezvous.py``). Under
 - :func:`resize_key`: written by an agent whose host leaves while the job can go on in
   place without it (:func:`plan_shrink`), *before* it raises the generation: the
   :class:`Resize` of that generation. A survivor that sees the generation rise reads the
-  records since its own and forms the new group at their world size; its agent adopts
-  the size for later replacements. It then stands in for the ``left`` key.
+  records since its own and forms the new group at their world size and with its new
+  rank; its agent adopts them for later replacements. It then stands in for the ``left``
+  key.
 
 The agents own the generation; the ranks only read it and wait for it to rise.
 """
@@ -68,39 +69,55 @@ def resize_key(generation: int) -> str:
 
 @dataclass(frozen=True)
 class Resize:
-    """How one generation's group differs in size from the previous one's."""
+    """How one generation's group differs from the previous one's."""
 
     world_size: int
-    """Ranks of the new generation: ``0 .. world_size-1``, numbered as before."""
+    """Ranks of the new generation."""
     nodes: int
     """Agents of the new generation (the exit barrier at the job's end counts them)."""
     left: tuple[int, ...]
-    """The previous generation's ranks that left (the highest ones)."""
+    """The previous generation's ranks that left."""
     reason: str
+    kept: tuple[int, ...] = ()
+    """The previous generation's rank of each new rank, in order: the survivors keep their
+    order and close up the gap the leaving ranks left (empty: ``0 .. world_size-1``)."""
+
+    def new_rank(self, old: int) -> int | None:
+        """The rank ``old`` has in the new generation; None when it left."""
+        kept = self.kept or tuple(range(self.world_size))
+        try:
+            return kept.index(old)
+        except ValueError:
+            return None
 
     def encode(self) -> str:
         return json.dumps({"world_size": self.world_size, "nodes": self.nodes,
-                           "left": list(self.left), "reason": self.reason})
+                           "left": list(self.left), "reason": self.reason,
+                           "kept": list(self.kept)})
 
     @classmethod
     def decode(cls, raw: bytes | str) -> Resize:
         """Raises ValueError on a record this version cannot read."""
         try:
             d = json.loads(raw)
-            return cls(int(d["world_size"]), int(d["nodes"]),
-                       tuple(int(r) for r in d["left"]), str(d.get("reason", "")))
-        except (TypeError, KeyError, ValueError) as exc:
+            resize = cls(int(d["world_size"]), int(d["nodes"]),
+                         tuple(int(r) for r in d["left"]), str(d.get("reason", "")),
+                         tuple(int(r) for r in d.get("kept", ())))
+        except (TypeError, KeyError, ValueError, AttributeError) as exc:
             raise ValueError(f"unreadable resize record {raw!r}: {exc}") from exc
+        if resize.kept and len(resize.kept) != resize.world_size:
+            raise ValueError(f"unreadable resize record {raw!r}: {len(resize.kept)} kept "
+                             f"ranks for world size {resize.world_size}")
+        return resize
 
 
 def plan_shrink(world_size: int, nodes: int, leaving: Collection[int], *,
                 min_nodes: int, serves_store: bool, reason: str) -> Resize | str:
     """The group without ``leaving`` (this host's ranks), or why it cannot go on in place.
 
-    Survivors keep their ranks, so only the highest ranks can leave in place: a rank's
-    number is on everything it publishes and subscribes to, and renumbering them is not
-    supported. The host that serves the job store cannot leave (the survivors re-form on
-    it), nor one whose going takes the job below ``min_nodes``.
+    The survivors keep their order and are renumbered to close the gap (a survivor below
+    the leaving ranks keeps its number). The host that serves the job store cannot leave
+    (the survivors re-form on it), nor one whose going takes the job below ``min_nodes``.
     """
     gone = sorted(set(leaving))
     if not gone:
@@ -109,13 +126,14 @@ def plan_shrink(world_size: int, nodes: int, leaving: Collection[int], *,
         return "it serves the job store the survivors re-form on"
     if nodes - 1 < max(1, min_nodes):
         return f"{nodes - 1} node(s) would be left, below --nnodes minimum {min_nodes}"
-    left = world_size - len(gone)
-    if left < 1:
+    outside = [r for r in gone if not 0 <= r < world_size]
+    if outside:
+        return f"its ranks {outside[:8]} are not in the group of {world_size}"
+    kept = tuple(r for r in range(world_size) if r not in set(gone))
+    if not kept:
         return "no rank would be left"
-    if gone != list(range(left, world_size)):
-        return (f"its ranks {gone[:8]} are not the highest of {world_size}: the survivors "
-                "would have to be renumbered")
-    return Resize(world_size=left, nodes=nodes - 1, left=tuple(gone), reason=reason)
+    return Resize(world_size=len(kept), nodes=nodes - 1, left=tuple(gone), reason=reason,
+                  kept=kept)
 
 
 def read_resizes(store: Any, after: int, upto: int) -> list[tuple[int, Resize]]:

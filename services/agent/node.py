@@ -115,6 +115,16 @@ class LocalNode:
             self.restarting_since = None
         log.info("rank %d replaced on %s: pid %d", worker.rank, self.host, worker.pid)
 
+    def workers_renumbered(self, ranks: Mapping[int, int]) -> None:
+        """The group re-formed in place without another host: old rank -> new rank of each
+        of this node's workers (the pids stay)."""
+        with self._lock:
+            for w in self.workers.values():
+                w.rank = ranks.get(w.rank, w.rank)
+            self.workers = {w.rank: w for w in self.workers.values()}
+        log.info("workers renumbered on %s: %s", self.host,
+                 {w.rank: w.pid for w in self.workers.values()})
+
     def workers_exited(self, failures: Mapping[int, Failure], succeeded: bool) -> None:
         """Publish one WorkerExit per worker that ended; decide who caused each."""
         now = time.time()

@@ -371,11 +371,26 @@ class Supervisor:
         seen = self.node.generation
         if generation > seen and self.round is not None:
             for gen, resize in self.rdzv.resizes(seen, generation):
-                self.round = replace(self.round, world_size=resize.world_size,
-                                     group_world_size=resize.nodes)
-                log.info("generation %d: the group goes on in place at %d ranks on %d "
-                         "node(s) (%s)", gen, resize.world_size, resize.nodes, resize.reason)
+                self._adopt(gen, resize)
         self.node.generation = generation
+
+    def _adopt(self, generation: int, resize: groupstore.Resize) -> None:
+        """Another node left in place: the local ranks close up the gap it left (their
+        processes, and so their pids, stay)."""
+        assert self.round is not None
+        renumbered = {p.rank: new for p in self.group.values()
+                      if (new := resize.new_rank(p.rank)) is not None and new != p.rank}
+        for p in self.group.values():
+            p.rank = renumbered.get(p.rank, p.rank)
+        if renumbered:
+            self.node.workers_renumbered(renumbered)
+        base = min((p.rank for p in self.group.values()), default=self.round.base_rank)
+        self.round = replace(self.round, world_size=resize.world_size,
+                             group_world_size=resize.nodes, base_rank=base)
+        log.info("generation %d: the group goes on in place at %d ranks on %d node(s)%s (%s)",
+                 generation, resize.world_size, resize.nodes,
+                 f", local ranks renumbered {renumbered}" if renumbered else "",
+                 resize.reason)
 
     def leaving(self, reason: str, *, shrink: bool) -> None:
         """This node's ranks are about to stop for good (isolated, preempted; the

@@ -284,10 +284,26 @@ class JobState:
         self.expected = max(self.active_count, declared, 1)
 
     def set_world(self, size: int) -> None:
-        """The world size the current worker group declared (its ranks' hellos)."""
+        """The world size the current worker group declared (its ranks' hellos). A smaller
+        one than before: the ranks at or above it are gone (a host left and the group went
+        on without it, closing up the gap), not silent."""
+        gone = [rank for rank in self.ranks if rank >= size] if 0 < size < self.world_size \
+            else []
+        for rank in gone:
+            del self.ranks[rank]
+            self.odd_procs.discard(rank)
+            self.closing.pop(rank, None)
         self.world_size = size
         self.world_generation = self.generation
-        self._expect()
+        if gone:
+            self.recount()
+        else:
+            self._expect()
+
+    def beyond_world(self, rank: int) -> bool:
+        """``rank`` is outside the world the current group declared (an agent that has not
+        caught up with a shrink yet still names it): not a rank to admit."""
+        return 0 < self.world_size <= rank and self.world_generation == self.generation
 
     def in_attempt(self) -> list[RankInfo]:
         return [r for r in self.ranks.values() if self.current(r) and not r.exited]

@@ -85,6 +85,8 @@ class Liveness:
         for rank, letter in node.ranks.items():
             r = job.ranks.get(rank)
             if r is None:
+                if job.beyond_world(rank):
+                    continue
                 r = job.admit(rank, node.attempt, node.time, node.host)
                 if r is None:
                     continue

@@ -6,7 +6,8 @@ the parameters of an uninterrupted run, with a plain all-reduce loop and with DD
 (``trainguard.torch.ddp``, rebuilt on the re-formed group); a hung rank is killed and
 replaced; a NaN rolls back in place; two ranks lost at once fall back to the committed
 checkpoint, and the incident says so and why; an isolated host leaves and the others go on
-in place at world size 2.
+in place at world size 2, and with three agents the rank after an isolated middle host closes
+up the gap.
 """
 
 from __future__ import annotations
@@ -42,9 +43,10 @@ HOST_OF = {0: "node-a", 1: "node-a", 2: "node-b", 3: "node-b"}
 class InPlaceCluster(Cluster):
     """The demo's two agents running the tiny toy model in place, for a fixed run."""
 
-    def __init__(self, workdir: Path, job: str, trainer: list[str]) -> None:
+    def __init__(self, workdir: Path, job: str, trainer: list[str],
+                 hosts: tuple[str, ...] = ("node-a", "node-b"), nproc: int = 2) -> None:
         super().__init__(workdir, job, steps=STEPS, step_time=0.05, ckpt_every=10,
-                         model="tiny")
+                         model="tiny", hosts=hosts, nproc=nproc)
         self.trainer = trainer
         self.final = workdir / "final.pt"
         self.pids: dict[int, list[int]] = {}
@@ -112,15 +114,17 @@ class InPlaceCluster(Cluster):
 
     def log_tail(self) -> str:
         return "\n".join((self.workdir / f"{h}.log").read_text(errors="replace")[-3000:]
-                         for h in ("node-a", "node-b"))
+                         for h in self.hosts)
 
 
 @pytest.fixture
 async def cluster(tmp_path: Path, job: str, request: pytest.FixtureRequest
                   ) -> AsyncIterator[InPlaceCluster]:
     name = request.node.name
+    three = "middle_host" in name  # three agents of one rank each
     c = InPlaceCluster(tmp_path, job, [*(OFTEN_SYNC if "nan" in name else RARE_SYNC),
-                                       *(["--ddp"] if "ddp" in name else [])])
+                                       *(["--ddp"] if "ddp" in name else [])],
+                       *((("node-a", "node-b", "node-c"), 1) if three else ()))
     try:
         await c.start(timeout=150)
         await c.watch()
@@ -258,3 +262,36 @@ async def test_an_isolated_host_leaves_and_the_survivors_go_on_smaller_in_place(
     assert c.procs["node-a"].returncode == 0, c.log_tail()
     assert len(c.pids[0]) == 1 and len(c.pids[1]) == 1, c.pids  # never restarted
     assert not [r for r in c.recoveries if r.path == "restart"], c.recoveries
+
+
+async def test_a_middle_host_leaves_and_the_rank_after_it_closes_up_the_gap(
+        cluster: InPlaceCluster) -> None:
+    """Three agents of one rank each; isolating node-b (rank 1): node-c's process goes on
+    as rank 1 of 2, node-a's as rank 0, neither restarted; the detector raises nothing for
+    the ranks that went (1 left, 2 renumbered) and the job finishes (a throughput drop
+    may be: the job is smaller)."""
+    c = cluster
+    await wait_until(lambda: any(k.status == "committed" for k in c.observer.checkpoints),
+                     timeout=60, what="a committed checkpoint")
+    moved = c.pids[2][-1]
+    seen = len(c.observer.anomalies)
+    await c.isolate("node-b")
+    await wait_until(lambda: c.procs["node-b"].poll() is not None, timeout=90, interval=0.5,
+                     what="node-b's launcher to leave")
+    assert c.procs["node-b"].returncode == EXIT_ISOLATED, c.log_tail()
+    [resize] = await wait_until(lambda: [r for r in c.recoveries if r.kind == "resize"],
+                                timeout=90, interval=0.5, what="the survivors' resize")
+    assert (resize.world_size, resize.steps_lost) == (2, 0), resize
+    renumbered = await wait_until(lambda: [h for h in c.hellos if h.world_size == 2
+                                           and h.rank == 1], timeout=60, interval=0.5,
+                                  what="node-c's rank as rank 1")
+    assert (renumbered[0].host, renumbered[0].pid) == ("node-c", moved)
+    await wait_until(lambda: all(c.procs[h].poll() is not None for h in ("node-a", "node-c")),
+                     timeout=150, interval=0.5, what="the job to finish")
+    assert (c.procs["node-a"].returncode, c.procs["node-c"].returncode) == (0, 0), \
+        c.log_tail()
+    assert len(c.pids[0]) == 1, c.pids  # rank 0 never restarted
+    assert c.pids[1][-1] == moved  # rank 1 is node-c's process now
+    raised = [(a.kind, a.ranks) for a in c.observer.anomalies[seen:]
+              if a.kind in ("crash", "unresponsive", "hang", "sdc_mismatch")]
+    assert raised == [], raised

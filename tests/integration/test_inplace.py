@@ -28,6 +28,7 @@ from trainguard.codec import decode_any_durable
 from trainguard.envelope import normalize_headers
 from trainguard.schemas import Command, RankHello, RecoveryReport
 from trainguard.subjects import Subjects
+from trainguard.targets import addressed
 from trainguard.topology import streams
 
 WORLD = 3
@@ -316,3 +317,37 @@ async def test_a_host_that_leaves_in_place_leaves_the_survivors_running_smaller(
     assert report.reason == why and report.joined == []
     assert report.steps_lost == 0 and report.resumed_step == report.last_completed + 1
     assert not [r for r in reports.values() if r.path == "restart"]
+
+
+async def test_a_middle_host_leaving_renumbers_the_ranks_after_it_in_place(
+        tmp_path: Path, nats_url: str, prefix: str, job: str) -> None:
+    """Rank 1's host leaves: rank 2 keeps its process as rank 1 of 2, says hello as such,
+    takes the commands of rank 1 (a drill addressed to it is acked by it) and the job
+    finishes with no step lost."""
+    env = {**bus_env(nats_url, prefix, job), envnames.ALLOW_DRILLS: "1"}
+    run = Job(tmp_path, WORLD, [*ARGS, "--steps", "300"], env=env)
+    async with recoveries(nats_url, prefix, job) as (reports, tap, bus):
+        await asyncio.to_thread(run.start)
+        moved = run.procs[2].pid
+        try:
+            await asyncio.to_thread(run.wait_for_step, 8)
+            await asyncio.to_thread(wait_ready, run)
+            await asyncio.to_thread(run.shrink, 1, "host node-b left the job (isolated)")
+            hello = await wait_until(lambda: [h for h in tap.durable if isinstance(
+                h, RankHello) and h.world_size == 2 and h.rank == 1], what="the new rank 1")
+            assert hello[0].pid == moved
+            subject, cmd = addressed(Subjects(prefix), job, "slow", {"factor": 1.0},
+                                     issuer="cli", rank=1)
+            await bus.publish_durable(subject, cmd)
+            acks = await wait_until(lambda: [a for a in tap.acks if a.command_id == cmd.id],
+                                    what="the renumbered rank's ack")
+            codes = await asyncio.to_thread(run.wait)
+        finally:
+            run.stop()
+        await wait_until(lambda: [r for r in reports.values() if r.kind == "resize"],
+                         what="the resize report")
+    assert codes == {0: 0, 2: 0}, run.logs()
+    assert [(a.responder, a.outcome) for a in acks] == [("rank-1", "done")]
+    assert run.steps_done() == list(range(300)), run.logs()
+    [report] = [r for r in reports.values() if r.kind == "resize"]
+    assert (report.world_size, report.steps_lost, report.joined) == (2, 0, [])

@@ -61,7 +61,7 @@ def test_missing_keys_names_the_ranks_that_did_not_declare() -> None:
     (4, 2, [], 1, False, "runs no rank"),
     (4, 2, [0, 1], 1, True, "serves the job store"),
     (4, 2, [2, 3], 2, False, "below --nnodes minimum 2"),
-    (6, 3, [2, 3], 1, False, "not the highest of 6"),
+    (4, 2, [4], 1, False, "not in the group of 4"),
     (4, 2, [3], 1, False, None),
     (4, 2, [2, 3], 1, False, None),
     (2, 2, [0, 1], 1, False, "no rank would be left"),
@@ -72,15 +72,27 @@ def test_only_the_highest_ranks_of_a_host_that_does_not_hold_the_store_leave_in_
     got = groupstore.plan_shrink(world, nodes, leaving, min_nodes=min_nodes,
                                  serves_store=store, reason="isolated")
     if why is None:
+        kept = tuple(r for r in range(world) if r not in leaving)
         assert got == groupstore.Resize(world_size=world - len(leaving), nodes=nodes - 1,
-                                        left=tuple(sorted(leaving)), reason="isolated")
+                                        left=tuple(sorted(leaving)), reason="isolated",
+                                        kept=kept)
     else:
         assert isinstance(got, str) and why in got, got
 
 
+def test_a_middle_host_leaving_closes_up_the_gap() -> None:
+    """Six ranks on three hosts, the middle one leaves: ranks 4-5 become 2-3, 0-1 stay."""
+    got = groupstore.plan_shrink(6, 3, [2, 3], min_nodes=1, serves_store=False, reason="x")
+    assert isinstance(got, groupstore.Resize)
+    assert (got.world_size, got.nodes, got.kept) == (4, 2, (0, 1, 4, 5))
+    assert [got.new_rank(r) for r in range(6)] == [0, 1, None, None, 2, 3]
+
+
 def test_a_resize_record_round_trips_and_a_bad_one_is_refused() -> None:
-    r = groupstore.Resize(world_size=2, nodes=1, left=(2, 3), reason="host node-b left")
+    r = groupstore.Resize(world_size=2, nodes=1, left=(2, 3), reason="host node-b left",
+                          kept=(0, 1))
     assert groupstore.Resize.decode(r.encode().encode()) == r
-    for bad in (b"", b"{}", b'{"world_size": "x", "nodes": 1, "left": []}', b"[1]"):
+    for bad in (b"", b"{}", b'{"world_size": "x", "nodes": 1, "left": []}', b"[1]",
+                b'{"world_size": 3, "nodes": 1, "left": [], "kept": [0, 1]}'):
         with pytest.raises(ValueError, match="unreadable resize record"):
             groupstore.Resize.decode(bad)

@@ -6,7 +6,13 @@ job's steps and baselines over like a resume."""
 from __future__ import annotations
 
 from tests.unit.test_detector_attempts import HOSTS, Job
-from trainguard.schemas import RECOVERING_PHASE, Heartbeat, StepReport, WorkerExit
+from trainguard.schemas import (
+    RECOVERING_PHASE,
+    Heartbeat,
+    NodeHeartbeat,
+    StepReport,
+    WorkerExit,
+)
 
 
 def kinds(job: Job) -> list[tuple[str, str]]:
@@ -85,3 +91,45 @@ def test_a_rollback_in_place_starts_the_steps_and_baselines_over() -> None:
     assert numerics.restarts == restarts + 1
     assert state.max_step == 49
     assert kinds(job) == []  # a new baseline: the other loss is no spike, nor a hang
+
+
+def test_a_host_that_left_in_place_takes_its_ranks_out_of_the_job() -> None:
+    """node-b is isolated (its exits are the command's) and node-a's ranks say hello at
+    world size 2: ranks 2-3 are gone, not silent; nothing is raised and the job steps on
+    with two."""
+    from trainguard.schemas import Attempt, RankHello
+
+    job = Job({"node-a": 0, "node-b": 0})
+    for r, host in HOSTS.items():
+        job.d.on_hello(RankHello(job="j", rank=r, world_size=4, host=host, pid=job.pids[r],
+                                 attempt=Attempt(restart_count=0), time=job.now), job.now)
+    job.steps(10)
+    job.d.drain()
+    for r in (2, 3):
+        job.d.on_exit(WorkerExit(id=f"x{r}", job="j", host="node-b", rank=r, pid=job.pids[r],
+                                 exit_code=-15, signal="SIGTERM", initiated_by="c1",
+                                 attempt=0, time=job.now), job.now)
+    for r in (0, 1):
+        job.d.on_hello(RankHello(job="j", rank=r, world_size=2, host="node-a",
+                                 pid=job.pids[r], attempt=Attempt(restart_count=0),
+                                 time=job.now), job.now)
+    state = job.d.jobs["j"]
+    assert sorted(state.ranks) == [0, 1] and state.expected == 2
+    # An agent that has not caught up yet still names a gone rank: it is not admitted.
+    job.d.on_telemetry(NodeHeartbeat(job="j", host="node-b", time=job.now, attempt=0,
+                                     ranks={2: "R"}))
+    assert sorted(state.ranks) == [0, 1]
+    for _ in range(40):  # 20 s: far past every silence and hang threshold
+        job.now += 0.5
+        for r in (0, 1):
+            job.d.on_telemetry(Heartbeat(job="j", time=job.now, rank=r, attempt=0,
+                                         host="node-a", pid=job.pids[r], step=job.step,
+                                         phase="compute"))
+            job.d.on_telemetry(StepReport(job="j", time=job.now, rank=r, step=job.step,
+                                          attempt=0, duration=0.5, world_size=2,
+                                          phases={"compute": 0.45, "comm": 0.05}, loss=2.0,
+                                          grad_norm=1.0))
+        job.step += 1
+        job.d.tick(job.now)
+    assert kinds(job) == []
+    assert job.states() == {0: "ok", 1: "ok"}

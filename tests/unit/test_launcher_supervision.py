@@ -159,3 +159,40 @@ def test_a_leaving_node_resizes_the_next_generation_and_the_other_adopts_it(
         sup.tail.close()
         b.close()
         a.close()
+
+
+def test_the_ranks_after_a_leaving_host_close_up_the_gap(tmp_path: Path) -> None:
+    """node-c (global ranks 4-5 of 6) adopts node-b's leaving: its ranks become 2-3, for
+    its node record (heartbeats, exits) and for a later in-place replacement's RANK."""
+    from typing import Any, cast
+
+    from trainguard.services.agent.node import Worker
+    from trainguard.services.agent.supervisor import RankProc
+
+    settings = load_settings(AgentSettings, env={}, overrides={"job": "j", "host": "node-c"})
+    node = LocalNode(settings, hosts_store=False, gpu=None, publish_exit=lambda e: None)
+    rdzv = JobRendezvous(plan(f"127.0.0.1:{free_port()}", 1, host=True))
+    sup = Supervisor(node=node, rdzv=rdzv, program=Program("train.py", []), nproc=2,
+                     max_restarts=3, log_dir=str(tmp_path),
+                     spares=SparePool(0, {}, str(tmp_path)), stop_grace=1.0)
+    try:
+        sup.round = Round(group_rank=2, group_world_size=3, base_rank=4, world_size=6,
+                          master_addr="127.0.0.1", master_port=1, generation=3, store=None)
+        popen = cast(Any, None)
+        sup.group = {lr: RankProc(lr, 4 + lr, popen, "o", "e", "f", warm=False)
+                     for lr in (0, 1)}
+        node.workers_started([Worker(rank=4 + lr, local_rank=lr, pid=500 + lr, stderr=None)
+                              for lr in (0, 1)], 0)
+        resize = groupstore.plan_shrink(6, 3, [2, 3], min_nodes=1, serves_store=False,
+                                        reason="host node-b left the job (isolated)")
+        assert isinstance(resize, groupstore.Resize)
+        sup._adopt(4, resize)
+        assert [p.rank for p in sup.group.values()] == [2, 3]
+        assert (sup.round.world_size, sup.round.group_world_size, sup.round.base_rank) == (
+            4, 2, 2)
+        assert node.rank_pids() == {2: 500, 3: 501}
+        env = sup.rank_env(sup.round, 1, sup.group[1].rank, 4, 0, "/x/error.json", join=True)
+        assert (env["RANK"], env["WORLD_SIZE"]) == ("3", "4")
+    finally:
+        sup.tail.close()
+        rdzv.close()

@@ -118,6 +118,16 @@ class CommandDesk:
         self.transport.subscribe(self.subjects.cmd_all(job), self.on_message)
         self.transport.subscribe(self.subjects.cmd_rank(job, rank), self.on_message)
 
+    def renumber(self, identity: Identity, *, subscribe: bool) -> None:
+        """The rank's number or world size changed in an in-place re-form: commands for
+        the new number concern it (``subscribe``: listen on its subject too; the old
+        subject's commands are another rank's now and no longer concern this one)."""
+        self.identity = identity
+        self.receiver = Receiver("rank", str(identity.rank), _for_ranks)
+        if subscribe:
+            self.transport.subscribe(self.subjects.cmd_rank(identity.job, identity.rank),
+                                     self.on_message)
+
     @property
     def has_work(self) -> bool:
         """Commands arrived or waiting for their ``at_step``: the next safe point has work."""

@@ -47,11 +47,17 @@ def read_request(path: str) -> str:
 class Trigger:
     """Watches the request file; :meth:`poll` runs on the Guard's transport thread."""
 
-    def __init__(self, request: str, dump: str) -> None:
+    def __init__(self, request: str, prefix: str, rank: int) -> None:
         self.request = request
-        self.dump = dump
+        self.prefix = prefix
+        self.dump = f"{prefix}{rank}"
         self.seen = read_request(request)
         """Requests older than this rank are not its business (a restarted group)."""
+
+    def renumber(self, rank: int) -> None:
+        """The rank's number changed in an in-place re-form: dumps go where the agent
+        looks for that number's."""
+        self.dump = f"{self.prefix}{rank}"
 
     @classmethod
     def from_env(cls, rank: int, env: Mapping[str, str] | None = None) -> Trigger | None:
@@ -59,7 +65,7 @@ class Trigger:
         request, prefix = env.get(envnames.FR_REQUEST, ""), env.get(DUMP_FILE, "")
         if not request or not prefix:
             return None
-        return cls(request, f"{prefix}{rank}")
+        return cls(request, prefix, rank)
 
     def poll(self) -> None:
         token = read_request(self.request)

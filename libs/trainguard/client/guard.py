@@ -128,14 +128,14 @@ class Guard:
                                     sync_every=sync_every,
                                     collective_timeout=collective_timeout)
         """Handlers by kind, the inbox, and what ran."""
-        subj_step = self.subjects.step(self.job, self.rank)
-        subj_fp = self.subjects.fp(self.job, self.rank)
         self.reports = Reports(
             self.job, self.rank, self.identity.attempt.restart_count,
             report_every=report_every, fingerprint_every=fingerprint_every,
             model=lambda: self.model,
-            publish_step=lambda r: self.transport.publish(subj_step, r),
-            publish_fingerprint=lambda f: self.transport.publish(subj_fp, f),
+            publish_step=lambda r: self.transport.publish(
+                self.subjects.step(self.job, r.rank), r),
+            publish_fingerprint=lambda f: self.transport.publish(
+                self.subjects.fp(self.job, f.rank), f),
             world_size=self.world_size, lr=lambda: optimizer_lr(self.optimizer))
         self._drills = Drills(self.state, lambda: self.allow_drills, lambda: self.model)
         self._phase_accounting: PhaseAccounting | None = None
@@ -146,6 +146,7 @@ class Guard:
         self._lock = threading.Lock()
         self._recovery: Recovery | None = None
         self._loop: Loop | None = None
+        self._fr: frdump.Trigger | None = None
         self.joining = env.get(envnames.JOIN, "") == envnames.JOIN_PEERS
         """This rank replaces a failed one: its state comes from its peers at the first
         iteration of :meth:`steps`, so ``resume_point()`` loads nothing."""
@@ -163,8 +164,9 @@ class Guard:
         t = self.transport
         self.commands.listen()
         t.every(self.heartbeat_interval, self._beat)
-        if (fr := frdump.Trigger.from_env(self.rank)) is not None:
-            t.every(frdump.POLL_S, fr.poll)  # the agent's flight-recorder dump requests
+        self._fr = frdump.Trigger.from_env(self.rank)
+        if self._fr is not None:
+            t.every(frdump.POLL_S, self._fr.poll)  # the agent's flight-recorder dump requests
         self._say_hello()
         t.start()
         self._install_stack_dumps()
@@ -451,16 +453,20 @@ class Guard:
                           time=time.time())
         self.transport.publish_durable(self.subjects.reg_rank(self.job, self.rank), hello)
 
-    def resize(self, world_size: int) -> None:
-        """The group re-formed in place at ``world_size`` (a host left): this rank's
-        reports, acks and command agreement follow, and a new hello tells the control
-        plane. The rank keeps its number (only the highest ranks leave in place)."""
-        if world_size <= self.rank:
-            raise ValueError(f"world size {world_size} leaves no room for rank {self.rank}")
-        self.world_size = world_size
-        self.identity = dataclasses.replace(self.identity, world_size=world_size)
-        self.commands.identity = self.identity
-        self.reports.world_size = world_size
+    def resize(self, world_size: int, rank: int | None = None) -> None:
+        """The group re-formed in place at ``world_size`` (a host left), this rank now
+        ``rank`` (default: unchanged): its reports, acks, command subjects and agreement
+        follow, and a new hello tells the control plane."""
+        rank = self.rank if rank is None else rank
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in a group of {world_size}")
+        renumbered = rank != self.rank
+        self.rank, self.world_size = rank, world_size
+        self.identity = dataclasses.replace(self.identity, rank=rank, world_size=world_size)
+        self.reports.rank, self.reports.world_size = rank, world_size
+        self.commands.renumber(self.identity, subscribe=renumbered and self._started)
+        if renumbered and self._fr is not None:
+            self._fr.renumber(rank)
         if self._started and not self._closed:
             self._say_hello()
 

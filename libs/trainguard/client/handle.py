@@ -83,6 +83,7 @@ class GuardHandle(Protocol):
 
     def publish_recovery(self, report: RecoveryReport) -> None: ...
 
-    def resize(self, world_size: int) -> None:
-        """The group goes on at ``world_size`` (a host left in place)."""
+    def resize(self, world_size: int, rank: int | None = None) -> None:
+        """The group goes on at ``world_size``, this rank as ``rank`` (a host left in
+        place)."""
         ...

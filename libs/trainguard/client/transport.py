@@ -97,6 +97,8 @@ class Transport:
             maxlen=buffer_size)
         self.durable: collections.deque[Outgoing] = collections.deque(maxlen=durable_buffer)
         self._subscriptions: list[tuple[str, MessageCallback]] = []
+        self._subscribed = 0
+        """How many of ``_subscriptions`` are made."""
         self._periodic: list[tuple[float, Callable[[], None]]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._nc: NATS | None = None
@@ -127,11 +129,16 @@ class Transport:
         q.append(Outgoing(subject, msg, headers))
 
     def subscribe(self, subject: str, callback: MessageCallback) -> None:
-        """Register a core subscription (made, and remade, once connected).
+        """Register a core subscription: made once connected, at once when it already is
+        (a rank renumbered in place listens on its new subject).
 
         ``callback`` runs on the transport thread and must only hand work over.
         """
         self._subscriptions.append((subject, callback))
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop ended meanwhile
+                asyncio.run_coroutine_threadsafe(self._subscribe_live(), loop)
 
     def every(self, seconds: float, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the transport thread every ``seconds`` (e.g. the heartbeat)."""
@@ -280,11 +287,26 @@ class Transport:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), 1.0)
                 continue
-            for subject, cb in self._subscriptions:
-                await nc.subscribe(subject, cb=self._wrap(cb))
+            await self._subscribe_new(nc)
             self._nc = nc
             self.stats.connects += 1
             return
+
+    async def _subscribe_new(self, nc: NATS) -> None:
+        """Make the registered subscriptions not made yet (on the transport thread only:
+        the connect and a later :meth:`subscribe` never make one twice)."""
+        while self._subscribed < len(self._subscriptions):
+            subject, cb = self._subscriptions[self._subscribed]
+            self._subscribed += 1
+            await nc.subscribe(subject, cb=self._wrap(cb))
+
+    async def _subscribe_live(self) -> None:
+        if self._nc is None:
+            return  # still connecting: the connect makes it
+        try:
+            await self._subscribe_new(self._nc)
+        except Exception as exc:
+            log.warning("subscribing failed: %r", exc)
 
     def _wrap(self, cb: MessageCallback) -> Callable[[Msg], Any]:
         """``cb`` with each message isolated: an exception is counted and logged (the first

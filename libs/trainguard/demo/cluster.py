@@ -139,8 +139,13 @@ class Cluster:
 
     def __init__(self, workdir: Path, job: str, *, steps: int, step_time: float,
                  ckpt_every: int, model: str = "lm", quiet: bool = True,
-                 plane_env: dict[str, str] | None = None) -> None:
+                 plane_env: dict[str, str] | None = None,
+                 hosts: tuple[str, ...] = HOSTS, nproc: int = 2) -> None:
         self.workdir = workdir
+        self.hosts = hosts
+        """The agents, started in this order (the first gets the lowest ranks and serves
+        the rendezvous store); ``nproc`` ranks each."""
+        self.nproc = nproc
         self.job = job
         self.steps = steps
         self.step_time = step_time
@@ -215,16 +220,18 @@ class Cluster:
         self._nc = await nats.connect(self.nats_url, max_reconnect_attempts=-1,
                                       **Access(credentials=operator).nats_options())
         await self._subscribe()
-        for host in HOSTS:
+        for host in self.hosts:
             self._spawn(host, self.launch_argv(host), self.agent_env())
             await self._until(lambda h=host: h in self.observer.node_hellos, timeout,
                               f"agent {host} to register")
-        await self._until(lambda: len(self.observer.live_ranks()) == 4
-                          and self.observer.max_step >= 3, timeout, "4 ranks training")
+        world = len(self.hosts) * self.nproc
+        await self._until(lambda: len(self.observer.live_ranks()) == world
+                          and self.observer.max_step >= 3, timeout, f"{world} ranks training")
 
     def launch_argv(self, host: str) -> list[str]:
         return [sys.executable, "-m", "trainguard", "launch", "--job", self.job, "--host", host,
-                "--allow-drills", "--nnodes", "1:2", "--nproc-per-node", "2",
+                "--allow-drills", "--nnodes", f"1:{len(self.hosts)}",
+                "--nproc-per-node", str(self.nproc),
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.rdzv_port}",
                 "--rdzv-id", self.job, "--local-addr", "127.0.0.1", "-m", "--",
                 "trainguard.examples.toy_trainer", "--job", self.job, "--model", self.model,
@@ -280,7 +287,7 @@ class Cluster:
 
     async def stop(self) -> None:
         """Agents first (SIGTERM: they save and stop their workers), then the plane."""
-        for name in (*HOSTS, "control-plane"):
+        for name in (*self.hosts, "control-plane"):
             if name == "control-plane" and self._nc is not None:
                 with contextlib.suppress(Exception):
                     await self._nc.close()  # before its server goes away

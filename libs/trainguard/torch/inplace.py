@@ -291,13 +291,14 @@ class InPlace:
                             generation)
 
     def _resize(self, resize: groupstore.Resize) -> None:
-        """A host left and the group goes on without it: this rank keeps its number."""
-        if self.guard.rank >= resize.world_size:
+        """A host left and the group goes on without it: this rank's number closes up the
+        gap its ranks left."""
+        rank = resize.new_rank(self.guard.rank)
+        if rank is None:
             raise RejoinFailed(f"this rank's host leaves the job ({resize.reason})")
-        if resize.world_size != self.guard.world_size:
-            log.warning("trainguard: the group goes on at %d ranks (%s)", resize.world_size,
-                        resize.reason)
-            self.guard.resize(resize.world_size)
+        log.warning("trainguard: the group goes on at %d ranks, this one as rank %d (%s)",
+                    resize.world_size, rank, resize.reason)
+        self.guard.resize(resize.world_size, rank)
 
     def _agree(self, failed_step: int | None, failure_time: float | None, *, joined: bool,
                previous: int | None = None, resized: groupstore.Resize | None = None) -> int:
