@@ -14,6 +14,9 @@ reach at ``MASTER_ADDR:MASTER_PORT`` (``services/agent/rendezvous.py``). Under
   process group through ``trainguard.torch.init_process_group`` and iterates
   ``guard.steps``); the agent replaces a failed rank alone only when every rank of the
   current group has set it, else it restarts the group.
+- :func:`arrivals_key` / :func:`all_here_key`: the ranks of a generation formed in place
+  count in before forming it, so a missing one ends their wait at their rejoin deadline
+  (or when a host says it left) instead of at the process group's timeout.
 - :func:`left_key`: set by an agent whose launcher ends (isolated, held, stopped,
   preempted) to why: its ranks of that generation will not be replaced, so a survivor
   waiting to re-form gives up in place at once and its agent restarts the group at the
@@ -57,6 +60,17 @@ def in_place_key(generation: int, rank: int) -> str:
     return f"in_place/{generation}/{rank}"
 
 
+def arrivals_key(generation: int) -> str:
+    """A counter: the ranks that came to form ``generation`` in place (survivors and the
+    replacement; the one that makes it the world size sets :func:`all_here_key`)."""
+    return f"arrivals/{generation}"
+
+
+def all_here_key(generation: int) -> str:
+    """Set once every rank of ``generation`` came to form it in place."""
+    return f"all_here/{generation}"
+
+
 def left_key(generation: int) -> str:
     """Set to why by an agent whose ranks of ``generation`` leave the job for good."""
     return f"left/{generation}"
@@ -81,6 +95,8 @@ class Resize:
     kept: tuple[int, ...] = ()
     """The previous generation's rank of each new rank, in order: the survivors keep their
     order and close up the gap the leaving ranks left (empty: ``0 .. world_size-1``)."""
+    node: int = -1
+    """The group rank of the node that left (the nodes above it move down one)."""
 
     def new_rank(self, old: int) -> int | None:
         """The rank ``old`` has in the new generation; None when it left."""
@@ -93,7 +109,7 @@ class Resize:
     def encode(self) -> str:
         return json.dumps({"world_size": self.world_size, "nodes": self.nodes,
                            "left": list(self.left), "reason": self.reason,
-                           "kept": list(self.kept)})
+                           "kept": list(self.kept), "node": self.node})
 
     @classmethod
     def decode(cls, raw: bytes | str) -> Resize:
@@ -102,7 +118,7 @@ class Resize:
             d = json.loads(raw)
             resize = cls(int(d["world_size"]), int(d["nodes"]),
                          tuple(int(r) for r in d["left"]), str(d.get("reason", "")),
-                         tuple(int(r) for r in d.get("kept", ())))
+                         tuple(int(r) for r in d.get("kept", ())), int(d.get("node", -1)))
         except (TypeError, KeyError, ValueError, AttributeError) as exc:
             raise ValueError(f"unreadable resize record {raw!r}: {exc}") from exc
         if resize.kept and len(resize.kept) != resize.world_size:
@@ -112,7 +128,8 @@ class Resize:
 
 
 def plan_shrink(world_size: int, nodes: int, leaving: Collection[int], *,
-                min_nodes: int, serves_store: bool, reason: str) -> Resize | str:
+                min_nodes: int, serves_store: bool, reason: str,
+                node: int = -1) -> Resize | str:
     """The group without ``leaving`` (this host's ranks), or why it cannot go on in place.
 
     The survivors keep their order and are renumbered to close the gap (a survivor below
@@ -133,16 +150,19 @@ def plan_shrink(world_size: int, nodes: int, leaving: Collection[int], *,
     if not kept:
         return "no rank would be left"
     return Resize(world_size=len(kept), nodes=nodes - 1, left=tuple(gone), reason=reason,
-                  kept=kept)
+                  kept=kept, node=node)
 
 
-def read_resizes(store: Any, after: int, upto: int) -> list[tuple[int, Resize]]:
+def read_resizes(store: Any, after: int, upto: int) -> list[tuple[int, Resize]] | None:
     """The :class:`Resize` records in ``store`` (a ``torch.distributed.Store`` under
     :func:`job_prefix`) of generations ``after+1 .. upto``, oldest first: what a survivor
     or an agent adopts when the generation rose. An unreadable record is skipped with a
-    warning; a store that does not answer gives none."""
-    if store is None or upto <= after:
+    warning; None when the store does not answer (read again later: records are never
+    skipped for that)."""
+    if upto <= after:
         return []
+    if store is None:
+        return None
     out: list[tuple[int, Resize]] = []
     try:
         for generation in range(after + 1, upto + 1):
@@ -154,4 +174,5 @@ def read_resizes(store: Any, after: int, upto: int) -> list[tuple[int, Resize]]:
                     log.warning("generation %d: %s", generation, exc)
     except Exception as exc:
         log.debug("resize records unreadable: %r", exc)
+        return None
     return out

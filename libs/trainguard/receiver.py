@@ -94,6 +94,12 @@ class Receiver:
         self._epochs: dict[str, int] = {}
         """Highest epoch per issuer: each issuer's leader has its own fencing token."""
 
+    def rename(self, name: str) -> None:
+        """This receiver answers as ``name`` from now on (a rank renumbered in place); what
+        it ran and the epochs it saw stay remembered."""
+        self.name = name
+        self.responder = f"{self.scope}-{name}"
+
     def addressed(self, target: str) -> bool:
         """Whether ``target`` includes this receiver. A target in a form this version does
         not know counts as addressed: the subject it came on was this receiver's."""

@@ -205,15 +205,18 @@ class JobRendezvous:
                 if bytes(stored).decode(errors="replace") == record:
                     self.bump_generation()
                     return True
+                # Another node's change claimed that generation: its group would wait for
+                # ours, so say there that we left.
                 reason = f"{reason} (another change of the group came first)"
+                generation = max(generation + 1, int(group.add(groupstore.GENERATION, 0)))
             group.set(groupstore.left_key(generation), reason)
         except Exception as exc:
             log.debug("could not mark this node as leaving: %r", exc)
         return False
 
-    def resizes(self, after: int, upto: int) -> list[tuple[int, groupstore.Resize]]:
-        """The resize records of generations ``after+1 .. upto``, oldest first (an
-        unreadable one is skipped with a warning; an unanswering store gives none)."""
+    def resizes(self, after: int, upto: int) -> list[tuple[int, groupstore.Resize]] | None:
+        """The resize records of generations ``after+1 .. upto``, oldest first (None: the
+        store did not answer)."""
         return groupstore.read_resizes(self._group_store, after, upto)
 
     def in_place_missing(self, generation: int, world_size: int) -> list[int] | None:

@@ -116,6 +116,8 @@ class Supervisor:
         self.tail = OutputTail()
         self._requests: queue.SimpleQueue[_Request] = queue.SimpleQueue()
         self._refill_at: float | None = None
+        self._left = False
+        """:meth:`leaving` ran (it runs once)."""
 
     # -- the loop ---------------------------------------------------------------------
     def run(self) -> int:
@@ -130,6 +132,8 @@ class Supervisor:
                 if kind == "succeeded":
                     self.node.workers_exited({}, succeeded=True)
                     # The round as it is now: a node that left in place is not waited for.
+                    if (generation := self.rdzv.generation()) is not None:
+                        self._follow(generation)
                     self.rdzv.exit_barrier(self.round or rnd)
                     self.rdzv.close()
                     return 0
@@ -370,7 +374,10 @@ class Supervisor:
         and the exit barrier counts the nodes that are left."""
         seen = self.node.generation
         if generation > seen and self.round is not None:
-            for gen, resize in self.rdzv.resizes(seen, generation):
+            records = self.rdzv.resizes(seen, generation)
+            if records is None:
+                return  # the store did not answer: read them again at the next look
+            for gen, resize in records:
                 self._adopt(gen, resize)
         self.node.generation = generation
 
@@ -385,8 +392,10 @@ class Supervisor:
         if renumbered:
             self.node.workers_renumbered(renumbered)
         base = min((p.rank for p in self.group.values()), default=self.round.base_rank)
+        group_rank = self.round.group_rank - (0 <= resize.node < self.round.group_rank)
         self.round = replace(self.round, world_size=resize.world_size,
-                             group_world_size=resize.nodes, base_rank=base)
+                             group_world_size=resize.nodes, base_rank=base,
+                             group_rank=group_rank)
         log.info("generation %d: the group goes on in place at %d ranks on %d node(s)%s (%s)",
                  generation, resize.world_size, resize.nodes,
                  f", local ranks renumbered {renumbered}" if renumbered else "",
@@ -397,6 +406,9 @@ class Supervisor:
         launcher's signal handler calls this first). With ``shrink``, when the job can go
         on in place without them, the survivors re-form at the smaller world size and keep
         running; else they stop waiting for replacements at once and restart."""
+        if self._left:
+            return  # a second signal on the way out: the first one said it
+        self._left = True
         plan = self._shrink_plan(reason) if shrink else "the whole job stops"
         if isinstance(plan, str):
             log.info("host %s leaves; the job cannot go on in place without it: %s",
@@ -404,8 +416,11 @@ class Supervisor:
             reason = f"{reason}; not in place: {plan}"
         if self.rdzv.mark_leaving(reason, plan if not isinstance(plan, str) else None):
             assert not isinstance(plan, str)
-            log.info("host %s leaves: the job goes on in place at %d ranks", self.node.host,
-                     plan.world_size)
+            generation = self.rdzv.generation() or self.node.generation + 1
+            detail = (f"{reason}: the group re-forms in place at {plan.world_size} ranks, "
+                      f"generation {generation}")
+            log.info("host %s leaves: %s", self.node.host, detail)
+            self.node.report_resized(min(plan.left), generation, plan.world_size, detail)
 
     def _shrink_plan(self, reason: str) -> groupstore.Resize | str:
         rnd = self.round
@@ -416,6 +431,9 @@ class Supervisor:
         generation = self.rdzv.generation()
         if generation is None:
             return "the job store does not answer"
+        self._follow(generation)  # an earlier change of the group first
+        rnd = self.round
+        assert rnd is not None
         missing = self.rdzv.in_place_missing(generation, rnd.world_size)
         if missing is None or missing:
             return (f"rank(s) {missing[:8]} did not declare in-place recovery" if missing
@@ -423,7 +441,7 @@ class Supervisor:
         return groupstore.plan_shrink(
             rnd.world_size, rnd.group_world_size, [p.rank for p in self.group.values()],
             min_nodes=self.rdzv.plan.min_nodes, serves_store=rnd.group_rank == 0,
-            reason=reason)
+            reason=reason, node=rnd.group_rank)
 
     def _decide(self, failed: list[RankProc], initiated: list[RankProc]) -> inplace.Decision:
         assert self.round is not None

@@ -135,7 +135,7 @@ class Detector:
             job.revive(r, hello.time or now)  # a new process under the same attempt
         r.local_rank = hello.local_rank
         if job.current(r):
-            job.set_world(hello.world_size)
+            job.set_world(hello.world_size, hello.time or now)
         # A rank's new process resumed from a checkpoint (or started afresh): the loss and
         # gradients it reports are not comparable with what came before.
         self.rules[hello.job].numerics.restart()

@@ -129,6 +129,8 @@ class JobState:
         self.step_rules: list[StepRule] = []
         self.world_size = 0
         self.world_generation = -1
+        self.world_time = 0.0
+        """Sender time of the newest hello that declared the world size."""
         self.host_attempt: dict[str, int] = {}
         """The newest attempt of each host's ranks (attempts of different hosts are not
         comparable: each node's torchrun counts its own restarts)."""
@@ -283,10 +285,15 @@ class JobState:
                     if self.world_generation == self.generation else 0)
         self.expected = max(self.active_count, declared, 1)
 
-    def set_world(self, size: int) -> None:
-        """The world size the current worker group declared (its ranks' hellos). A smaller
-        one than before: the ranks at or above it are gone (a host left and the group went
-        on without it, closing up the gap), not silent."""
+    def set_world(self, size: int, at: float | None = None) -> None:
+        """The world size the current worker group declared at ``at`` (its ranks' hellos,
+        sender time). A smaller one than before: the ranks at or above it are gone (a host
+        left and the group went on without it, closing up the gap), not silent; a hello
+        older than the declaration it would shrink is late history and changes nothing."""
+        if at is not None:
+            if 0 < size < self.world_size and at < self.world_time:
+                return
+            self.world_time = max(self.world_time, at)
         gone = [rank for rank in self.ranks if rank >= size] if 0 < size < self.world_size \
             else []
         for rank in gone:
@@ -299,6 +306,14 @@ class JobState:
             self.recount()
         else:
             self._expect()
+
+    def held_elsewhere(self, rank: int, host: str, pid: int) -> bool:
+        """``rank``'s number is held by a live process on another host than ``host``'s
+        ``pid``: a report about the process that had the number before (a host that left in
+        place and whose later ranks closed up the gap), not about its holder."""
+        r = self.ranks.get(rank)
+        return (r is not None and not r.exited and bool(r.host and host and r.pid and pid)
+                and r.host != host and r.pid != pid)
 
     def beyond_world(self, rank: int) -> bool:
         """``rank`` is outside the world the current group declared (an agent that has not

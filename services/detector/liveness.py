@@ -54,6 +54,8 @@ class Liveness:
 
     # -- crash --------------------------------------------------------------------------
     def on_exit(self, job: JobState, ex: WorkerExit, now: float) -> None:
+        if job.held_elsewhere(ex.rank, ex.host, ex.pid):
+            return  # the number's previous process: its holder lives on
         r = job.admit(ex.rank, ex.attempt, ex.time or now, ex.host)
         if r is None:
             return  # an exit of an incarnation already replaced
@@ -83,6 +85,8 @@ class Liveness:
         job.host_restarted(node.host, node.attempt, node.time)
         self._restart_mark(job, node)
         for rank, letter in node.ranks.items():
+            if job.held_elsewhere(rank, node.host, node.pids.get(rank, 0)):
+                continue  # an agent that has not caught up with a renumbering yet
             r = job.ranks.get(rank)
             if r is None:
                 if job.beyond_world(rank):

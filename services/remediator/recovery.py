@@ -32,9 +32,9 @@ SLACK_S: Final = 2.0
 the detector's reading (an exit's time, a stall's start) and clocks differ a little."""
 ROLLBACK_CAUSES: Final = frozenset({"numeric", "sdc_suspect"})
 RESIZE_WAIT_S: Final = 5.0
-"""How long the restart that follows an isolation waits for the survivors' word that they
-went on in place without the host (they say so within a second or two; a job that cannot
-restarts as before, this much later)."""
+"""How long the restart that follows an isolation waits for the isolated agent's word that
+the survivors re-form in place without it (sent as it leaves, before its ranks stop; a
+job that cannot go on in place restarts as before, at most this much later)."""
 GROUP_REPORT_WAIT_S: Final = 15.0
 """How long past detection an incident recovered in place waits for the re-formed group's
 own report once training passed the failure on the agent's word alone."""
@@ -65,9 +65,11 @@ def matching(inc: Incident, reports: Iterable[RecoveryReport]) -> RecoveryReport
 
 
 def under_way(report: RecoveryReport) -> bool:
-    """An agent's word that it replaced a rank in place (no source rank yet): the
-    launcher's restart is done, the group still re-forms."""
-    return report.path == "in_place" and report.kind == "replace" and report.source_rank is None
+    """An agent's word that it replaced a rank in place, or that its host left and the
+    group re-forms without it (no source rank yet): the launcher's restart is done, the
+    group still re-forms."""
+    return report.path == "in_place" and report.kind in REGROUPED \
+        and report.source_rank is None
 
 
 def note_of(report: RecoveryReport) -> RecoveryNote:
@@ -133,7 +135,7 @@ def resolved_in_place(inc: Incident, view: JobView, now: float) -> bool:
         return False
     if inc.failure_step is not None and view.last_step <= inc.failure_step:
         return False
-    if note.path == "in_place" and note.kind == "replace" and note.resumed_step is None:
+    if note.path == "in_place" and note.kind in REGROUPED and note.resumed_step is None:
         return now - (inc.detected_at or now) >= GROUP_REPORT_WAIT_S
     return True
 

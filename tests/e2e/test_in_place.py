@@ -249,8 +249,11 @@ async def test_an_isolated_host_leaves_and_the_survivors_go_on_smaller_in_place(
     await wait_until(lambda: c.procs["node-b"].poll() is not None, timeout=90, interval=0.5,
                      what="node-b's launcher to leave")
     assert c.procs["node-b"].returncode == EXIT_ISOLATED, c.log_tail()
-    [resize] = await wait_until(lambda: [r for r in c.recoveries if r.kind == "resize"],
+    [resize] = await wait_until(lambda: [r for r in c.recoveries if r.kind == "resize"
+                                         and r.source_rank is not None],
                                 timeout=90, interval=0.5, what="the survivors' resize")
+    word = [r for r in c.recoveries if r.kind == "resize" and r.source_rank is None]
+    assert [r.path for r in word] == ["in_place"], c.recoveries  # node-b's, as it left
     assert (resize.path, resize.rank, resize.world_size, resize.steps_lost) == (
         "in_place", 0, 2, 0), resize
     assert "host node-b left the job" in resize.reason and "isolated by command" in \
@@ -279,8 +282,11 @@ async def test_a_middle_host_leaves_and_the_rank_after_it_closes_up_the_gap(
     await wait_until(lambda: c.procs["node-b"].poll() is not None, timeout=90, interval=0.5,
                      what="node-b's launcher to leave")
     assert c.procs["node-b"].returncode == EXIT_ISOLATED, c.log_tail()
-    [resize] = await wait_until(lambda: [r for r in c.recoveries if r.kind == "resize"],
+    [resize] = await wait_until(lambda: [r for r in c.recoveries if r.kind == "resize"
+                                         and r.source_rank is not None],
                                 timeout=90, interval=0.5, what="the survivors' resize")
+    word = [r for r in c.recoveries if r.kind == "resize" and r.source_rank is None]
+    assert [r.path for r in word] == ["in_place"], c.recoveries  # node-b's, as it left
     assert (resize.world_size, resize.steps_lost) == (2, 0), resize
     renumbered = await wait_until(lambda: [h for h in c.hellos if h.world_size == 2
                                            and h.rank == 1], timeout=60, interval=0.5,

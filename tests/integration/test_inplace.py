@@ -230,9 +230,11 @@ def acked(tap: Tap) -> list[str]:
     return [a.outcome for a in tap.acks if a.command_id == "reload-1"]
 
 
-def lose_a_rank(run: Job, *, leaving: str | None = None) -> tuple[dict[int, int], float]:
+def lose_a_rank(run: Job, *, leaving: str | None = None,
+                bump: bool = False) -> tuple[dict[int, int], float]:
     """Kill rank 2 and replace nobody; ``leaving``: first say, as an agent whose launcher
-    ends does, that its host left the job. The ranks' exit codes, and the seconds from the
+    ends does, that its host left the job; ``bump``: raise the generation as for a
+    replacement that then never starts. The ranks' exit codes, and the seconds from the
     kill to the last exit."""
     try:
         run.start()
@@ -243,6 +245,8 @@ def lose_a_rank(run: Job, *, leaving: str | None = None) -> tuple[dict[int, int]
         run.kill(2)
         t0 = time.monotonic()
         del run.procs[2]
+        if bump:
+            run.generation = int(run.job_store.add(groupstore.GENERATION, 1))
         return run.wait(), time.monotonic() - t0
     finally:
         run.stop()
@@ -351,3 +355,22 @@ async def test_a_middle_host_leaving_renumbers_the_ranks_after_it_in_place(
     assert run.steps_done() == list(range(300)), run.logs()
     [report] = [r for r in reports.values() if r.kind == "resize"]
     assert (report.world_size, report.steps_lost, report.joined) == (2, 0, [])
+
+
+async def test_a_replacement_that_never_comes_ends_the_wait_at_the_rejoin_deadline(
+        tmp_path: Path, nats_url: str, prefix: str, job: str) -> None:
+    """The generation rises but rank 2's replacement never starts: the survivors do not
+    sit in init_process_group for the process group's timeout (60 s here) but give up at
+    their rejoin deadline (3 s), saying which generation was short."""
+    rejoin = 3.0
+    args = [*ARGS, "--steps", "400", "--rejoin-timeout", str(rejoin)]
+    async with recoveries(nats_url, prefix, job) as (reports, _, _):
+        run = Job(tmp_path, WORLD, args, env=bus_env(nats_url, prefix, job))
+        codes, elapsed = await asyncio.to_thread(lose_a_rank, run, bump=True)
+        await wait_until(lambda: len(reports) == 2, what="both survivors' reports")
+    assert all(code != 0 for code in codes.values()), run.logs()
+    assert rejoin <= elapsed < 60, run.logs()
+    restart = [r for r in reports.values() if r.path == "restart"]
+    assert sorted(r.rank for r in restart) == [0, 1]
+    assert all(f"ranks of generation {run.generation} came within" in r.reason
+               for r in restart), [r.reason for r in restart]

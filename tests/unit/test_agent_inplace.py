@@ -96,3 +96,22 @@ def test_a_resize_record_round_trips_and_a_bad_one_is_refused() -> None:
                 b'{"world_size": 3, "nodes": 1, "left": [], "kept": [0, 1]}'):
         with pytest.raises(ValueError, match="unreadable resize record"):
             groupstore.Resize.decode(bad)
+
+
+def test_resize_records_of_a_store_that_went_away_are_unknown_not_none() -> None:
+    """Only a store that answered says "no record": a lost one must be read again."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    from trainguard.embedded import free_port
+
+    port = free_port()
+    server = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                      timeout=timedelta(seconds=2))
+    client = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=2))
+    resize = groupstore.Resize(world_size=2, nodes=1, left=(2, 3), reason="x", kept=(0, 1))
+    client.set(groupstore.resize_key(5), resize.encode())
+    assert groupstore.read_resizes(client, 3, 6) == [(5, resize)]
+    del server
+    assert groupstore.read_resizes(client, 3, 6) is None

@@ -133,3 +133,37 @@ def test_a_host_that_left_in_place_takes_its_ranks_out_of_the_job() -> None:
         job.d.tick(job.now)
     assert kinds(job) == []
     assert job.states() == {0: "ok", 1: "ok"}
+
+
+def test_reports_about_a_numbers_previous_process_leave_its_new_holder_alone() -> None:
+    """node-b (rank 2) left and node-c's process closed up the gap as rank 2: node-b's late
+    exit and node heartbeat for rank 2 are about its own process, not node-c's."""
+    job = Job({"node-a": 0, "node-b": 0})
+    job.steps(5)
+    state = job.d.jobs["j"]
+    r = state.ranks[2]
+    r.host, r.pid = "node-c", 900  # what node-c's heartbeats as rank 2 made of it
+    job.d.drain()
+    job.d.on_exit(WorkerExit(id="late", job="j", host="node-b", rank=2, pid=102,
+                             exit_code=-15, signal="SIGTERM", initiated_by="c1", attempt=0,
+                             time=job.now), job.now)
+    job.d.on_telemetry(NodeHeartbeat(job="j", host="node-b", time=job.now, attempt=0,
+                                     ranks={2: "X"}, pids={2: 102}))
+    assert not r.exited and r.proc_state != "X" and r.host == "node-c"
+    # The holder's own exit still counts.
+    job.d.on_exit(WorkerExit(id="own", job="j", host="node-c", rank=2, pid=900,
+                             exit_code=1, attempt=0, time=job.now), job.now)
+    assert r.exited and ("crash", "open") in kinds(job)
+
+
+def test_a_late_hello_of_a_smaller_world_does_not_drop_live_ranks() -> None:
+    from trainguard.schemas import Attempt, RankHello
+
+    job = Job({"node-a": 0, "node-b": 0})
+    for rank, host in HOSTS.items():
+        job.d.on_hello(RankHello(job="j", rank=rank, world_size=4, host=host,
+                                 pid=job.pids[rank], attempt=Attempt(restart_count=0),
+                                 time=job.now), job.now)
+    job.d.on_hello(RankHello(job="j", rank=0, world_size=2, host="node-a", pid=job.pids[0],
+                             attempt=Attempt(restart_count=0), time=job.now - 30), job.now)
+    assert sorted(job.d.jobs["j"].ranks) == [0, 1, 2, 3]

@@ -79,6 +79,15 @@ def test_an_isolation_takes_the_survivors_resize_as_its_restart() -> None:
     assert recovery.apply(inc, [report("s", NOW, kind="resize", reason="host b left")])
     assert recovery.recovered_in_place(inc)
     assert "recovered in place" in recovery.skip_detail(inc)
+    # The leaving agent's word (no source rank yet) is the re-form under way.
+    word = RecoveryReport(id="w", job="j", rank=2, kind="resize", path="in_place",
+                          reason="host b left: the group re-forms in place", generation=5,
+                          world_size=2, time=NOW)
+    assert recovery.under_way(word)
+    fresh = crash(cause="hbm_ecc", failure_attempt=None, actions=[
+        IncidentStep(action="isolate", status="done"), IncidentStep(action="restart")])
+    assert recovery.apply(fresh, [word]) and recovery.recovered_in_place(fresh)
+    assert "re-forms in place: no restart needed" in recovery.skip_detail(fresh)
 
 
 def test_an_in_place_replacement_is_the_launchers_restart() -> None:

@@ -123,7 +123,7 @@ class CommandDesk:
         the new number concern it (``subscribe``: listen on its subject too; the old
         subject's commands are another rank's now and no longer concern this one)."""
         self.identity = identity
-        self.receiver = Receiver("rank", str(identity.rank), _for_ranks)
+        self.receiver.rename(str(identity.rank))
         if subscribe:
             self.transport.subscribe(self.subjects.cmd_rank(identity.job, identity.rank),
                                      self.on_message)

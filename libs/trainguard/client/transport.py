@@ -297,8 +297,8 @@ class Transport:
         the connect and a later :meth:`subscribe` never make one twice)."""
         while self._subscribed < len(self._subscriptions):
             subject, cb = self._subscriptions[self._subscribed]
-            self._subscribed += 1
             await nc.subscribe(subject, cb=self._wrap(cb))
+            self._subscribed += 1
 
     async def _subscribe_live(self) -> None:
         if self._nc is None:

@@ -216,7 +216,9 @@ def main(argv: list[str] | None = None) -> int:
                                rejoin_timeout=args.rejoin_timeout)
     else:
         dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout))
-    rank = dist.get_rank()  # kept across an in-place re-form; the world size is not
+    # The start's rank keys the data and the faults: a rank renumbered in place (a host
+    # before it left) keeps its stream; the world size is read at every step.
+    rank = dist.get_rank()
     torch.manual_seed(args.seed)
     model: nn.Module = CharLM() if args.model == "lm" else TinyModel()
     text = corpus(args.seed) if args.model == "lm" else None

@@ -295,8 +295,11 @@ class Checkpointer:
                                        time.perf_counter() - t0, _describe(exc)))
             return
         blocked = time.perf_counter() - t0
+        # The rank and group as they are now: an in-place re-form may renumber this rank
+        # before the save is done.
         self._pending = self._finisher.submit(self._finish, step, path, upload, t0,
-                                              blocking=False, blocked=blocked)
+                                              blocking=False, blocked=blocked,
+                                              as_of=self._as_of())
 
     def _stager_(self) -> DefaultStager | None:
         """The staging cache, made at the first async save (it imports all of DCP, which
@@ -349,22 +352,29 @@ class Checkpointer:
             state["extra"] = {me: blob}
         return state
 
+    def _as_of(self) -> tuple[int, int, int, str]:
+        """Rank, group rank, world size and generation token a save is reported under."""
+        return self.guard.rank, self.group_rank, self.world_size, self.generation
+
     def _finish(self, step: int, path: Path, upload: Future[Any], t0: float, *,
-                blocking: bool, blocked: float = 0.0) -> CheckpointReport:
+                blocking: bool, blocked: float = 0.0,
+                as_of: tuple[int, int, int, str] | None = None) -> CheckpointReport:
         """Runs on the background thread (inline for a blocking save): wait for DCP, checksum
-        this rank's files, report."""
+        this rank's files, report (under ``as_of``, the save's start: see :meth:`_as_of`)."""
+        rank, group_rank, world_size, generation = as_of or self._as_of()
         files: dict[str, FileDigest] = {}
         error = ""
         try:
             metadata = upload.result()
             names = _written_names(metadata, path)
-            for name in rank_files(names, self.group_rank):
+            for name in rank_files(names, group_rank):
                 files[name] = file_digest(path / name)
         except _save_errors() as exc:
             self._fail(exc)
             error = _describe(exc)
         total = time.perf_counter() - t0
-        report = self._report(step, path, files, total if blocking else blocked, total, error)
+        report = self._report(step, path, files, total if blocking else blocked, total, error,
+                              as_of=(rank, group_rank, world_size, generation))
         self._publish(report)
         return report
 
@@ -381,13 +391,15 @@ class Checkpointer:
         log.warning("checkpoint save failed: %s", _describe(exc))
 
     def _report(self, step: int, path: Path, files: dict[str, FileDigest], blocked: float,
-                total: float, error: str) -> CheckpointReport:
+                total: float, error: str,
+                as_of: tuple[int, int, int, str] | None = None) -> CheckpointReport:
         g = self.guard
+        rank, _, world_size, generation = as_of or self._as_of()
         return CheckpointReport(
-            id=uuid7(), job=g.job, rank=g.rank, step=step, path=str(path),
-            world_size=self.world_size, bytes=sum(d.bytes for d in files.values()),
+            id=uuid7(), job=g.job, rank=rank, step=step, path=str(path),
+            world_size=world_size, bytes=sum(d.bytes for d in files.values()),
             seconds_blocked=blocked, seconds_total=total, files=files,
-            attempt=g.identity.attempt.restart_count, generation=self.generation,
+            attempt=g.identity.attempt.restart_count, generation=generation,
             ok=not error, error=error[:2000], time=time.time())
 
     def _publish(self, report: CheckpointReport) -> None:

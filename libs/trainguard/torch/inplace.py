@@ -275,10 +275,15 @@ class InPlace:
                                            "group restarts at the world size that is left")
                 time.sleep(POLL_S)
                 generation = self.newest_generation()
-            for _, resize in groupstore.read_resizes(self.job_store, applied, generation):
+            records = groupstore.read_resizes(self.job_store, applied, generation)
+            if records is None:
+                raise RejoinFailed(f"the job store did not answer for generation {generation}")
+            for _, resize in records:
                 resized = resize
                 self._resize(resize)
             applied = generation
+            if not self.gather(generation, deadline):
+                continue  # the generation rose again meanwhile: gather for the newest
             try:
                 self.form(generation)
                 return resized
@@ -289,6 +294,36 @@ class InPlace:
                         from exc
                 log.warning("generation %d rose while forming its group; forming the newest",
                             generation)
+
+    def gather(self, generation: int, deadline: float) -> bool:
+        """Wait until every rank of ``generation`` is here to form it (True), or until the
+        generation rose past it (False: gather for the newest).
+
+        ``init_process_group`` would wait for missing ranks for the whole process-group
+        timeout (30 min by default): a replacement that never starts, or a host that left
+        while its ranks were still counted. Here the wait ends at ``deadline`` or when a
+        host says it left, with RejoinFailed.
+        """
+        here = groupstore.all_here_key(generation)
+        if int(self.job_store.add(groupstore.arrivals_key(generation), 1)) \
+                >= self.guard.world_size:
+            self.job_store.set(here, "1")
+        next_left = time.monotonic() + LEFT_POLL_S
+        while not self.job_store.check([here]):
+            now = time.monotonic()
+            if now >= deadline:
+                raise RejoinFailed(f"not every one of the {self.guard.world_size} ranks of "
+                                   f"generation {generation} came within "
+                                   f"{self.rejoin_timeout:g} s")
+            if now >= next_left:
+                next_left = now + LEFT_POLL_S
+                if (why := self.left(generation)) is not None:
+                    raise RejoinFailed(f"{why}: its ranks do not come, so the group "
+                                       "restarts at the world size that is left")
+                if self.newest_generation() > generation:
+                    return False
+            time.sleep(POLL_S)
+        return True
 
     def _resize(self, resize: groupstore.Resize) -> None:
         """A host left and the group goes on without it: this rank's number closes up the
@@ -390,7 +425,11 @@ def init_process_group(guard: GuardHandle, backend: str = "gloo", *,
     recovery = InPlace(guard, backend, timeout=pg_timeout, rejoin_timeout=rejoin_timeout,
                        job_store=job_store, generation=generation, init_kwargs=init_kwargs)
     if guard.joining:
+        # Its peers wait in InPlace.gather for every rank of the new generation.
+        deadline = time.monotonic() + rejoin_timeout
         generation = max(generation, recovery.newest_generation())
+        while not recovery.gather(generation, deadline):
+            generation = recovery.newest_generation()
     recovery.form(generation)
     guard.set_recovery(recovery)
     return recovery
