@@ -25,7 +25,14 @@ from collections import Counter, deque
 from collections.abc import Callable
 from typing import Protocol
 
-from trainguard.schemas import GONE_STATES, STOPPED_STATES, Heartbeat, ProcessState, StepReport
+from trainguard.schemas import (
+    GONE_STATES,
+    RECOVERING_PHASE,
+    STOPPED_STATES,
+    Heartbeat,
+    ProcessState,
+    StepReport,
+)
 
 from .book import AnomalyBook
 from .thresholds import Thresholds
@@ -131,6 +138,8 @@ class JobState:
         self.world_generation = -1
         self.world_time = 0.0
         """Sender time of the newest hello that declared the world size."""
+        self.recovering_since = 0.0
+        """Sender time of the newest heartbeat that entered the in-place recovery phase."""
         self.host_attempt: dict[str, int] = {}
         """The newest attempt of each host's ranks (attempts of different hosts are not
         comparable: each node's torchrun counts its own restarts)."""
@@ -366,6 +375,8 @@ class JobState:
             if old is not None and old in self.long_phases and r.phase_start is not None:
                 self._long_sample(old, started - r.phase_start, r.rank, t)
             r.phase = phase
+            if phase == RECOVERING_PHASE:
+                self.recovering_since = max(self.recovering_since, t)
             if phase in CLOSED_PHASES:
                 if not r.exited:
                     self.closing[r.rank] = t
@@ -404,7 +415,10 @@ class JobState:
         if self.max_step is None or step > self.max_step:
             if self.max_step is not None:
                 self.steps_seen += 1
-                if self.steps_seen > self.th.warmup_steps and t > self.max_step_time:
+                if self.steps_seen > self.th.warmup_steps and t > self.max_step_time \
+                        and self.recovering_since <= self.max_step_time:
+                    # A gap that held an in-place recovery is not a step interval: it would
+                    # raise the hang limit (hang_k x p99) for the next hang_window steps.
                     self.intervals.add((t - self.max_step_time) / (step - self.max_step))
             self.max_step = step
             self.max_step_time = t
