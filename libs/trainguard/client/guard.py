@@ -128,14 +128,14 @@ class Guard:
                                     sync_every=sync_every,
                                     collective_timeout=collective_timeout)
         """Handlers by kind, the inbox, and what ran."""
+        self._step_subject = self.subjects.step(self.job, self.rank)
+        self._fp_subject = self.subjects.fp(self.job, self.rank)
         self.reports = Reports(
             self.job, self.rank, self.identity.attempt.restart_count,
             report_every=report_every, fingerprint_every=fingerprint_every,
             model=lambda: self.model,
-            publish_step=lambda r: self.transport.publish(
-                self.subjects.step(self.job, r.rank), r),
-            publish_fingerprint=lambda f: self.transport.publish(
-                self.subjects.fp(self.job, f.rank), f),
+            publish_step=lambda r: self.transport.publish(self._step_subject, r),
+            publish_fingerprint=lambda f: self.transport.publish(self._fp_subject, f),
             world_size=self.world_size, lr=lambda: optimizer_lr(self.optimizer))
         self._drills = Drills(self.state, lambda: self.allow_drills, lambda: self.model)
         self._phase_accounting: PhaseAccounting | None = None
@@ -464,6 +464,8 @@ class Guard:
         self.rank, self.world_size = rank, world_size
         self.identity = dataclasses.replace(self.identity, rank=rank, world_size=world_size)
         self.reports.rank, self.reports.world_size = rank, world_size
+        self._step_subject = self.subjects.step(self.job, rank)
+        self._fp_subject = self.subjects.fp(self.job, rank)
         self.commands.renumber(self.identity, subscribe=renumbered and self._started)
         if renumbered and self._fr is not None:
             self._fr.renumber(rank)

@@ -258,23 +258,14 @@ class InPlace:
         """Wait for a generation above ``previous`` and form its group; if forming fails
         because the generation rose again meanwhile, form the newest one. Returns the
         resize the newest group was formed with, if a host left in place meanwhile."""
-        next_left = time.monotonic()
         resized: groupstore.Resize | None = None
         applied = previous  # resize records are read once each
+        self._poll(lambda: self.newest_generation() > previous, deadline, left_of=previous,
+                   late=f"the generation stayed {previous} for {self.rejoin_timeout:g} s: "
+                        "no replacement came",
+                   gone="its ranks are not replaced")
         while True:
             generation = self.newest_generation()
-            while generation <= previous:
-                now = time.monotonic()
-                if now >= deadline:
-                    raise RejoinFailed(f"the generation stayed {generation} for "
-                                       f"{self.rejoin_timeout:g} s: no replacement came")
-                if now >= next_left:
-                    next_left = now + LEFT_POLL_S
-                    if (why := self.left(previous)) is not None:
-                        raise RejoinFailed(f"{why}: its ranks are not replaced, so the "
-                                           "group restarts at the world size that is left")
-                time.sleep(POLL_S)
-                generation = self.newest_generation()
             records = groupstore.read_resizes(self.job_store, applied, generation)
             if records is None:
                 raise RejoinFailed(f"the job store did not answer for generation {generation}")
@@ -308,19 +299,29 @@ class InPlace:
         if int(self.job_store.add(groupstore.arrivals_key(generation), 1)) \
                 >= self.guard.world_size:
             self.job_store.set(here, "1")
-        next_left = time.monotonic() + LEFT_POLL_S
-        while not self.job_store.check([here]):
+        return self._poll(lambda: self.job_store.check([here]), deadline, left_of=generation,
+                          late=f"not every one of the {self.guard.world_size} ranks of "
+                               f"generation {generation} came within "
+                               f"{self.rejoin_timeout:g} s",
+                          gone="its ranks do not come", moved_past=generation)
+
+    def _poll(self, ready: Callable[[], bool], deadline: float, *, left_of: int, late: str,
+              gone: str, moved_past: int | None = None) -> bool:
+        """Poll ``ready`` every :data:`POLL_S` until it holds (True). Every
+        :data:`LEFT_POLL_S` it also asks whether a host left generation ``left_of`` for
+        good and, with ``moved_past``, whether the generation rose past it (False).
+        RejoinFailed at ``deadline`` (``late``) or when a host left (``gone``)."""
+        next_left = time.monotonic()
+        while not ready():
             now = time.monotonic()
             if now >= deadline:
-                raise RejoinFailed(f"not every one of the {self.guard.world_size} ranks of "
-                                   f"generation {generation} came within "
-                                   f"{self.rejoin_timeout:g} s")
+                raise RejoinFailed(late)
             if now >= next_left:
                 next_left = now + LEFT_POLL_S
-                if (why := self.left(generation)) is not None:
-                    raise RejoinFailed(f"{why}: its ranks do not come, so the group "
-                                       "restarts at the world size that is left")
-                if self.newest_generation() > generation:
+                if (why := self.left(left_of)) is not None:
+                    raise RejoinFailed(f"{why}: {gone}, so the group restarts at the world "
+                                       "size that is left")
+                if moved_past is not None and self.newest_generation() > moved_past:
                     return False
             time.sleep(POLL_S)
         return True
