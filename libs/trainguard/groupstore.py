@@ -26,7 +26,8 @@ reach at ``MASTER_ADDR:MASTER_PORT`` (``services/agent/rendezvous.py``). Under
   :class:`Resize` of that generation. A survivor that sees the generation rise reads the
   records since its own and forms the new group at their world size and with its new
   rank; its agent adopts them for later replacements. It then stands in for the ``left``
-  key.
+  key. A host taken back in place (:func:`plan_growth`) is a record too: the running ranks
+  keep their numbers and the new ones follow them (:data:`JOINS` in ``kept``).
 
 The agents own the generation; the ranks only read it and wait for it to rise.
 """
@@ -43,6 +44,8 @@ log = logging.getLogger("trainguard.groupstore")
 
 GENERATION: Final = "generation"
 """The job's generation counter (``store.add(GENERATION, 0)`` reads it)."""
+JOINS: Final = -1
+"""In :attr:`Resize.kept`: a new rank, with no rank of the previous generation behind it."""
 
 
 def job_prefix(run_id: str) -> str:
@@ -94,7 +97,8 @@ class Resize:
     reason: str
     kept: tuple[int, ...] = ()
     """The previous generation's rank of each new rank, in order: the survivors keep their
-    order and close up the gap the leaving ranks left (empty: ``0 .. world_size-1``)."""
+    order and close up the gap the leaving ranks left (empty: ``0 .. world_size-1``);
+    :data:`JOINS` for a rank of a host taken back."""
     node: int = -1
     """The group rank of the node that left (the nodes above it move down one)."""
 
@@ -105,6 +109,15 @@ class Resize:
             return kept.index(old)
         except ValueError:
             return None
+
+    @property
+    def joined(self) -> tuple[int, ...]:
+        """The new generation's ranks that join it (a host taken back)."""
+        return tuple(r for r, old in enumerate(self.kept) if old == JOINS)
+
+    @property
+    def grows(self) -> bool:
+        return bool(self.joined)
 
     def encode(self) -> str:
         return json.dumps({"world_size": self.world_size, "nodes": self.nodes,
@@ -151,6 +164,17 @@ def plan_shrink(world_size: int, nodes: int, leaving: Collection[int], *,
         return "no rank would be left"
     return Resize(world_size=len(kept), nodes=nodes - 1, left=tuple(gone), reason=reason,
                   kept=kept, node=node)
+
+
+def plan_growth(world_size: int, nodes: int, joining: Collection[tuple[str, int]]
+                ) -> Resize:
+    """The group with ``joining`` hosts (``(host, nproc)``, in the order their ranks take)
+    taken back in place: the running ranks keep their numbers, the new ones follow."""
+    added = sum(n for _, n in joining)
+    hosts = ", ".join(h for h, _ in joining)
+    return Resize(world_size=world_size + added, nodes=nodes + len(joining), left=(),
+                  reason=f"host {hosts} rejoined the job",
+                  kept=(*range(world_size), *(JOINS,) * added))
 
 
 def read_resizes(store: Any, after: int, upto: int) -> list[tuple[int, Resize]] | None:

@@ -327,9 +327,9 @@ class CheckpointReport(Durable, kw_only=True):
 RecoveryPath = Literal["in_place", "restart"]
 """How a job got back to work: its survivors kept running and re-formed the group with a
 replacement (``in_place``), or every rank restarted from the last committed checkpoint."""
-RecoveryKind = Literal["replace", "rollback", "resize"]
+RecoveryKind = Literal["replace", "rollback", "resize", "grow"]
 """What the ranks recovered from: a lost rank replaced, a rollback to a committed
-checkpoint, or the group shrinking or growing."""
+checkpoint, the group shrinking in place (a host left) or growing (a host taken back)."""
 
 
 class RecoveryReport(Durable, kw_only=True):

@@ -249,6 +249,16 @@ class LocalNode:
             reason=detail, generation=generation, previous_generation=generation - 1,
             world_size=world_size, attempt=self.restart_count, time=time.time()))
 
+    def report_grown(self, rank: int, generation: int, world_size: int, detail: str) -> None:
+        """Say that this host's ranks (from ``rank``) join the running group in place at
+        ``generation``; the grown group's rank 0 reports the rest once it runs."""
+        if self.publish_recovery is None:
+            return
+        self.publish_recovery(RecoveryReport(
+            id=uuid7(), job=self.settings.job, rank=rank, kind="grow", path="in_place",
+            reason=detail, generation=generation, previous_generation=generation - 1,
+            world_size=world_size, attempt=self.restart_count, time=time.time()))
+
     def restart_began(self, now: float | None = None) -> None:
         """The worker group is going down to be started again (idempotent per restart)."""
         with self._lock:

@@ -21,13 +21,26 @@ static backend it is the rendezvous store). Under
 :func:`trainguard.groupstore.job_prefix` it carries the generation the ranks read (each
 single-rank replacement adds one there and to the job-wide counter, so a later round still
 draws above it) and the ranks' in-place keys.
+
+**Taking a host back in place.** When a node waits to join (a host that left and came
+back), the nodes whose ranks recover in place join the next round *with their ranks still
+running* (``next_round(running=...)``). In the round's store every node says whether it
+runs a group (:data:`MEMBER_KEY`); the lowest running one decides (:data:`DECISION_KEY`):
+when every running node is in the round, at the same generation, and every rank declared
+in-place recovery, it records the grown group for the next generation
+(:func:`trainguard.groupstore.plan_growth`, by ``compare_set``), raises the generation, and
+the new nodes' ranks join the running group's store as ``TRAINGUARD_JOIN=peers`` ranks
+numbered after the running ones, while the running ranks re-form at their next command
+agreement. Otherwise the round is an ordinary one: every node restarts its ranks, the
+decision saying why.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from trainguard import groupstore
@@ -44,6 +57,10 @@ the round's generation."""
 STORE_TIMEOUT_S = 60.0
 NPROC_KEY = "trainguard/nproc/"
 EXIT_BARRIER_PREFIX = "trainguard/exit_barrier"
+MEMBER_KEY = "trainguard/member/"
+"""``<key><group rank>``, in each round's store: what the node runs (JSON; ``{}``: nothing)."""
+DECISION_KEY = "trainguard/take_in"
+"""In a round with running nodes: whether it takes the new nodes in place (JSON)."""
 
 
 class RendezvousFailed(TrainguardError):
@@ -64,6 +81,14 @@ class Round:
     generation: int
     store: Any
     """The round's store (``torch.distributed.Store``), for the exit barrier."""
+    carried: bool = False
+    """This node's running ranks go on in the round (it took new nodes in place)."""
+    joins: bool = False
+    """This node's ranks join a running group, taking their state from its ranks."""
+    attempt: int | None = None
+    """With ``joins``: the running group's attempt, which the new ranks start at."""
+    note: str = ""
+    """Why a round with running nodes restarts them (empty when it did not)."""
 
 
 @dataclass(frozen=True)
@@ -104,8 +129,13 @@ class JobRendezvous:
         """Always: the ranks' store is an agent's (the group store), never rank 0's."""
         return True
 
-    def next_round(self, local_world_size: int) -> Round:
-        """Join the next round (blocks until the group forms) and assign ranks."""
+    def next_round(self, local_world_size: int, running: Round | None = None, *,
+                   host: str = "", attempt: int = 0) -> Round:
+        """Join the next round (blocks until the group forms) and assign ranks.
+
+        ``running``: this node's ranks run that group and recover in place (``attempt``:
+        its restart count); the round may take the waiting nodes into it without restarting
+        them (the returned round is then ``carried``; see the module doc)."""
         from torch.distributed.elastic.rendezvous import RendezvousError
 
         dist: Any = importlib.import_module("torch.distributed")
@@ -122,6 +152,12 @@ class JobRendezvous:
         group_rank, nodes = int(info.rank), int(info.world_size)
         store.set(f"{NPROC_KEY}{group_rank}", str(local_world_size))
         sizes = [int(v) for v in store.multi_get([f"{NPROC_KEY}{i}" for i in range(nodes)])]
+        note = ""
+        if self.plan.backend != "static":
+            taken = self._take_in(dist, store, group_rank, sizes, running, host, attempt)
+            if isinstance(taken, Round):
+                return taken
+            note = taken
         if group_rank == 0:
             # One new generation per group: the lowest node draws it, the others read it.
             drawn = self._job_store.add(groupstore.GENERATION, 1)
@@ -142,7 +178,93 @@ class JobRendezvous:
         return Round(group_rank=group_rank, group_world_size=nodes,
                      base_rank=sum(sizes[:group_rank]), world_size=sum(sizes),
                      master_addr=master_addr, master_port=master_port,
-                     generation=generation, store=store)
+                     generation=generation, store=store, note=note)
+
+    # -- taking nodes in place --------------------------------------------------------
+    def _take_in(self, dist: Any, store: Any, group_rank: int, sizes: list[int],
+                 running: Round | None, host: str, attempt: int) -> Round | str:
+        """The round as a running group taking the new nodes in place, or why it is an
+        ordinary one ("" when no node of it runs a group)."""
+        nodes = len(sizes)
+        mine = {} if running is None else {
+            "node": running.group_rank, "nodes": running.group_world_size,
+            "world": running.world_size, "generation": running.generation,
+            "master": [running.master_addr, running.master_port], "attempt": attempt}
+        store.set(f"{MEMBER_KEY}{group_rank}", json.dumps({**mine, "host": host}))
+        members = [json.loads(v) for v in
+                   store.multi_get([f"{MEMBER_KEY}{i}" for i in range(nodes)])]
+        old = [i for i, m in enumerate(members) if "node" in m]
+        if not old:
+            return ""
+        if group_rank == old[0]:
+            store.set(DECISION_KEY, json.dumps(self._decide_take_in(members, old, sizes)))
+        decision = json.loads(store.get(DECISION_KEY))
+        if "cold" in decision:
+            why = str(decision["cold"])
+            log.warning("the round restarts every node's ranks: %s", why)
+            return f"not in place: {why}"
+        if running is not None:
+            return replace(running, group_world_size=int(decision["nodes"]),
+                           world_size=int(decision["world"]), store=store, carried=True)
+        place = decision["joiners"][str(group_rank)]
+        master_addr, master_port = str(decision["master"][0]), int(decision["master"][1])
+        generation = int(decision["generation"])
+        self._open_running_store(dist, master_addr, master_port)
+        return Round(group_rank=int(place[0]), group_world_size=int(decision["nodes"]),
+                     base_rank=int(place[1]), world_size=int(decision["world"]),
+                     master_addr=master_addr, master_port=master_port,
+                     generation=generation, store=store, joins=True,
+                     attempt=int(decision["attempt"]))
+
+    def _decide_take_in(self, members: list[dict[str, Any]], old: list[int],
+                        sizes: list[int]) -> dict[str, Any]:
+        """The lowest running node's decision (see the module doc)."""
+        lead = members[old[0]]
+        new = [i for i in range(len(members)) if i not in old]
+        if len(old) != int(lead["nodes"]):
+            return {"cold": f"{len(old)} of the running group's {lead['nodes']} nodes "
+                            "came to the round"}
+        if any(members[i]["generation"] != lead["generation"] for i in old):
+            return {"cold": "the running nodes disagree on the generation"}
+        try:
+            generation = int(self._group().add(groupstore.GENERATION, 0))
+            missing = self.in_place_missing(generation, int(lead["world"]))
+        except Exception as exc:
+            return {"cold": f"the group store does not answer ({exc!r})"}
+        if generation != int(lead["generation"]):
+            return {"cold": f"the generation moved to {generation} meanwhile"}
+        if missing is None or missing:
+            return {"cold": f"rank(s) {(missing or [])[:8]} did not declare in-place recovery"
+                            if missing else "the in-place keys cannot be read"}
+        grown = groupstore.plan_growth(int(lead["world"]), int(lead["nodes"]),
+                                       [(str(members[i].get("host") or f"#{i}"), sizes[i])
+                                        for i in new])
+        record = grown.encode()
+        claimed = self._group().compare_set(groupstore.resize_key(generation + 1), "", record)
+        if bytes(claimed).decode(errors="replace") != record:
+            return {"cold": "another change of the group came first"}
+        generation = self.bump_generation()
+        joiners, base = {}, int(lead["world"])
+        for n, i in enumerate(new):
+            joiners[str(i)] = [int(lead["nodes"]) + n, base]
+            base += sizes[i]
+        log.info("generation %d: %s; the group grows in place to %d ranks", generation,
+                 grown.reason, grown.world_size)
+        return {"generation": generation, "world": grown.world_size, "nodes": grown.nodes,
+                "master": lead["master"], "attempt": lead["attempt"], "joiners": joiners}
+
+    def _open_running_store(self, dist: Any, addr: str, port: int) -> None:
+        """A new node's client of the running group's store (its ranks join there)."""
+        from datetime import timedelta
+
+        try:
+            self._round_store = dist.TCPStore(addr, port, is_master=False,
+                                              wait_for_workers=False,
+                                              timeout=timedelta(seconds=STORE_TIMEOUT_S))
+        except Exception as exc:
+            raise RendezvousFailed(f"group store {addr}:{port} unavailable: {exc}") from exc
+        self._group_store = dist.PrefixStore(groupstore.job_prefix(self.run_id),
+                                             self._round_store)
 
     def _open_group_store(self, dist: Any, addr: str, port: int, generation: int, *,
                           serve: bool, seed: bool) -> None:

@@ -124,11 +124,24 @@ class Supervisor:
         """Until the job ends here: 0 when the node's ranks succeeded, 1 when they failed
         past ``max_restarts``. Stops every rank and spare on the way out."""
         prefer: list[int] = []
+        running: Round | None = None
         try:
             while True:
-                rnd = self.rdzv.next_round(self.nproc)
-                self._start_group(rnd, prefer)
+                rnd = self.rdzv.next_round(self.nproc, running, host=self.node.host,
+                                           attempt=self.restart_count)
+                if rnd.carried:
+                    self._carry_on(rnd)
+                else:
+                    if running is not None:  # the round could not take the new node in place
+                        self.node.restart_began()
+                        self._end_group([])
+                    self._start_group(rnd, prefer)
+                running = None
                 kind, failures = self._watch()
+                if kind == "take_in" and self.round is not None:
+                    # At the generation it follows (a shrink in place moved it on).
+                    running = replace(self.round, generation=self.node.generation)
+                    continue
                 if kind == "succeeded":
                     self.node.workers_exited({}, succeeded=True)
                     # The round as it is now: a node that left in place is not waited for.
@@ -168,7 +181,11 @@ class Supervisor:
             if now >= next_check:
                 next_check = now + 1.0
                 if self.rdzv.nodes_waiting() > 0:
-                    log.info("another node waits to re-form the group: restarting ours")
+                    if (why := self._why_not_take_in()) is None:
+                        log.info("another node waits to join: taking it in place")
+                        return "take_in", {}
+                    log.info("another node waits to re-form the group: restarting ours (%s)",
+                             why)
                     return "membership", self._end_group([])
                 generation = self.rdzv.generation()
                 if generation is not None:
@@ -183,17 +200,47 @@ class Supervisor:
     def _start_group(self, rnd: Round, prefer: list[int]) -> None:
         self.round = rnd
         self.node.generation = rnd.generation
+        if rnd.joins and rnd.attempt is not None:
+            self.restart_count = rnd.attempt  # the running group's attempt, as a replacement
         order = prefer + [lr for lr in range(self.nproc) if lr not in prefer]
         self.group = {}
         for lr in order:
             self.group[lr] = self._spawn(lr, rnd.base_rank + lr, rnd.generation,
-                                         self.restart_count)
+                                         self.restart_count, join=rnd.joins)
         self.node.workers_started([self._worker(p) for p in self.group.values()],
                                   self.restart_count)
         self._refill_at = time.monotonic() + self.refill_delay
-        log.info("group started on %s: generation %d, ranks %s (warm: %s)", self.node.host,
+        log.info("group %s on %s: generation %d, ranks %s (warm: %s)",
+                 "joined in place" if rnd.joins else "started", self.node.host,
                  rnd.generation, {p.rank: p.pid for p in self.group.values()},
                  [p.rank for p in self.group.values() if p.warm])
+        if rnd.joins:
+            self.node.report_grown(rnd.base_rank, rnd.generation, rnd.world_size,
+                                   f"host {self.node.host} rejoined the job: its ranks "
+                                   f"{rnd.base_rank}..{rnd.base_rank + self.nproc - 1} join "
+                                   f"the running group in place at {rnd.world_size} ranks, "
+                                   f"generation {rnd.generation}")
+
+    def _why_not_take_in(self) -> str | None:
+        """Why a waiting node cannot be taken into the running group in place (None: it
+        can; the round decides for good, see :mod:`.rendezvous`)."""
+        if not self.in_place:
+            return "in-place recovery is off for this agent (--no-in-place)"
+        if self.round is None or not self.group:
+            return "no group runs here"
+        if self.rdzv.plan.backend == "static":
+            return "the static rendezvous has a fixed set of nodes"
+        if any(p.popen.poll() is not None for p in self.group.values()):
+            return "a local rank has exited"
+        return None
+
+    def _carry_on(self, rnd: Round) -> None:
+        """The round took new nodes into the running group: the local ranks go on (they
+        re-form at their next command agreement); the round's store is the one the exit
+        barrier counts on."""
+        self.round = rnd
+        log.info("the running group takes new nodes in place: %d ranks on %d node(s)",
+                 rnd.world_size, rnd.group_world_size)
 
     def rank_env(self, rnd: Round, local_rank: int, rank: int, generation: int,
                  restart_count: int, error_file: str, *, join: bool = False) -> dict[str, str]:

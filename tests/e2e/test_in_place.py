@@ -7,12 +7,15 @@ the parameters of an uninterrupted run, with a plain all-reduce loop and with DD
 replaced; a NaN rolls back in place; two ranks lost at once fall back to the committed
 checkpoint, and the incident says so and why; an isolated host leaves and the others go on
 in place at world size 2, and with three agents the rank after an isolated middle host closes
-up the gap.
+up the gap; an isolated host that comes back is taken in at world size 4 while the others
+keep running.
 """
 
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -44,8 +47,9 @@ class InPlaceCluster(Cluster):
     """The demo's two agents running the tiny toy model in place, for a fixed run."""
 
     def __init__(self, workdir: Path, job: str, trainer: list[str],
-                 hosts: tuple[str, ...] = ("node-a", "node-b"), nproc: int = 2) -> None:
-        super().__init__(workdir, job, steps=STEPS, step_time=0.05, ckpt_every=10,
+                 hosts: tuple[str, ...] = ("node-a", "node-b"), nproc: int = 2,
+                 steps: int = STEPS) -> None:
+        super().__init__(workdir, job, steps=steps, step_time=0.05, ckpt_every=10,
                          model="tiny", hosts=hosts, nproc=nproc)
         self.trainer = trainer
         self.final = workdir / "final.pt"
@@ -121,6 +125,16 @@ class InPlaceCluster(Cluster):
         await self.publish(subject, encode_durable(cmd),
                            make_headers(cmd, source="tests/e2e", subject=subject))
 
+    def come_back(self, host: str) -> None:
+        """The operator ends ``host``'s blocklist entry, if it has one (an isolate command
+        sent straight to the agent makes none), and its agent starts again."""
+        unblock = subprocess.run(
+            [sys.executable, "-m", "trainguard", "unblock", host, "--credentials",
+             str(self.creds_dir / "operator.json")], env=self.env(), capture_output=True,
+            text=True, timeout=60)
+        assert unblock.returncode in (0, 1), unblock.stdout + unblock.stderr
+        self._spawn(host, self.launch_argv(host), self.agent_env())
+
     def incident(self, cond: Callable[[Incident], bool]) -> Incident | None:
         return next((i for i in self.observer.incidents.values() if cond(i)), None)
 
@@ -141,9 +155,11 @@ async def cluster(tmp_path: Path, job: str, request: pytest.FixtureRequest
                   ) -> AsyncIterator[InPlaceCluster]:
     name = request.node.name
     three = "middle_host" in name  # three agents of one rank each
-    c = InPlaceCluster(tmp_path, job, [*(OFTEN_SYNC if "nan" in name else RARE_SYNC),
+    back = "comes_back" in name  # long enough for a host to leave and come back
+    c = InPlaceCluster(tmp_path, job, [*(OFTEN_SYNC if "nan" in name or back else RARE_SYNC),
                                        *(["--ddp"] if "ddp" in name else [])],
-                       *((("node-a", "node-b", "node-c"), 1) if three else ()))
+                       *((("node-a", "node-b", "node-c"), 1) if three else ()),
+                       **({"steps": 100_000} if back else {}))
     try:
         await c.start(timeout=150)
         await c.watch()
@@ -301,3 +317,33 @@ async def test_a_middle_host_leaves_and_the_rank_after_it_closes_up_the_gap(
     raised = [(a.kind, a.ranks) for a in c.observer.anomalies[seen:]
               if a.kind in ("crash", "unresponsive", "hang", "sdc_mismatch")]
     assert raised == [], raised
+
+
+async def test_an_isolated_host_that_comes_back_is_taken_in_place(
+        cluster: InPlaceCluster) -> None:
+    """node-b is isolated (the group goes on at 2), unblocked and started again: its agent
+    joins the next rendezvous round, node-a's ranks stay up, and the group re-forms at
+    world size 4 at node-a's next command agreement, node-b's ranks taking their state
+    from node-a's, and the four train on."""
+    c = cluster
+    await c.isolate_in_place("node-b")
+    await wait_until(lambda: {h.rank for h in c.hellos if h.world_size == 2} == {0, 1},
+                     timeout=60, interval=0.5, what="node-a's ranks at world size 2")
+    c.come_back("node-b")
+    [grow] = await wait_until(lambda: [r for r in c.recoveries if r.kind == "grow"
+                                       and r.source_rank is not None],
+                              timeout=150, interval=0.5, what="the group grown in place")
+    assert (grow.path, grow.rank, grow.world_size, grow.steps_lost, grow.joined) == (
+        "in_place", 0, 4, 0, [2, 3]), grow
+    assert "host node-b rejoined" in grow.reason, grow
+    await wait_until(lambda: [r for r in c.recoveries if r.kind == "grow"
+                              and r.source_rank is None], timeout=30, interval=0.5,
+                     what="node-b's word as it joined")
+    await wait_until(lambda: {h.rank for h in c.hellos if h.world_size == 4
+                              and h.time > grow.time - 60} >= {0, 1, 2, 3},
+                     timeout=60, interval=0.5, what="every rank at world size 4")
+    at = c.observer.max_step
+    await wait_until(lambda: c.observer.max_step >= at + 10, timeout=60, interval=0.5,
+                     what="the grown group training")
+    assert len(c.pids[0]) == 1 and len(c.pids[1]) == 1, c.pids  # node-a never restarted
+    assert not [r for r in c.recoveries if r.path == "restart"], c.recoveries

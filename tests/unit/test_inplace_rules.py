@@ -69,7 +69,8 @@ class Scripted:
     def __init__(self, absorb: Callable[[BaseException], bool], resume: int) -> None:
         self.absorb, self.resume = absorb, resume
         self.recovered: list[tuple[int, BaseException]] = []
-        self.regroup: list[Callable[[], None]] = []
+        self.hooks: list[Callable[[], None]] = []
+        self.regrouped: list[int] = []
 
     @property
     def generation(self) -> int:
@@ -89,11 +90,18 @@ class Scripted:
         self.recovered.append((failed_step, error))
         return self.resume
 
+    def watched_generation(self) -> int:
+        return 1
+
+    def regroup(self, completed: int) -> int:
+        self.regrouped.append(completed)
+        return completed + 1
+
     def on_regroup(self, fn: Callable[[], None], *, after_sync: bool = False) -> None:
-        self.regroup.append(fn)
+        self.hooks.append(fn)
 
     def on_teardown(self, fn: Callable[[], None]) -> None:
-        self.regroup.append(fn)
+        self.hooks.append(fn)
 
 
 @pytest.fixture
@@ -256,3 +264,18 @@ def test_after_a_re_form_collective_commands_wait_for_the_groups_first_step() ->
         assert desk.executed == ["i1"] and g.checkpoint_interval == (7, 30)
     finally:
         g.close(timeout=1.0)
+
+
+def test_an_agreed_newer_generation_regroups_after_the_step_that_agreed() -> None:
+    """A host taken back in place: nothing failed, the loop re-forms after the step and
+    goes on with the next one (no step repeated, none skipped)."""
+    from trainguard.client.recovery import Loop, iterate
+
+    rec = Scripted(lambda e: False, resume=0)
+    loop, seen, notes = Loop(), [], []
+    for step in iterate(loop, 0, 6, rec, notes.append):
+        seen.append(step)
+        if step == 2:
+            loop.regroup = True
+    assert seen == [0, 1, 2, 3, 4, 5]
+    assert rec.regrouped == [2] and notes == [3]

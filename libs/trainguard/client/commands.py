@@ -13,6 +13,10 @@ or leaves ``guard.step`` (the safe points):
   of the highest sequence each has received; a rank that has not received the agreed
   command yet waits for it up to ``collective_timeout``.
 
+The same all-reduce carries the newest process-group generation any rank knows of
+(:meth:`CommandDesk.watch_generation`): a group that took a host back in place re-forms
+at that boundary, the same step on every rank.
+
 Every command is acknowledged once (done, failed with the reason, too_late, unknown_kind,
 refused for a stale epoch); a redelivered id, or a retry of a command already run, is not
 run again. Those admission rules are :class:`trainguard.receiver.Receiver`'s, shared with
@@ -25,7 +29,7 @@ import collections
 import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -46,8 +50,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("trainguard.client")
 
 Handler = Callable[[Command], "str | None"]
-Agreement = Callable[[int], int]
-"""All-reduce (MAX) of an int across ranks; installed when torch.distributed is running."""
+Agreement = Callable[[Sequence[int]], list[int]]
+"""Elementwise all-reduce (MAX) of ints across ranks; installed when torch.distributed is
+running."""
 
 
 def _for_ranks(kind: str) -> bool:
@@ -111,6 +116,14 @@ class CommandDesk:
         self._last_completed: int | None = None
         self.executed: list[str] = []
         """Ids of commands run, in order (for tests and ``stats``)."""
+        self._generation: Callable[[], int] = lambda: 0
+        self._generation_rose: Callable[[int], None] = lambda _: None
+
+    def watch_generation(self, newest: Callable[[], int],
+                         rose: Callable[[int], None]) -> None:
+        """Agree on ``newest()`` (the newest group generation this rank knows of) at every
+        boundary too; ``rose(g)`` gets the agreed one, the same on every rank."""
+        self._generation, self._generation_rose = newest, rose
 
     def listen(self) -> None:
         """Subscribe to ``cmd.all`` and ``cmd.rank.<own>`` (core NATS: no server state)."""
@@ -252,7 +265,7 @@ class CommandDesk:
     def _agree_and_run(self) -> None:
         assert self.agreement is not None
         try:
-            agreed = self.agreement(self._highest_seq)
+            agreed, generation = self.agreement([self._highest_seq, self._generation()])
         except Exception as exc:
             log.warning("collective command agreement failed (%r); running commands locally",
                         exc)
@@ -260,6 +273,7 @@ class CommandDesk:
             for seq in sorted(self._collective):
                 self._execute(self._collective.pop(seq))
             return
+        self._generation_rose(generation)
         if agreed <= self._agreed_seq:
             return
         deadline = time.monotonic() + self.collective_timeout

@@ -238,6 +238,16 @@ class Guard:
     def set_recovery(self, recovery: Recovery | None) -> None:
         """Installed by ``trainguard.torch.init_process_group``."""
         self._recovery = recovery
+        if recovery is not None:
+            self.commands.watch_generation(recovery.watched_generation,
+                                           self._generation_agreed)
+
+    def _generation_agreed(self, generation: int) -> None:
+        """The ranks agreed that the job's group is at ``generation``: above this rank's,
+        the loop re-forms after the current step (a host was taken back in place)."""
+        if self._recovery is not None and self._loop is not None \
+                and generation > self._recovery.generation:
+            self._loop.regroup = True
 
     @property
     def recovery(self) -> Recovery | None:

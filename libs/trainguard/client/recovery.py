@@ -69,6 +69,16 @@ class Recovery(Protocol):
         returns the step to run next. Raises ``error`` when in-place recovery fails."""
         ...
 
+    def watched_generation(self) -> int:
+        """The newest generation of the job's group this rank knows of (cheap: asked at
+        every command agreement; above :attr:`generation` the group re-forms there)."""
+        ...
+
+    def regroup(self, completed: int) -> int:
+        """Re-form the group at a newer generation with nothing failed (a host taken back
+        in place), after ``completed``; returns the step to run next."""
+        ...
+
     def on_regroup(self, fn: Callable[[], None], *, after_sync: bool = False) -> None:
         """Run ``fn`` on every rank after a re-form: before the state agreement (a helper
         rebuilding its side group), or after it (``after_sync``: rebuilding DDP, whose
@@ -85,7 +95,7 @@ class Recovery(Protocol):
 class Loop:
     """The state of one ``guard.steps`` loop: where it goes next."""
 
-    __slots__ = ("abandoned", "error", "next_step")
+    __slots__ = ("abandoned", "error", "next_step", "regroup")
 
     def __init__(self) -> None:
         self.abandoned: int | None = None
@@ -93,6 +103,8 @@ class Loop:
         self.error: BaseException | None = None
         self.next_step: int | None = None
         """Set by a rollback in place: the step the loop continues at."""
+        self.regroup = False
+        """The ranks agreed on a newer generation: the group re-forms after this step."""
 
 
 def iterate(loop: Loop, start: int, stop: int, recovery: Recovery | None,
@@ -100,7 +112,8 @@ def iterate(loop: Loop, start: int, stop: int, recovery: Recovery | None,
     """The steps ``start..stop-1``, repeated or rewound where a recovery or a rollback says
     so. ``regrouped(next_step)`` runs after every recovery and after a replacement's first
     agreement (the Guard rebuilds its command agreement and notes the step the group
-    completed)."""
+    completed). A regroup the ranks agreed on (``loop.regroup``) re-forms the group after
+    the step that agreed on it."""
     joining = recovery is not None and recovery.joining
     step = recovery.begin(start) if recovery is not None else start
     if joining or step != start:
@@ -113,6 +126,11 @@ def iterate(loop: Loop, start: int, stop: int, recovery: Recovery | None,
             loop.error = None  # not kept alive (with its frames) across the rest of training
             step = recovery.recover(failed, error)
             loop.abandoned = None
+            regrouped(step)
+        elif loop.regroup and recovery is not None:
+            # After a rollback too: the agreement starts from the step it rewound to.
+            loop.regroup, loop.next_step = False, None
+            step = recovery.regroup(step)
             regrouped(step)
         elif loop.next_step is not None:
             step, loop.next_step = loop.next_step, None

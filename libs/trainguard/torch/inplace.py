@@ -229,7 +229,39 @@ class InPlace:
         self.mark_ready()
         return step
 
+    def watched_generation(self) -> int:
+        """Rank 0 reads the job's generation (one store round trip per command agreement,
+        which spreads it to every rank); the others say their own."""
+        if not self.enabled or self.guard.rank != 0:
+            return self._generation
+        try:
+            return self.newest_generation()
+        except Exception as exc:  # the store host is gone: a lost peer will tell
+            log.debug("generation read failed: %r", exc)
+            return self._generation
+
     def recover(self, failed_step: int, error: BaseException) -> int:
+        try:
+            return self._reform(failed_step, self._seen_wall)
+        except Exception as exc:
+            self._report_restart(f"in-place recovery failed: {exc}", error,
+                                 failed_step=failed_step)
+            raise error from exc
+
+    def regroup(self, completed: int) -> int:
+        """The ranks agreed on a newer generation after ``completed`` with nothing failed
+        (a host taken back): re-form there. A failure raises RejoinFailed: the rank exits
+        and its agent restarts the group cold."""
+        self.seen_at = None
+        log.warning("trainguard: the job's group re-forms at a newer generation after step "
+                    "%d", completed)
+        try:
+            return self._reform(None, time.time())
+        except Exception as exc:
+            self._report_restart(f"in-place regroup failed: {exc}", exc)
+            raise
+
+    def _reform(self, failed_step: int | None, since: float | None) -> int:
         state = self.guard.state
         state.enter(RECOVERING_PHASE)
         previous = self._generation
@@ -240,13 +272,9 @@ class InPlace:
             teardown(self.backend)
             resized = self._rejoin(previous, t0 + self.rejoin_timeout)
             t1 = time.monotonic()
-            step = self._agree(failed_step, self._seen_wall, joined=False,
-                               previous=previous, resized=resized)
+            step = self._agree(failed_step, since, joined=False, previous=previous,
+                               resized=resized)
             t2 = time.monotonic()
-        except Exception as exc:
-            self._report_restart(f"in-place recovery failed: {exc}", error,
-                                 failed_step=failed_step)
-            raise error from exc
         finally:
             state.phase = None
         self.recoveries.append({"rejoin": t1 - t0, "sync": t2 - t1,
@@ -355,8 +383,9 @@ class InPlace:
         step = agreed.completed + 1
         if dist.get_rank() == 0:
             seconds = time.time() - agreed.failure_time if agreed.failure_time else 0.0
+            kind = "replace" if resized is None else "grow" if resized.grows else "resize"
             g.publish_recovery(recovery_report(
-                g, kind="resize" if resized is not None else "replace", path="in_place",
+                g, kind=kind, path="in_place",
                 reason=resized.reason if resized is not None else "a peer was lost",
                 generation=self._generation,
                 previous_generation=previous if previous is not None else self._generation - 1,
