@@ -62,3 +62,15 @@ def test_an_entry_blocks_until_it_ends() -> None:
     raw = encode_blocklist_entry(BlocklistEntry(reason="ecc", expires=5.0, released_by="me"))
     assert read_blocklist_entry(raw) == BlocklistEntry(reason="ecc", expires=5.0,
                                                        released_by="me")
+
+
+def test_a_host_taken_back_follows_the_running_ranks() -> None:
+    from trainguard import groupstore
+
+    grown = groupstore.plan_growth(2, 1, [("node-b", 2)])
+    assert (grown.world_size, grown.nodes, grown.joined, grown.grows) == (4, 2, (2, 3), True)
+    assert [grown.new_rank(r) for r in (0, 1)] == [0, 1]
+    assert "node-b rejoined" in grown.reason
+    assert groupstore.Resize.decode(grown.encode()) == grown
+    shrunk = groupstore.plan_shrink(4, 2, [2, 3], min_nodes=1, serves_store=False, reason="x")
+    assert not isinstance(shrunk, str) and not shrunk.grows
