@@ -232,6 +232,11 @@ class Supervisor:
             return "the static rendezvous has a fixed set of nodes"
         if any(p.popen.poll() is not None for p in self.group.values()):
             return "a local rank has exited"
+        # Ranks still starting (a round that formed before every node came) have nothing
+        # to hand on: they restart with the new node, as torchrun's do.
+        missing = self.rdzv.in_place_missing(self.node.generation, self.round.world_size)
+        if missing is None or missing:
+            return "not every rank has declared in-place recovery yet"
         return None
 
     def _carry_on(self, rnd: Round) -> None:
