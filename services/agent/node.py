@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 from trainguard.envelope import uuid7
 from trainguard.schemas import (
@@ -237,25 +238,16 @@ class LocalNode:
             world_size=world_size, joined=[rank], attempt=self.restart_count,
             time=time.time()))
 
-    def report_resized(self, rank: int, generation: int, world_size: int,
-                       detail: str) -> None:
-        """Say that this host leaves and the group re-forms in place without it at
-        ``generation`` (``rank``: the lowest that leaves): the restart an isolation plans
-        is under way; the new group's rank 0 reports the rest once it runs."""
+    def report_resized(self, rank: int, generation: int, world_size: int, detail: str, *,
+                       kind: Literal["resize", "grow"] = "resize") -> None:
+        """Say that the group re-forms in place at ``generation`` without this host
+        (``resize``; ``rank``: the lowest that leaves) or with it taken back (``grow``;
+        ``rank``: its first): the change is under way; the new group's rank 0 reports the
+        rest once it runs."""
         if self.publish_recovery is None:
             return
         self.publish_recovery(RecoveryReport(
-            id=uuid7(), job=self.settings.job, rank=rank, kind="resize", path="in_place",
-            reason=detail, generation=generation, previous_generation=generation - 1,
-            world_size=world_size, attempt=self.restart_count, time=time.time()))
-
-    def report_grown(self, rank: int, generation: int, world_size: int, detail: str) -> None:
-        """Say that this host's ranks (from ``rank``) join the running group in place at
-        ``generation``; the grown group's rank 0 reports the rest once it runs."""
-        if self.publish_recovery is None:
-            return
-        self.publish_recovery(RecoveryReport(
-            id=uuid7(), job=self.settings.job, rank=rank, kind="grow", path="in_place",
+            id=uuid7(), job=self.settings.job, rank=rank, kind=kind, path="in_place",
             reason=detail, generation=generation, previous_generation=generation - 1,
             world_size=world_size, attempt=self.restart_count, time=time.time()))
 

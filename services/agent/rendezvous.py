@@ -87,8 +87,6 @@ class Round:
     """This node's ranks join a running group, taking their state from its ranks."""
     attempt: int | None = None
     """With ``joins``: the running group's attempt, which the new ranks start at."""
-    note: str = ""
-    """Why a round with running nodes restarts them (empty when it did not)."""
 
 
 @dataclass(frozen=True)
@@ -152,12 +150,9 @@ class JobRendezvous:
         group_rank, nodes = int(info.rank), int(info.world_size)
         store.set(f"{NPROC_KEY}{group_rank}", str(local_world_size))
         sizes = [int(v) for v in store.multi_get([f"{NPROC_KEY}{i}" for i in range(nodes)])]
-        note = ""
-        if self.plan.backend != "static":
-            taken = self._take_in(dist, store, group_rank, sizes, running, host, attempt)
-            if isinstance(taken, Round):
-                return taken
-            note = taken
+        if self.plan.backend != "static" and (taken := self._take_in(
+                dist, store, group_rank, sizes, running, host, attempt)) is not None:
+            return taken
         if group_rank == 0:
             # One new generation per group: the lowest node draws it, the others read it.
             drawn = self._job_store.add(groupstore.GENERATION, 1)
@@ -178,13 +173,13 @@ class JobRendezvous:
         return Round(group_rank=group_rank, group_world_size=nodes,
                      base_rank=sum(sizes[:group_rank]), world_size=sum(sizes),
                      master_addr=master_addr, master_port=master_port,
-                     generation=generation, store=store, note=note)
+                     generation=generation, store=store)
 
     # -- taking nodes in place --------------------------------------------------------
     def _take_in(self, dist: Any, store: Any, group_rank: int, sizes: list[int],
-                 running: Round | None, host: str, attempt: int) -> Round | str:
-        """The round as a running group taking the new nodes in place, or why it is an
-        ordinary one ("" when no node of it runs a group)."""
+                 running: Round | None, host: str, attempt: int) -> Round | None:
+        """The round as a running group taking the new nodes in place; None when it is an
+        ordinary one (no node of it runs a group, or the decision says why not)."""
         nodes = len(sizes)
         mine = {} if running is None else {
             "node": running.group_rank, "nodes": running.group_world_size,
@@ -195,14 +190,14 @@ class JobRendezvous:
                    store.multi_get([f"{MEMBER_KEY}{i}" for i in range(nodes)])]
         old = [i for i, m in enumerate(members) if "node" in m]
         if not old:
-            return ""
+            return None
         if group_rank == old[0]:
             store.set(DECISION_KEY, json.dumps(self._decide_take_in(members, old, sizes)))
         decision = json.loads(store.get(DECISION_KEY))
         if "cold" in decision:
             why = str(decision["cold"])
-            log.warning("the round restarts every node's ranks: %s", why)
-            return f"not in place: {why}"
+            log.warning("the round restarts every node's ranks, not in place: %s", why)
+            return None
         if running is not None:
             return replace(running, group_world_size=int(decision["nodes"]),
                            world_size=int(decision["world"]), store=store, carried=True)

@@ -215,11 +215,11 @@ class Supervisor:
                  rnd.generation, {p.rank: p.pid for p in self.group.values()},
                  [p.rank for p in self.group.values() if p.warm])
         if rnd.joins:
-            self.node.report_grown(rnd.base_rank, rnd.generation, rnd.world_size,
-                                   f"host {self.node.host} rejoined the job: its ranks "
-                                   f"{rnd.base_rank}..{rnd.base_rank + self.nproc - 1} join "
-                                   f"the running group in place at {rnd.world_size} ranks, "
-                                   f"generation {rnd.generation}")
+            self.node.report_resized(rnd.base_rank, rnd.generation, rnd.world_size,
+                                     f"host {self.node.host} rejoined the job: its ranks "
+                                     f"{rnd.base_rank}..{rnd.base_rank + self.nproc - 1} "
+                                     f"join the running group in place at {rnd.world_size} "
+                                     f"ranks, generation {rnd.generation}", kind="grow")
 
     def _why_not_take_in(self) -> str | None:
         """Why a waiting node cannot be taken into the running group in place (None: it

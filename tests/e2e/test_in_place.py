@@ -329,6 +329,7 @@ async def test_an_isolated_host_that_comes_back_is_taken_in_place(
     await c.isolate_in_place("node-b")
     await wait_until(lambda: {h.rank for h in c.hellos if h.world_size == 2} == {0, 1},
                      timeout=60, interval=0.5, what="node-a's ranks at world size 2")
+    shrunk = len(c.hellos)  # the job's first hellos were at world size 4 too
     c.come_back("node-b")
     [grow] = await wait_until(lambda: [r for r in c.recoveries if r.kind == "grow"
                                        and r.source_rank is not None],
@@ -339,11 +340,14 @@ async def test_an_isolated_host_that_comes_back_is_taken_in_place(
     await wait_until(lambda: [r for r in c.recoveries if r.kind == "grow"
                               and r.source_rank is None], timeout=30, interval=0.5,
                      what="node-b's word as it joined")
-    await wait_until(lambda: {h.rank for h in c.hellos if h.world_size == 4
-                              and h.time > grow.time - 60} >= {0, 1, 2, 3},
-                     timeout=60, interval=0.5, what="every rank at world size 4")
-    at = c.observer.max_step
-    await wait_until(lambda: c.observer.max_step >= at + 10, timeout=60, interval=0.5,
-                     what="the grown group training")
+    await wait_until(lambda: {h.rank for h in c.hellos[shrunk:] if h.world_size == 4}
+                     == {0, 1, 2, 3}, timeout=60, interval=0.5,
+                     what="every rank at world size 4")
+    resumed = grow.resumed_step
+    assert resumed is not None
+    past = resumed + 10
+    await wait_until(lambda: all((v := c.observer.ranks.get(r)) is not None
+                                 and (v.step or -1) >= past for r in range(4)),
+                     timeout=60, interval=0.5, what="the four ranks training on past it")
     assert len(c.pids[0]) == 1 and len(c.pids[1]) == 1, c.pids  # node-a never restarted
     assert not [r for r in c.recoveries if r.path == "restart"], c.recoveries
