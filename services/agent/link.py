@@ -36,6 +36,7 @@ from trainguard.schemas import (
     GpuSample,
     NodeHeartbeat,
     NodeHello,
+    ProcessState,
     TelemetryMessage,
 )
 from trainguard.settle import TRANSIENT_ERRORS, decode_reason, delivery_facts
@@ -49,6 +50,7 @@ from trainguard.topology import (
     streams,
 )
 
+from . import procs
 from .executor import CommandExecutor
 from .node import LocalNode
 from .settings import AgentSettings
@@ -191,7 +193,7 @@ class AgentLink:
             await bus.publish_durable(s.subjects.reg_node(s.job, s.host), self.hello)
             self.ready.set()
             tasks = [asyncio.create_task(self._commands(sub)),
-                     asyncio.create_task(self._every(s.node_interval, self._node_beat)),
+                     asyncio.create_task(self._node_beats()),
                      asyncio.create_task(self._every(s.gpu_interval, self._gpu_sample))]
             while not self._stop.is_set():
                 await self._drain()
@@ -274,9 +276,26 @@ class AgentLink:
         with contextlib.suppress(nats.errors.Error, OSError):
             await self._bus.publish_telemetry(subject, msg)
 
-    async def _node_beat(self) -> None:
+    async def _node_beats(self) -> None:
+        """A node heartbeat every ``node_interval``, and one at once when a rank's process
+        state changes notably (:func:`procs.notable_change`): a frozen rank is a hang the
+        detector names from this beat, so its cadence is the detection's."""
         s = self.settings
-        states, pids = self.node.states()
+        sent: dict[int, ProcessState] | None = None
+        due = 0.0
+        while True:
+            try:
+                states, pids = self.node.states()
+                now = time.monotonic()
+                if sent is None or now >= due or procs.notable_change(sent, states):
+                    await self._node_beat(states, pids)
+                    sent, due = states, now + s.node_interval
+            except Exception:
+                log.debug("node heartbeat failed", exc_info=True)
+            await asyncio.sleep(min(s.state_interval, s.node_interval))
+
+    async def _node_beat(self, states: dict[int, ProcessState], pids: dict[int, int]) -> None:
+        s = self.settings
         self._hb_seq += 1
         await self._telemetry(s.subjects.node(s.job, s.host), NodeHeartbeat(
             job=s.job, time=time.time(), seq=self._hb_seq, host=s.host, ranks=states,

@@ -11,7 +11,7 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import cast
 
 from trainguard.schemas import PROCESS_STATES, ProcessState, is_gone, is_stopped
@@ -33,6 +33,17 @@ def state_of(pid: int) -> ProcessState:
     if not letter:
         return "X"
     return cast(ProcessState, letter) if letter in PROCESS_STATES else "S"
+
+
+def notable_change(before: Mapping[int, ProcessState],
+                   after: Mapping[int, ProcessState]) -> bool:
+    """Whether a rank came or went, or entered or left a state the detector acts on at
+    once (SIGSTOP's T, or gone): worth a node heartbeat now. The brief ones (t, D, a
+    profiler or a disk write) wait for the regular beat, or they would flood the bus."""
+    if before.keys() != after.keys():
+        return True
+    return any((before[r] == "T") != (after[r] == "T") or is_gone(before[r]) != is_gone(after[r])
+               for r in after)
 
 
 def alive(pid: int) -> bool:

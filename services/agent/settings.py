@@ -16,6 +16,9 @@ class AgentSettings(Settings):
     allow_drills: bool = False
     node_interval: float = 1.0
     """Seconds between node heartbeats (process state of each local rank)."""
+    state_interval: float = 0.1
+    """Seconds between looks at the ranks' process states: a rank stopped (SIGSTOP) or
+    gone is beaten about at once, not at the next ``node_interval``."""
     gpu_interval: float = 5.0
     stop_grace: float = 10.0
     """SIGTERM-to-SIGKILL grace when the agent stops workers (restart, stop)."""

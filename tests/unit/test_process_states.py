@@ -50,3 +50,14 @@ def test_a_letter_no_kernel_uses_is_rejected_on_the_wire() -> None:
                                    "ranks": {0: "Q"}})
     with pytest.raises(DecodeError, match="ranks"):
         decode_telemetry(data)
+
+
+def test_which_changes_are_beaten_about_at_once() -> None:
+    assert procs.notable_change({0: "S"}, {0: "T"})  # frozen
+    assert procs.notable_change({0: "T"}, {0: "R"})  # thawed
+    assert procs.notable_change({0: "R"}, {0: "X"})  # gone
+    assert procs.notable_change({0: "R"}, {0: "R", 1: "S"})  # a rank came
+    assert not procs.notable_change({0: "R", 1: "S"}, {0: "S", 1: "R"})
+    assert not procs.notable_change({0: "R"}, {0: "D"})  # brief: the regular beat says it
+    assert not procs.notable_change({0: "S"}, {0: "t"})
+    assert not procs.notable_change({0: "Z"}, {0: "X"})  # gone either way

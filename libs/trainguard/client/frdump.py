@@ -30,7 +30,9 @@ from ..files import write_atomically
 
 log = logging.getLogger("trainguard.client")
 
-POLL_S: Final = 0.5
+POLL_S: Final = 0.1
+"""A hang's remediation waits for the dumps before it kills the culprit; a look is one small
+file read on the transport thread."""
 DUMP_FILE: Final = "TORCH_FR_DUMP_TEMP_FILE"
 """torch's variable: the dump's path prefix, the rank appended (``trainguard launch`` sets it
 in its log directory)."""
