@@ -62,19 +62,27 @@ async def test_ddp_hook_times_the_collective_wait(nats_url: str, prefix: str, jo
 
 async def test_collective_command_runs_at_the_same_step_on_every_rank(
         nats_url: str, prefix: str, job: str, tmp_path: Path, procs: list[Any]) -> None:
+    """Three set_interval commands, one after the other, each at one step on both ranks.
+    ``--sync-every 1000`` is only the cap: the ranks agree about every ``sync_period``
+    (0.25 s, about 5 of these steps), so the commands run long before step 1000."""
     log = tmp_path / "job.log"
     s = Subjects(prefix)
     async with tapped(nats_url, prefix, job) as (tap, bus):
-        procs.append(torchrun(2, ["--job", job, "--steps", "300", "--step-time", "0.01",
-                                  "--sync-every", "5"], job_env(nats_url, prefix), log))
+        procs.append(torchrun(2, ["--job", job, "--steps", "100000", "--step-time", "0.05",
+                                  "--sync-every", "1000"], job_env(nats_url, prefix), log))
         await wait_until(lambda: {r.rank for r in tap.of(StepReport)} == {0, 1}, timeout=60,
                          what="both ranks training")
-        await bus.publish_durable(s.cmd_all(job), Command(
-            id="interval-1", job=job, kind="set_interval", issuer="coordinator", seq=1,
-            params={"every_steps": 25}))
-        await wait_until(lambda: len(tap.acks) == 2, timeout=60, what="two acks")
-        await finish(procs[0], log)
-    assert {a.responder for a in tap.acks} == {"rank-0", "rank-1"}
-    assert all(a.outcome == "done" for a in tap.acks)
-    details = {a.detail for a in tap.acks}
-    assert len(details) == 1, details  # the same from_step on both ranks
+        for seq in (1, 2, 3):
+            await bus.publish_durable(s.cmd_all(job), Command(
+                id=f"interval-{seq}", job=job, kind="set_interval", issuer="coordinator",
+                seq=seq, params={"every_steps": 20 + seq}))
+            await wait_until(lambda seq=seq: len(tap.acks) == 2 * seq, timeout=60,
+                             what=f"two acks of command {seq}")
+        steps = max(r.step for r in tap.of(StepReport))  # the fixture stops the job
+    assert steps < 1000  # no agreement at the cap's boundary yet: the period's ran them
+    for seq in (1, 2, 3):
+        acks = [a for a in tap.acks if a.command_id == f"interval-{seq}"]
+        assert {a.responder for a in acks} == {"rank-0", "rank-1"}
+        assert all(a.outcome == "done" for a in acks)
+        details = {a.detail for a in acks}
+        assert len(details) == 1, details  # the same from_step on both ranks

@@ -3,7 +3,8 @@ where the job store is, and the NCCL path's decisions (run on CPU with a real gl
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import itertools
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 
 import pytest
@@ -279,3 +280,54 @@ def test_an_agreed_newer_generation_regroups_after_the_step_that_agreed() -> Non
             loop.regroup = True
     assert seen == [0, 1, 2, 3, 4, 5]
     assert rec.regrouped == [2] and notes == [3]
+
+
+def test_agreements_come_every_sync_period_at_most_sync_every_steps_apart() -> None:
+    """A rollback or save-now waits for the next agreement: its boundaries follow the step
+    time (``sync_period`` worth of steps), capped at ``sync_every``, and the group takes
+    the largest interval any rank proposes (the all-reduce is a MAX). A re-formed group
+    agrees at its first step, then goes on by its step time."""
+    from trainguard.client.commands import CommandDesk
+
+    g = Guard(job="unit", rank=0, world_size=2, nats_url=f"nats://127.0.0.1:{free_port()}")
+    now = [0.0]
+    peer = [0]  # what the other rank proposes
+    agreed_at: list[int] = []
+    built_at: list[int] = []
+
+    def agreement(local: Sequence[int]) -> list[int]:
+        agreed_at.append(desk.last_completed or 0)
+        return [local[0], local[1], max(local[2], peer[0])]
+
+    def find(world_size: int) -> Callable[[Sequence[int]], list[int]]:
+        built_at.append(desk.last_completed or 0)
+        return agreement
+
+    desk = CommandDesk(g.identity, g.subjects, g.transport, sync_every=20, sync_period=0.25,
+                       clock=lambda: now[0], find=find)
+
+    def run(steps: range, step_s: float) -> list[int]:
+        agreed_at.clear()
+        for n in steps:
+            now[0] += step_s
+            desk.note_completed(n)
+            desk.safe_point(n)
+        return list(agreed_at)
+
+    try:
+        def gaps(at: list[int]) -> list[int]:
+            return [b - a for a, b in itertools.pairwise(at)]
+
+        # The first boundary (a multiple of sync_every) builds the agreement; with no
+        # step time yet it agrees again at the next step, then 5 steps make a period.
+        assert run(range(0, 20), 0.05) == [0, 1, 6, 11, 16] and built_at == [0]
+        assert gaps(run(range(20, 200), 0.001))[-2:] == [20, 20]  # fast: sync_every apart
+        assert gaps(run(range(200, 240), 1.0))[-3:] == [1, 1, 1]  # slow: every step
+        peer[0] = 7
+        assert gaps(run(range(240, 270), 1.0))[-2:] == [7, 7]  # the peer's larger interval
+        peer[0] = 0
+        desk.note_completed(300)  # the group re-formed and goes on after step 300
+        desk.regrouped()
+        assert run(range(301, 305), 1.0) == [301, 302, 303, 304] and built_at == [0, 301]
+    finally:
+        g.close(timeout=1.0)

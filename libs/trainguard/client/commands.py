@@ -8,10 +8,16 @@ or leaves ``guard.step`` (the safe points):
 * ``at_step = S``: right after step S completes on this rank, which is the same place on
   every rank; a rank that already passed S acknowledges ``too_late`` and the sender
   retries with a later step;
-* collective kinds (``save_now``, ``set_interval``) without ``at_step`` but with a ``seq``:
-  at the next ``sync_every`` boundary, after the ranks agree through an all-reduce (MAX)
-  of the highest sequence each has received; a rank that has not received the agreed
-  command yet waits for it up to ``collective_timeout``.
+* collective kinds (``save_now``, ``set_interval``, ``reload``) without ``at_step`` but
+  with a ``seq``: at the next agreement boundary, after the ranks agree through an
+  all-reduce (MAX) of the highest sequence each has received; a rank that has not received
+  the agreed command yet waits for it up to ``collective_timeout``.
+
+Boundaries come about every ``sync_period`` seconds and at most ``sync_every`` steps
+apart: each agreement also agrees on the number of steps to the next one, from the ranks'
+step times. A fixed step count would make a rollback or a save-now wait ten steps of a
+slow model (tens of seconds); one all-reduce of three integers per period costs nothing
+beside a step.
 
 The same all-reduce carries the newest process-group generation any rank knows of
 (:meth:`CommandDesk.watch_generation`): a group that took a host back in place re-forms
@@ -91,16 +97,32 @@ class CommandDesk:
     Args:
         identity: the rank (its ``cmd.rank.<r>`` subject, ``responder``, world size).
         subjects, transport: where commands come from and acks go.
-        sync_every: steps between collective-command agreements.
+        sync_every: the most steps between collective-command agreements.
+        sync_period: the seconds between agreements the ranks aim at (at least one step).
         collective_timeout: how long a rank waits for an agreed command it has not got yet.
+        clock: where step times are read (monotonic seconds).
+        find: builds the agreement for a world size, at the same step on every rank
+            (default :func:`find_agreement`: a torch.distributed side group).
     """
 
     def __init__(self, identity: Identity, subjects: Subjects, transport: Transport, *,
-                 sync_every: int = 10, collective_timeout: float = 30.0) -> None:
+                 sync_every: int = 10, sync_period: float = 0.25,
+                 collective_timeout: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic,
+                 find: Callable[[int], Agreement | None] | None = None) -> None:
         self.identity = identity
         self.subjects = subjects
         self.transport = transport
         self.sync_every = max(1, sync_every)
+        self.sync_period = sync_period
+        self._next_boundary: int | None = None
+        """The step the ranks agreed to agree at next; None: the next multiple of
+        ``sync_every`` (before the first agreement)."""
+        self._step_s: float | None = None
+        """This rank's recent step time (moving average), for the next interval."""
+        self._step_mark: float | None = None
+        self._clock = clock
+        self._find = find or find_agreement
         self.collective_timeout = collective_timeout
         self.receiver = Receiver("rank", str(identity.rank), _for_ranks)
         self.handlers: dict[str, Handler] = {}
@@ -169,12 +191,15 @@ class CommandDesk:
         """Run what is due. ``completed`` is the step this rank just finished, or None
         when entering a step."""
         if completed is not None and not self._agreement_checked \
-                and (completed % self.sync_every == 0 or self._regrouped):
+                and (self._at_boundary(completed) or self._regrouped):
             # The first boundary, or the first step a re-formed group completes: every
             # rank gets here at the same step (new_group is a collective), and
-            # torch.distributed is up by now if the trainer uses it.
+            # torch.distributed is up by now if the trainer uses it. A re-formed group
+            # agrees at once: its boundaries start again from the same step on every rank.
+            if self._regrouped:
+                self._next_boundary = completed
             self._agreement_checked, self._regrouped = True, False
-            self.agreement = find_agreement(self.identity.world_size)
+            self.agreement = self._find(self.identity.world_size)
             if self.agreement is None:  # kept for an agreement there is none of
                 for seq in sorted(self._collective):
                     self._execute(self._collective.pop(seq))
@@ -184,8 +209,23 @@ class CommandDesk:
         if self._at_step:
             self._run_at_step(completed)
         if completed is not None and self.agreement is not None \
-                and completed % self.sync_every == 0:
-            self._agree_and_run()
+                and self._at_boundary(completed):
+            self._agree_and_run(completed)
+
+    def _at_boundary(self, completed: int) -> bool:
+        # At or past (a trainer may number its steps with gaps): the same on every rank.
+        if self._next_boundary is None:
+            return completed % self.sync_every == 0
+        return completed >= self._next_boundary
+
+    def _proposed_interval(self) -> int:
+        """The steps to the next agreement this rank proposes: ``sync_period`` worth (the
+        next step while no step time is known yet)."""
+        if self._step_s is None:
+            return 1
+        if self._step_s <= 0:
+            return self.sync_every
+        return max(1, min(self.sync_every, round(self.sync_period / self._step_s)))
 
     def _admit(self, q: Queued, completed: int | None) -> None:
         cmd = q.command
@@ -226,6 +266,11 @@ class CommandDesk:
 
     def note_completed(self, step: int) -> None:
         self._last_completed = step
+        now = self._clock()
+        if self._step_mark is not None:
+            dt = now - self._step_mark
+            self._step_s = dt if self._step_s is None else 0.8 * self._step_s + 0.2 * dt
+        self._step_mark = now
 
     @property
     def scheduled(self) -> list[Command]:
@@ -261,11 +306,13 @@ class CommandDesk:
         self.agreement = None
         self._agreement_checked = False
         self._regrouped = True
+        self._step_mark = None  # the re-form's pause is no step time
 
-    def _agree_and_run(self) -> None:
+    def _agree_and_run(self, completed: int) -> None:
         assert self.agreement is not None
         try:
-            agreed, generation = self.agreement([self._highest_seq, self._generation()])
+            agreed, generation, interval = self.agreement(
+                [self._highest_seq, self._generation(), self._proposed_interval()])
         except Exception as exc:
             log.warning("collective command agreement failed (%r); running commands locally",
                         exc)
@@ -273,6 +320,7 @@ class CommandDesk:
             for seq in sorted(self._collective):
                 self._execute(self._collective.pop(seq))
             return
+        self._next_boundary = completed + max(1, interval)
         self._generation_rose(generation)
         if agreed <= self._agreed_seq:
             return

@@ -69,7 +69,9 @@ class Guard:
         heartbeat_interval: seconds between heartbeats (background thread).
         report_every: one StepReport per this many steps (aggregated).
         fingerprint_every: steps between parameter fingerprints (0: off; needs ``attach``).
-        sync_every: steps between collective-command agreements across ranks.
+        sync_every: the most steps between collective-command agreements across ranks.
+        sync_period: seconds between those agreements the ranks aim at (a rollback or a
+            save-now waits for the next one); never less than a step.
         allow_drills: accept drill commands; default ``TRAINGUARD_ALLOW_DRILLS``.
         checkpoint_every: initial interval for :meth:`should_checkpoint` (the coordinator
             may change it with ``set_interval``); None: never until told.
@@ -88,6 +90,7 @@ class Guard:
         report_every: int = 1,
         fingerprint_every: int = 50,
         sync_every: int = 10,
+        sync_period: float = 0.25,
         allow_drills: bool | None = None,
         prefix: str | None = None,
         buffer_size: int = 10_000,
@@ -103,6 +106,8 @@ class Guard:
                                                                             envnames.DISABLED)
         if heartbeat_interval <= 0:
             raise ValueError(f"heartbeat_interval={heartbeat_interval}: must be positive")
+        if sync_period < 0:
+            raise ValueError(f"sync_period={sync_period}: must be 0 (every step) or more")
         self.job = self.identity.job
         self.rank = self.identity.rank
         self.world_size = self.identity.world_size
@@ -125,7 +130,7 @@ class Guard:
                                    buffer_size=buffer_size, access=_access(env))
         """The background thread and its buffers (read-only for callers: stats, tests)."""
         self.commands = CommandDesk(self.identity, self.subjects, self.transport,
-                                    sync_every=sync_every,
+                                    sync_every=sync_every, sync_period=sync_period,
                                     collective_timeout=collective_timeout)
         """Handlers by kind, the inbox, and what ran."""
         self._step_subject = self.subjects.step(self.job, self.rank)
@@ -446,8 +451,8 @@ class Guard:
 
     def _regrouped(self, next_step: int) -> None:
         """After a re-form: the group continues after step ``next_step - 1`` (the source's
-        state), and the command agreement's side group went with the old group: the next
-        ``sync_every`` boundary builds it again on every rank."""
+        state), and the command agreement's side group went with the old group: the first
+        step the group completes builds it again on every rank, and agrees there."""
         self.commands.note_completed(next_step - 1)
         self.commands.regrouped()
 

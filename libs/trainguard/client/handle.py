@@ -74,6 +74,11 @@ class GuardHandle(Protocol):
 
     def rewind(self, next_step: int) -> None: ...
 
+    def start(self) -> Any:
+        """Connect in the background (a replacement does at once: its peers wait for its
+        command subscription before they share their state)."""
+        ...
+
     def await_commands(self, timeout: float) -> bool: ...
 
     @property

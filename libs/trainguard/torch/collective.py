@@ -1,7 +1,8 @@
 """Agreement on collective commands through a side gloo group.
 
 Ranks all-reduce (MAX) the highest collective-command sequence each has received, and the
-newest group generation each knows of, every ``sync_every`` steps. It runs on a group of
+newest group generation each knows of, and the steps to their next agreement, at each
+agreement boundary (:mod:`trainguard.client.commands`). It runs on a group of
 its own so it never interleaves with the training group's collectives, and with a short
 timeout so a dead peer fails it quickly.
 """

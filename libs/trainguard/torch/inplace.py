@@ -100,8 +100,10 @@ def teardown(backend: str) -> None:
     except Exception:
         log.debug("destroy_process_group failed", exc_info=True)
     # The group's sockets close when its last reference goes, and some sit in reference
-    # cycles: until they close, a peer blocked on this rank waits out its timeout.
-    gc.collect()
+    # cycles: until they close, a peer blocked on this rank waits out its timeout. The
+    # failed collective's are young and cheap to collect here; a full collection (a
+    # quarter second in a large heap) waits for the gathering (:meth:`InPlace.gather`).
+    gc.collect(1)
 
 
 def import_group_defaults() -> None:
@@ -327,6 +329,11 @@ class InPlace:
         if int(self.job_store.add(groupstore.arrivals_key(generation), 1)) \
                 >= self.guard.world_size:
             self.job_store.set(here, "1")
+        elif not self.job_store.check([here]):
+            # Ranks still to come: a peer the old group's sockets hold blocked is one of
+            # them, and the replacement starts meanwhile. Free the rest of the old group
+            # (reference cycles the young collection left) while they come.
+            gc.collect()
         return self._poll(lambda: self.job_store.check([here]), deadline, left_of=generation,
                           late=f"not every one of the {self.guard.world_size} ranks of "
                                f"generation {generation} came within "
@@ -455,6 +462,9 @@ def init_process_group(guard: GuardHandle, backend: str = "gloo", *,
     recovery = InPlace(guard, backend, timeout=pg_timeout, rejoin_timeout=rejoin_timeout,
                        job_store=job_store, generation=generation, init_kwargs=init_kwargs)
     if guard.joining:
+        # Its bus connection comes while the group forms and the trainer builds its model:
+        # the state agreement waits for it (InPlace.begin), and its peers with it.
+        guard.start()
         # Its peers wait in InPlace.gather for every rank of the new generation.
         deadline = time.monotonic() + rejoin_timeout
         generation = max(generation, recovery.newest_generation())
