@@ -9,6 +9,13 @@ processes. Cold (the same trainer without it): node-a's ranks fail and their age
 restarts them at world size 2 from the committed checkpoint. The clock runs from the
 command to rank 0's first completed step at world size 2 (its progress file); steps lost
 are the completed steps it runs again.
+
+Then node-b comes back (its agent started again; the isolate command went to the agent, so
+there is no blocklist entry to end): in place, node-a's ranks take it in at their next
+command agreement and keep their processes; cold, torch's rendezvous restarts every rank
+at world size 4 from the committed checkpoint. That clock runs from the agent's start to
+rank 0's first step at world size 4 (the agent's own start, imports included, is part of
+both).
 """
 
 from __future__ import annotations
@@ -97,6 +104,7 @@ async def run(variant: str, root: Path, tracker: Tracker) -> dict[str, Any]:
         res.update(back_s=round(back[0] - t0, 2), resumed_step=back[1],
                    steps_lost=max(0, done_before - back[1] + 1),
                    rank0_kept=back[2] == before[-1][2] if before else None)
+        res["grow"] = await grow(cluster, back[2])
         return res
     except Exception as exc:
         res["pending"] = f"{type(exc).__name__}: {str(exc)[:300]}"
@@ -108,6 +116,30 @@ async def run(variant: str, root: Path, tracker: Tracker) -> dict[str, Any]:
         tracker.kill({p.pid for p in cluster.procs.values()})
 
 
+async def grow(cluster: Any, pid: int) -> dict[str, Any]:
+    """node-b's agent starts again: its start -> rank 0's first step at world size 4."""
+    shrunk = progress(cluster.progress_file)
+    deadline = time.monotonic() + 30
+    while cluster.procs["node-b"].poll() is None:  # the isolated agent ends first
+        if time.monotonic() > deadline:
+            return {"pending": "node-b's isolated agent did not end in 30 s"}
+        await asyncio.sleep(0.1)
+    t0 = time.time()
+    cluster.start_agent("node-b")
+    deadline = time.monotonic() + WINDOW_S
+    back = None
+    while back is None and time.monotonic() < deadline:
+        back = next((r for r in progress(cluster.progress_file)
+                     if r[0] > t0 and r[3] == 4), None)
+        await asyncio.sleep(0.05)
+    if back is None:
+        return {"pending": f"no step at world size 4 within {WINDOW_S:.0f} s"}
+    done_before = max((r[1] for r in progress(cluster.progress_file)
+                       if r[0] <= back[0] and r[3] == 2), default=shrunk[-1][1])
+    return {"back_s": round(back[0] - t0, 2), "resumed_step": back[1],
+            "steps_lost": max(0, done_before - back[1] + 1), "rank0_kept": back[2] == pid}
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     lines = ["| setup | isolate -> first step at world size 2 | steps lost | rank 0 kept "
              "its process |", "| --- | --- | --- | --- |"]
@@ -117,6 +149,15 @@ def table(rows: list[dict[str, Any]]) -> str:
         else:
             lines.append(f"| {r['label']} | {r['back_s']:.2f} s | {r['steps_lost']} | "
                          f"{'yes' if r['rank0_kept'] else 'no'} |")
+    lines += ["", "| setup | node-b's agent started -> first step at world size 4 | "
+              "steps lost | rank 0 kept its process |", "| --- | --- | --- | --- |"]
+    for r in rows:
+        g = r.get("grow") or {"pending": r.get("pending", "not run")}
+        if "pending" in g:
+            lines.append(f"| {r['label']} | - ({g['pending']}) | - | - |")
+        else:
+            lines.append(f"| {r['label']} | {g['back_s']:.2f} s | {g['steps_lost']} | "
+                         f"{'yes' if g['rank0_kept'] else 'no'} |")
     return "\n".join(lines)
 
 
@@ -142,7 +183,7 @@ def main() -> int:
     print(table(rows))
     if args.out:
         Path(args.out).write_text(json.dumps({"rows": rows}, indent=2))
-    return 0 if all("pending" not in r for r in rows) else 1
+    return 0 if all("pending" not in r and "pending" not in r["grow"] for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -133,7 +133,7 @@ class InPlaceCluster(Cluster):
              str(self.creds_dir / "operator.json")], env=self.env(), capture_output=True,
             text=True, timeout=60)
         assert unblock.returncode in (0, 1), unblock.stdout + unblock.stderr
-        self._spawn(host, self.launch_argv(host), self.agent_env())
+        self.start_agent(host)
 
     def incident(self, cond: Callable[[Incident], bool]) -> Incident | None:
         return next((i for i in self.observer.incidents.values() if cond(i)), None)

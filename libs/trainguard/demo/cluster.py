@@ -197,7 +197,7 @@ class Cluster:
                 setting("rank_credentials"): str(self.creds_dir / "rank.json")}
 
     def _spawn(self, name: str, argv: list[str], extra: dict[str, str] | None = None) -> None:
-        log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 - owned by the process
+        log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the process
         self.procs[name] = subprocess.Popen(argv, env={**self.env(), **(extra or {})},
                                             stdout=log,
                                             stderr=subprocess.STDOUT, cwd=self.workdir,
@@ -221,12 +221,17 @@ class Cluster:
                                       **Access(credentials=operator).nats_options())
         await self._subscribe()
         for host in self.hosts:
-            self._spawn(host, self.launch_argv(host), self.agent_env())
+            self.start_agent(host)
             await self._until(lambda h=host: h in self.observer.node_hellos, timeout,
                               f"agent {host} to register")
         world = len(self.hosts) * self.nproc
         await self._until(lambda: len(self.observer.live_ranks()) == world
                           and self.observer.max_step >= 3, timeout, f"{world} ranks training")
+
+    def start_agent(self, host: str) -> None:
+        """Start ``host``'s agent (again, for a host that comes back); its log goes on in
+        ``<host>.log``."""
+        self._spawn(host, self.launch_argv(host), self.agent_env())
 
     def launch_argv(self, host: str) -> list[str]:
         return [sys.executable, "-m", "trainguard", "launch", "--job", self.job, "--host", host,
