@@ -11,7 +11,8 @@ command to rank 0's first completed step at world size 2 (its progress file); st
 are the completed steps it runs again.
 
 Then node-b comes back (its agent started again; the isolate command went to the agent, so
-there is no blocklist entry to end): in place, node-a's ranks take it in at their next
+there is no blocklist entry to end) once torch's rendezvous dropped the agent that left
+(:data:`COME_BACK_AFTER_S`): in place, node-a's ranks take it in at their next
 command agreement and keep their processes; cold, torch's rendezvous restarts every rank
 at world size 4 from the committed checkpoint. That clock runs from the agent's start to
 rank 0's first step at world size 4 (the agent's own start, imports included, is part of
@@ -36,6 +37,10 @@ from bench_recovery import CKPT_EVERY, HOSTS, STEP_TIME, Tracker
 
 VARIANTS = {"in-place": "trainguard, in place", "restart": "trainguard, group restart"}
 WINDOW_S = 90.0
+COME_BACK_AFTER_S = 12.0
+"""A host comes back after its blocklist TTL (minutes); here once torch's rendezvous dropped
+the agent that left (10 missed keep-alives of 1 s, ``launcher.RDZV_DEFAULTS``): until then
+it still counts as the round's participant, and a node that comes sooner waits for that."""
 
 
 def progress(path: Path) -> list[tuple[float, int, int, int]]:
@@ -124,6 +129,7 @@ async def grow(cluster: Any, pid: int) -> dict[str, Any]:
         if time.monotonic() > deadline:
             return {"pending": "node-b's isolated agent did not end in 30 s"}
         await asyncio.sleep(0.1)
+    await asyncio.sleep(COME_BACK_AFTER_S)  # the host is away (no condition to wait on)
     t0 = time.time()
     cluster.start_agent("node-b")
     deadline = time.monotonic() + WINDOW_S
