@@ -325,6 +325,9 @@ def test_agreements_come_every_sync_period_at_most_sync_every_steps_apart() -> N
         assert gaps(run(range(200, 240), 1.0))[-3:] == [1, 1, 1]  # slow: every step
         peer[0] = 7
         assert gaps(run(range(240, 270), 1.0))[-2:] == [7, 7]  # the peer's larger interval
+        # A rollback in place to step 100, at one step on every rank: the next agreement
+        # is at the first step back, not 170 steps on.
+        assert run(range(101, 116), 1.0)[:2] == [101, 108]
         peer[0] = 0
         desk.note_completed(300)  # the group re-formed and goes on after step 300
         desk.regrouped()

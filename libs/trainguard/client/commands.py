@@ -118,6 +118,8 @@ class CommandDesk:
         self._next_boundary: int | None = None
         """The step the ranks agreed to agree at next; None: the next multiple of
         ``sync_every`` (before the first agreement)."""
+        self._agreed_at: int | None = None
+        """The step of the last agreement."""
         self._step_s: float | None = None
         """This rank's recent step time (moving average), for the next interval."""
         self._step_mark: float | None = None
@@ -197,7 +199,7 @@ class CommandDesk:
             # torch.distributed is up by now if the trainer uses it. A re-formed group
             # agrees at once: its boundaries start again from the same step on every rank.
             if self._regrouped:
-                self._next_boundary = completed
+                self._next_boundary = self._agreed_at = completed
             self._agreement_checked, self._regrouped = True, False
             self.agreement = self._find(self.identity.world_size)
             if self.agreement is None:  # kept for an agreement there is none of
@@ -213,10 +215,12 @@ class CommandDesk:
             self._agree_and_run(completed)
 
     def _at_boundary(self, completed: int) -> bool:
-        # At or past (a trainer may number its steps with gaps): the same on every rank.
-        if self._next_boundary is None:
+        # At or past (a trainer may number its steps with gaps), or back before the last
+        # agreement (a rollback in place: the same step on every rank), which would
+        # otherwise hold the next one off by all the steps rolled back.
+        if self._next_boundary is None or self._agreed_at is None:
             return completed % self.sync_every == 0
-        return completed >= self._next_boundary
+        return completed >= self._next_boundary or completed < self._agreed_at
 
     def _proposed_interval(self) -> int:
         """The steps to the next agreement this rank proposes: ``sync_period`` worth (the
@@ -320,7 +324,7 @@ class CommandDesk:
             for seq in sorted(self._collective):
                 self._execute(self._collective.pop(seq))
             return
-        self._next_boundary = completed + max(1, interval)
+        self._agreed_at, self._next_boundary = completed, completed + max(1, interval)
         self._generation_rose(generation)
         if agreed <= self._agreed_seq:
             return
