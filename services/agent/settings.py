@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from trainguard.config import Settings
+from trainguard.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -39,3 +40,9 @@ class AgentSettings(Settings):
     state) when every rank declared it can; off: every failure restarts the group."""
     scripted_gpus: int = 0
     """Fake GPUs for drills on machines without one (0: only with --allow-drills, 1 GPU)."""
+
+    def __post_init__(self) -> None:
+        for name in ("node_interval", "state_interval", "gpu_interval"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"setting {name}={getattr(self, name)}: must be a positive "
+                                  "number of seconds")

@@ -334,3 +334,35 @@ def test_agreements_come_every_sync_period_at_most_sync_every_steps_apart() -> N
         assert run(range(301, 305), 1.0) == [301, 302, 303, 304] and built_at == [0, 301]
     finally:
         g.close(timeout=1.0)
+
+
+def test_a_job_resumed_anywhere_agrees_soon_and_drops_what_its_group_ran_before() -> None:
+    """The first agreement of a job resumed at step 1337 comes at 1340, not at the next
+    multiple of ``sync_every=1000``; a collective command that reaches a rank after its
+    group agreed on it (a rank that joined since) is neither run nor handed on."""
+    from trainguard.client.commands import CommandDesk, Queued
+    from trainguard.schemas import Command
+
+    g = Guard(job="unit", rank=0, world_size=2, nats_url=f"nats://127.0.0.1:{free_port()}")
+    agreed_at: list[int] = []
+
+    def agreement(local: Sequence[int]) -> list[int]:
+        agreed_at.append(desk.last_completed or 0)
+        return list(local)
+
+    desk = CommandDesk(g.identity, g.subjects, g.transport, sync_every=1000,
+                       find=lambda _: agreement)
+    try:
+        for n in range(1337, 1342):
+            desk.note_completed(n)
+            desk.safe_point(n)
+        assert agreed_at[:1] == [1340]
+        desk.adopt_agreed(5)
+        for seq in (4, 6):
+            desk.inbox.append(Queued(Command(id=f"s{seq}", job="unit", kind="set_interval",
+                                             seq=seq, issuer="coordinator",
+                                             params={"every_steps": 7}), None, 0.0))
+        desk.safe_point(None)
+        assert [c.id for c in desk.scheduled] == ["s6"]
+    finally:
+        g.close(timeout=1.0)

@@ -61,3 +61,13 @@ def test_which_changes_are_beaten_about_at_once() -> None:
     assert not procs.notable_change({0: "R"}, {0: "D"})  # brief: the regular beat says it
     assert not procs.notable_change({0: "S"}, {0: "t"})
     assert not procs.notable_change({0: "Z"}, {0: "X"})  # gone either way
+
+
+@pytest.mark.parametrize("name", ["node_interval", "state_interval", "gpu_interval"])
+def test_an_agent_interval_that_is_not_positive_names_itself(name: str) -> None:
+    from trainguard.config import load_settings
+    from trainguard.errors import ConfigError
+    from trainguard.services.agent.settings import AgentSettings
+
+    with pytest.raises(ConfigError, match=f"{name}=0"):
+        load_settings(AgentSettings, env={}, overrides={name: 0})

@@ -37,7 +37,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from .. import tracing
 from ..codec import decode_as
@@ -59,6 +59,11 @@ Handler = Callable[[Command], "str | None"]
 Agreement = Callable[[Sequence[int]], list[int]]
 """Elementwise all-reduce (MAX) of ints across ranks; installed when torch.distributed is
 running."""
+
+
+FIRST_EVERY: Final = 10
+"""The first agreement comes at a multiple of this (ranks start at one step, any step: a
+job resumed at step 1337 with ``sync_every=1000`` must not wait for step 2000)."""
 
 
 def _for_ranks(kind: str) -> bool:
@@ -116,8 +121,8 @@ class CommandDesk:
         self.sync_every = max(1, sync_every)
         self.sync_period = sync_period
         self._next_boundary: int | None = None
-        """The step the ranks agreed to agree at next; None: the next multiple of
-        ``sync_every`` (before the first agreement)."""
+        """The step the ranks agreed to agree at next; None before the first agreement:
+        the next multiple of :data:`FIRST_EVERY` (or of ``sync_every`` if smaller)."""
         self._agreed_at: int | None = None
         """The step of the last agreement."""
         self._step_s: float | None = None
@@ -219,7 +224,7 @@ class CommandDesk:
         # agreement (a rollback in place: the same step on every rank), which would
         # otherwise hold the next one off by all the steps rolled back.
         if self._next_boundary is None or self._agreed_at is None:
-            return completed % self.sync_every == 0
+            return completed % min(self.sync_every, FIRST_EVERY) == 0
         return completed >= self._next_boundary or completed < self._agreed_at
 
     def _proposed_interval(self) -> int:
@@ -247,6 +252,13 @@ class CommandDesk:
             return
         if cmd.kind in COLLECTIVE_KINDS and cmd.seq > 0 and (self.agreement is not None
                                                               or self._regrouped):
+            if cmd.seq <= self._agreed_seq:
+                # The group agreed on it (and ran it) before this rank got it: a rank that
+                # joined since, or one that waited past collective_timeout. Kept, it would
+                # never run and be handed on to every later replacement.
+                log.info("command %s (seq %d) came after the group ran it; not run here",
+                         cmd.id, cmd.seq)
+                return
             self._collective[cmd.seq] = q
             self._highest_seq = max(self._highest_seq, cmd.seq)
             return
@@ -268,8 +280,13 @@ class CommandDesk:
                 self._ack(q, "too_late", f"at_step {at} already passed (step {last} done)")
         self._at_step = keep
 
-    def note_completed(self, step: int) -> None:
+    def note_completed(self, step: int, *, timed: bool = True) -> None:
+        """``timed=False``: the group went on after ``step`` without running it here (a
+        re-form, a rollback): the time since the last step is no step time."""
         self._last_completed = step
+        if not timed:
+            self._step_mark = None
+            return
         now = self._clock()
         if self._step_mark is not None:
             dt = now - self._step_mark
@@ -300,6 +317,8 @@ class CommandDesk:
         commands they agreed on before it came, so it must not wait for them."""
         self._agreed_seq = max(self._agreed_seq, seq)
         self._highest_seq = max(self._highest_seq, seq)
+        for old in [s for s in self._collective if s <= self._agreed_seq]:
+            del self._collective[old]  # received early; the peers ran it before this came
 
     def regrouped(self) -> None:
         """The process group was re-formed: the agreement's side group went with the old
@@ -310,7 +329,6 @@ class CommandDesk:
         self.agreement = None
         self._agreement_checked = False
         self._regrouped = True
-        self._step_mark = None  # the re-form's pause is no step time
 
     def _agree_and_run(self, completed: int) -> None:
         assert self.agreement is not None

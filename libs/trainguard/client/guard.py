@@ -272,7 +272,7 @@ class Guard:
             raise RuntimeError("the trainer does not iterate guard.steps(): it cannot go "
                                "back to a checkpoint in place")
         self._loop.next_step = next_step
-        self.commands.note_completed(next_step - 1)
+        self.commands.note_completed(next_step - 1, timed=False)
 
     def await_commands(self, timeout: float) -> bool:
         """Wait, at most ``timeout`` seconds, until this rank receives commands (connected
@@ -453,7 +453,7 @@ class Guard:
         """After a re-form: the group continues after step ``next_step - 1`` (the source's
         state), and the command agreement's side group went with the old group: the first
         step the group completes builds it again on every rank, and agrees there."""
-        self.commands.note_completed(next_step - 1)
+        self.commands.note_completed(next_step - 1, timed=False)
         self.commands.regrouped()
 
     def _say_hello(self) -> None:

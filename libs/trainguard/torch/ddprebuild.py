@@ -55,8 +55,9 @@ class InPlaceDDP(nn.Module):
 
     def release(self) -> None:
         """Drop the DDP of the group being torn down. Its reducer holds that group (and
-        hooks the parameters' gradients) until freed; it sits in reference cycles, so the
-        teardown's ``gc.collect`` is what frees it and closes the group's sockets."""
+        hooks the parameters' gradients) until freed; it sits in old reference cycles, so
+        the re-form's full ``gc.collect`` (``InPlace.collect_waiting``) is what frees it and
+        closes the group's sockets."""
         self._current.clear()
 
     def rebuild(self) -> None:

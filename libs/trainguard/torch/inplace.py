@@ -101,8 +101,9 @@ def teardown(backend: str) -> None:
         log.debug("destroy_process_group failed", exc_info=True)
     # The group's sockets close when its last reference goes, and some sit in reference
     # cycles: until they close, a peer blocked on this rank waits out its timeout. The
-    # failed collective's are young and cheap to collect here; a full collection (a
-    # quarter second in a large heap) waits for the gathering (:meth:`InPlace.gather`).
+    # failed collective's are young and cheap to collect here; the old ones (DDP's reducer
+    # holds the group) need a full collection, a quarter second in a large heap, which
+    # waits for the first moment this rank waits anyway (:meth:`InPlace.collect_waiting`).
     gc.collect(1)
 
 
@@ -142,6 +143,8 @@ class InPlace:
         self.rejoin_timeout = rejoin_timeout
         self.job_store = job_store
         self._generation = generation
+        self._collected = True
+        """Whether this re-form ran its full collection (:meth:`collect_waiting`)."""
         self.off_reason = off_reason
         self.init_kwargs = dict(init_kwargs or {})
         self.seen_at: float | None = None
@@ -290,6 +293,9 @@ class InPlace:
         resize the newest group was formed with, if a host left in place meanwhile."""
         resized: groupstore.Resize | None = None
         applied = previous  # resize records are read once each
+        self._collected = False
+        if self.newest_generation() <= previous:
+            self.collect_waiting()  # the agent has not replaced the lost rank yet
         self._poll(lambda: self.newest_generation() > previous, deadline, left_of=previous,
                    late=f"the generation stayed {previous} for {self.rejoin_timeout:g} s: "
                         "no replacement came",
@@ -330,15 +336,20 @@ class InPlace:
                 >= self.guard.world_size:
             self.job_store.set(here, "1")
         elif not self.job_store.check([here]):
-            # Ranks still to come: a peer the old group's sockets hold blocked is one of
-            # them, and the replacement starts meanwhile. Free the rest of the old group
-            # (reference cycles the young collection left) while they come.
-            gc.collect()
+            self.collect_waiting()  # ranks still to come: a blocked peer may be one
         return self._poll(lambda: self.job_store.check([here]), deadline, left_of=generation,
                           late=f"not every one of the {self.guard.world_size} ranks of "
                                f"generation {generation} came within "
                                f"{self.rejoin_timeout:g} s",
                           gone="its ranks do not come", moved_past=generation)
+
+    def collect_waiting(self) -> None:
+        """The full collection :func:`teardown` leaves, once per re-form, where this rank
+        waits anyway (for the generation, or for ranks to gather): it frees what is left of
+        the old group, so a peer blocked on this rank's sockets fails now."""
+        if not self._collected:
+            self._collected = True
+            gc.collect()
 
     def _poll(self, ready: Callable[[], bool], deadline: float, *, left_of: int, late: str,
               gone: str, moved_past: int | None = None) -> bool:
