@@ -37,13 +37,12 @@ def state_of(pid: int) -> ProcessState:
 
 def notable_change(before: Mapping[int, ProcessState],
                    after: Mapping[int, ProcessState]) -> bool:
-    """Whether a rank came or went, or entered or left a state the detector acts on at
-    once (SIGSTOP's T, or gone): worth a node heartbeat now. The brief ones (t, D, a
-    profiler or a disk write) wait for the regular beat, or they would flood the bus."""
-    if before.keys() != after.keys():
-        return True
+    """Whether a rank entered or left a state the detector acts on at once (SIGSTOP's T,
+    or gone): worth a node heartbeat now. The brief ones (t, D, a profiler or a disk
+    write) wait for the regular beat, or they would flood the bus; so do ranks that came
+    or were renumbered, which the detector matches against the ranks' own hellos."""
     return any((before[r] == "T") != (after[r] == "T") or is_gone(before[r]) != is_gone(after[r])
-               for r in after)
+               for r in after.keys() & before.keys())
 
 
 def alive(pid: int) -> bool:

@@ -86,6 +86,13 @@ def find_incident(incidents: list[Incident], d: Diagnosis, cooldown_s: float,
         for inc in incidents:
             if d.id in inc.diagnosis_ids:
                 return inc
+    if d.anomaly_ids:
+        # Nothing new, only more evidence on anomalies an incident took (a flight-recorder
+        # verdict delivered again after the recovery it named was done): that incident's,
+        # even over; opened anew, it would act on the replacement of the rank it named.
+        for inc in sorted(incidents, key=lambda i: not is_open(i)):
+            if set(d.anomaly_ids) <= set(inc.anomaly_ids):
+                return inc
     found = [i for i in incidents
              if is_open(i) or (i.status == "failed" and now - closed_at(i) <= cooldown_s)]
     for inc in found:

@@ -56,7 +56,8 @@ def test_which_changes_are_beaten_about_at_once() -> None:
     assert procs.notable_change({0: "S"}, {0: "T"})  # frozen
     assert procs.notable_change({0: "T"}, {0: "R"})  # thawed
     assert procs.notable_change({0: "R"}, {0: "X"})  # gone
-    assert procs.notable_change({0: "R"}, {0: "R", 1: "S"})  # a rank came
+    assert not procs.notable_change({0: "R"}, {0: "R", 1: "S"})  # a rank came
+    assert not procs.notable_change({2: "S"}, {1: "S"})  # renumbered in place
     assert not procs.notable_change({0: "R", 1: "S"}, {0: "S", 1: "R"})
     assert not procs.notable_change({0: "R"}, {0: "D"})  # brief: the regular beat says it
     assert not procs.notable_change({0: "S"}, {0: "t"})

@@ -218,3 +218,18 @@ def test_a_consequence_joins_its_failures_incident_even_once_it_is_over(status: 
     assert find_incident([inc], later, 60, NOW + 600) is inc
     again = msgspec.structs.replace(d, anomaly_ids=["straggler-1", "straggler-2"], rev=2)
     assert (find_incident([inc], again, 60, NOW + 600) is inc) is (status == "mitigating")
+
+
+@pytest.mark.parametrize("status", ["mitigating", "resolved", "escalated"])
+def test_more_evidence_on_a_handled_failure_joins_its_incident_even_once_it_is_over(
+        status: str) -> None:
+    """A hang's flight-recorder verdict (a revision on the same anomaly) delivered again
+    after the in-place recovery it named was done: opened as a new incident, it would kill
+    the rank's replacement. A revision with a new anomaly is a new failure."""
+    d = diag("rank_hang", ["node-a"], "d1", anomalies=["hang-1"])
+    inc = open_incident(d, NOW, NOW)
+    inc.status = status  # type: ignore[assignment]
+    verdict = msgspec.structs.replace(d, summary="flight recorder: stopped short", rev=2)
+    assert find_incident([inc], verdict, 60, NOW + 600) is inc
+    again = msgspec.structs.replace(d, anomaly_ids=["hang-2"], rev=3)
+    assert (find_incident([inc], again, 60, NOW + 600) is inc) is (status == "mitigating")
