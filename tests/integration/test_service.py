@@ -381,6 +381,7 @@ async def test_core_callbacks_are_isolated_per_message(
             command_id="c-1", job=job, responder="x", outcome="done"))
         # Each message runs on its own: the failing one may finish after the other two.
         await wait_until(lambda: seen and dead and errors(rt, "acks", "callback_error"),
+                         timeout=30,  # a loaded CI machine took over 10 s once
                          what="the good ack, the poison's letter and the failing callback")
         assert [a.command_id for a in seen] == ["c-1"]
         letter = dead[0]
