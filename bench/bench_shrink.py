@@ -57,6 +57,19 @@ def progress(path: Path) -> list[tuple[float, int, int, int]]:
     return out
 
 
+async def first_step_at(path: Path, after: float, world: int
+                        ) -> tuple[float, int, int, int] | None:
+    """Rank 0's first step completed after ``after`` at world size ``world``, within
+    :data:`WINDOW_S` (None if none)."""
+    deadline = time.monotonic() + WINDOW_S
+    while time.monotonic() < deadline:
+        back = next((r for r in progress(path) if r[0] > after and r[3] == world), None)
+        if back is not None:
+            return back
+        await asyncio.sleep(0.05)
+    return None
+
+
 async def run(variant: str, root: Path, tracker: Tracker) -> dict[str, Any]:
     from trainguard.codec import encode_durable
     from trainguard.demo.cluster import Cluster
@@ -95,12 +108,7 @@ async def run(variant: str, root: Path, tracker: Tracker) -> dict[str, Any]:
         t0 = time.time()
         await cluster.publish(subject, encode_durable(cmd),
                               make_headers(cmd, source="bench/bench_shrink", subject=subject))
-        deadline = time.monotonic() + WINDOW_S
-        back = None
-        while back is None and time.monotonic() < deadline:
-            back = next((r for r in progress(cluster.progress_file)
-                         if r[0] > t0 and r[3] == 2), None)
-            await asyncio.sleep(0.05)
+        back = await first_step_at(cluster.progress_file, t0, 2)
         if back is None:
             res["pending"] = f"no step at world size 2 within {WINDOW_S:.0f} s"
             return res
@@ -132,16 +140,12 @@ async def grow(cluster: Any, pid: int) -> dict[str, Any]:
     await asyncio.sleep(COME_BACK_AFTER_S)  # the host is away (no condition to wait on)
     t0 = time.time()
     cluster.start_agent("node-b")
-    deadline = time.monotonic() + WINDOW_S
-    back = None
-    while back is None and time.monotonic() < deadline:
-        back = next((r for r in progress(cluster.progress_file)
-                     if r[0] > t0 and r[3] == 4), None)
-        await asyncio.sleep(0.05)
+    back = await first_step_at(cluster.progress_file, t0, 4)
     if back is None:
         return {"pending": f"no step at world size 4 within {WINDOW_S:.0f} s"}
     done_before = max((r[1] for r in progress(cluster.progress_file)
-                       if r[0] <= back[0] and r[3] == 2), default=shrunk[-1][1])
+                       if r[0] <= back[0] and r[3] == 2),
+                      default=shrunk[-1][1] if shrunk else back[1] - 1)
     return {"back_s": round(back[0] - t0, 2), "resumed_step": back[1],
             "steps_lost": max(0, done_before - back[1] + 1), "rank0_kept": back[2] == pid}
 
