@@ -31,11 +31,22 @@ from .errors import ServerStartError
 LOOPBACK = "127.0.0.1"
 
 
+_handed_out: set[int] = set()
+
+
 def free_port(host: str = LOOPBACK) -> int:
-    """A TCP port nobody listens on right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A TCP port nobody listens on right now (the OS picks it), never one this process was
+    handed before: the kernel may offer a just-closed port again at once, and two servers
+    told the same port (a Redis and a NATS started together) would collide."""
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+    raise ServerStartError(f"no free port on {host} that was not handed out already: "
+                           f"{len(_handed_out)} were")
 
 
 def port_taken(port: int, host: str = LOOPBACK) -> bool:

@@ -322,6 +322,12 @@ class CheckpointReport(Durable, kw_only=True):
     ok: bool = True
     error: str = ""
     time: float = 0.0
+    state_since: float = 0.0
+    """When this rank's training state last started over, by its clock: loaded from a
+    checkpoint, or made fresh by a new process. A save at or past a rollback's step is
+    trusted only from state that started over after the rollback: ranks still on the bad
+    state may save again before their reload or restart reaches them. 0 from older clients
+    (the save's start stands in)."""
 
 
 RecoveryPath = Literal["in_place", "restart"]

@@ -27,12 +27,16 @@ local function onset_hit(id, o, step, t0)
   return nil
 end
 
-local function suspect_reason(base, step, t0)
+-- since: when the oldest state in the save started over (a load or a fresh process). At or
+-- past a rollback's step, only state that started over after the rollback is trusted: ranks
+-- still on the bad state save on until their reload or restart reaches them.
+local function suspect_reason(base, step, t0, since)
   local rb = redis.call('GET', base .. ':rollback')
   if rb then
     local r = cjson.decode(rb)
-    if step >= r.below and t0 < r.at then
-      return 'saved before the rollback below step ' .. string.format('%d', r.below)
+    if step >= r.below and since < r.at then
+      return 'saved from state older than the rollback below step '
+        .. string.format('%d', r.below)
     end
   end
   local on = redis.call('HGETALL', base .. ':onsets')
@@ -68,7 +72,7 @@ end
 
 REPORT: Final = HELPERS + r"""
 -- ARGV: base step rank report_id report_json world_size attempt path now deadline_at
---       new_id ok sender_time member deadlines_key job save_started generation
+--       new_id ok sender_time member deadlines_key job save_started generation state_since
 -- generation: the worker group of the save (or 'a<attempt>' from older clients): a report
 -- of another group starts the step's round over; ranks of one group may carry different
 -- attempts (each node's torchrun counts its own restarts).
@@ -109,7 +113,7 @@ if reset or not status then
   redis.call('HSET', key, 'status', 'pending', 'job', ARGV[16], 'step', step, 'path', ARGV[8],
     'world_size', ARGV[6], 'attempt', ARGV[7], 'round', tostring(round), 'id', ARGV[11],
     'first_at', ARGV[9], 'deadline', ARGV[10], 'n', '0', 't0', ARGV[13], 'suspect', '',
-    'retained', '1', 'bad', '', 'gen', ARGV[18])
+    'retained', '1', 'bad', '', 'gen', ARGV[18], 'since', ARGV[19])
   redis.call('ZADD', base .. ':steps', step, step)
   redis.call('ZADD', ARGV[15], ARGV[10], ARGV[14])
 end
@@ -124,6 +128,9 @@ if not dup then
   end
   if tonumber(ARGV[13]) < tonumber(redis.call('HGET', key, 't0')) then
     redis.call('HSET', key, 't0', ARGV[13])
+  end
+  if tonumber(ARGV[19]) < tonumber(redis.call('HGET', key, 'since') or ARGV[19]) then
+    redis.call('HSET', key, 'since', ARGV[19])
   end
 end
 local ptr = {'', ''}
@@ -141,7 +148,7 @@ return {state, v[1], v[2], v[3], ptr[1], ptr[2]}
 CLOSE: Final = HELPERS + r"""
 -- ARGV: base step round status closed_at fields_json member deadlines_key outbox_key
 local key = ARGV[1] .. ':rec:' .. ARGV[2]
-local v = redis.call('HMGET', key, 'status', 'round', 't0')
+local v = redis.call('HMGET', key, 'status', 'round', 't0', 'since')
 if v[1] ~= 'pending' or v[2] ~= ARGV[3] then
   return {0, '', '', ''}
 end
@@ -153,7 +160,8 @@ redis.call('ZREM', ARGV[8], ARGV[7])
 redis.call('SADD', ARGV[9], ARGV[7])
 local suspect = ''
 if ARGV[4] == 'committed' then
-  suspect = suspect_reason(ARGV[1], tonumber(ARGV[2]), tonumber(v[3]))
+  suspect = suspect_reason(ARGV[1], tonumber(ARGV[2]), tonumber(v[3]),
+                           tonumber(v[4] or v[3]))
   redis.call('HSET', key, 'suspect', suspect)
 end
 local ptr = repoint(ARGV[1])

@@ -50,7 +50,7 @@ def coordinator_settings(nats_url: str, redis_url: str, prefix: str,
 
 def write_shards(root: Path, job: str, step: int, world: int, *, size: int = 2048,
                  blocked: float = 0.05, ranks: list[int] | None = None,
-                 attempt: int = 0) -> dict[int, CheckpointReport]:
+                 attempt: int = 0, state_since: float = 0.0) -> dict[int, CheckpointReport]:
     """Write ``<root>/<job>/step-<S>/`` as DCP lays it out and return each rank's report."""
     path = root / job / f"step-{step}"
     path.mkdir(parents=True, exist_ok=True)
@@ -65,7 +65,8 @@ def write_shards(root: Path, job: str, step: int, world: int, *, size: int = 204
         reports[rank] = CheckpointReport(
             id=uuid7(), job=job, rank=rank, step=step, path=str(path), world_size=world,
             bytes=sum(f.bytes for f in files.values()), seconds_blocked=blocked,
-            seconds_total=blocked * 3, files=files, attempt=attempt, time=time.time())
+            seconds_total=blocked * 3, files=files, attempt=attempt, time=time.time(),
+            state_since=state_since)
     return reports
 
 
@@ -302,13 +303,46 @@ async def test_resume_suspects_and_rollback(nats_url: str, redis_url: str, prefi
         assert statuses == {10: "committed", 20: "suspect", 30: "suspect", 40: "suspect"}
 
         # After the restart the job saves step 20 again: a clean commit, the new pointer.
-        await c.report_all(write_shards(tmp_path, job, 20, 2, attempt=1))
+        await c.report_all(write_shards(tmp_path, job, 20, 2, attempt=1,
+                                        state_since=time.time()))
         await wait_until(lambda: len(c.of(20, "committed")) == 2, what="step 20 re-committed")
         assert (await c.resume()).step == 20  # type: ignore[union-attr]
         # A rollback with nothing below leaves no pointer, and no LATEST to resume from.
         reply = json.loads(await c.rpc("rollback", {"below_step": 5}))
         assert not reply["ok"] and "no committed" in reply["reason"]
         assert await c.resume() is None and latest(tmp_path, job) is None
+
+
+async def test_after_a_rollback_only_state_restored_since_is_trusted_past_its_step(
+        nats_url: str, redis_url: str, prefix: str, job: str, tmp_path: Path) -> None:
+    """The ranks on the bad state go on saving until their reload or restart reaches them:
+    such a save, begun after the rollback, must not become the pointer the restart loads."""
+    async with coordinator(nats_url, redis_url, prefix, job) as c:
+        for step in (10, 20):
+            await c.report_all(write_shards(tmp_path, job, step, 2))
+            await c.event(step, "committed")
+        started = time.time() - 60  # the processes' state, made long before the rollback
+        reply = json.loads(await c.rpc("rollback", {"below_step": 15, "reason": "numeric"}))
+        assert reply["ok"] and reply["step"] == 10
+
+        # Step 30 from the old state, saved after the rollback was decided.
+        stale = write_shards(tmp_path, job, 30, 2, state_since=started)
+        await c.report_all(stale)
+        event = await c.event(30, "suspect")
+        assert "older than the rollback below step 15" in event.reason
+        assert (await c.resume()).step == 10  # type: ignore[union-attr]
+
+        # One rank restored, the other not yet: still the old state.
+        mixed = write_shards(tmp_path, job, 40, 2, state_since=time.time())
+        mixed[1] = write_shards(tmp_path, job, 40, 2, ranks=[1], state_since=started)[1]
+        await c.report_all(mixed)
+        await c.event(40, "suspect")
+
+        # Every rank reloaded step 10 after the rollback: its saves are trusted again.
+        await c.report_all(write_shards(tmp_path, job, 20, 2, attempt=1,
+                                        state_since=time.time()))
+        await wait_until(lambda: len(c.of(20, "committed")) == 2, what="step 20 re-committed")
+        assert (await c.resume()).step == 20  # type: ignore[union-attr]
 
 
 async def test_retention_keeps_newest_and_pinned_and_deletes_only_when_asked(

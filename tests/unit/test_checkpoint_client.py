@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import zlib
 from pathlib import Path
 
@@ -62,6 +63,27 @@ def test_round_trip_continues_bit_for_bit(tmp_path: Path) -> None:
         assert torch.equal(a, b)
     ckpt.close()
     reader.close()
+    guard.close(timeout=0.1)
+
+
+def test_each_save_reports_when_its_state_last_started_over(tmp_path: Path) -> None:
+    """A save at or past a rollback counts only from state restored after it: the report
+    says when the state was made or loaded, as of the save's start."""
+    guard = offline_guard()
+    model, opt = make()
+    ckpt = Checkpointer(guard, tmp_path)
+    made = ckpt.state_since
+    train(model, opt, 1)
+    ckpt.save(1, model, opt)
+    ckpt.wait()
+    before_load = time.time()
+    assert ckpt.load(ckpt.path_for(1), model, opt) == 1
+    loaded = ckpt.state_since
+    assert loaded >= before_load > made
+    ckpt.save(2, model, opt)
+    ckpt.wait()
+    assert [r.state_since for r in queued_reports(guard)] == [made, loaded]
+    ckpt.close()
     guard.close(timeout=0.1)
 
 

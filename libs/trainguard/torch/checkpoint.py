@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -142,6 +142,17 @@ def _set_rng_state(state: Mapping[str, Any]) -> bool:
     return True
 
 
+class _SaveContext(NamedTuple):
+    """What a save is reported under, taken at its start: an in-place re-form may renumber
+    the rank, and a reload restart its state, before the save is done."""
+
+    rank: int
+    group_rank: int
+    world_size: int
+    generation: str
+    state_since: float
+
+
 class Checkpointer:
     """Saves and loads sharded checkpoints and answers the coordinator's ``save_now``.
 
@@ -186,6 +197,10 @@ class Checkpointer:
         change restarts a group without counting, so the nodes' counts drift apart."""
         self.reports: list[CheckpointReport] = []
         """Reports this rank published, newest last (for tests and logs)."""
+        self.state_since = time.time()
+        """When this rank's model and optimizer state last started over: made by this
+        process, or loaded (:meth:`load`). Each save reports it, so the coordinator can tell
+        a save from state restored after a rollback from one of the state rolled back from."""
         self.loaded_extra: Any = None
         """This rank's ``extra`` from the last :meth:`load`, or None."""
         self._model: Any = None
@@ -352,29 +367,30 @@ class Checkpointer:
             state["extra"] = {me: blob}
         return state
 
-    def _as_of(self) -> tuple[int, int, int, str]:
-        """Rank, group rank, world size and generation token a save is reported under."""
-        return self.guard.rank, self.group_rank, self.world_size, self.generation
+    def _as_of(self) -> _SaveContext:
+        """What a save is reported under, taken at its start."""
+        return _SaveContext(self.guard.rank, self.group_rank, self.world_size, self.generation,
+                            self.state_since)
 
     def _finish(self, step: int, path: Path, upload: Future[Any], t0: float, *,
                 blocking: bool, blocked: float = 0.0,
-                as_of: tuple[int, int, int, str] | None = None) -> CheckpointReport:
+                as_of: _SaveContext | None = None) -> CheckpointReport:
         """Runs on the background thread (inline for a blocking save): wait for DCP, checksum
         this rank's files, report (under ``as_of``, the save's start: see :meth:`_as_of`)."""
-        rank, group_rank, world_size, generation = as_of or self._as_of()
+        as_of = as_of or self._as_of()
         files: dict[str, FileDigest] = {}
         error = ""
         try:
             metadata = upload.result()
             names = _written_names(metadata, path)
-            for name in rank_files(names, group_rank):
+            for name in rank_files(names, as_of.group_rank):
                 files[name] = file_digest(path / name)
         except _save_errors() as exc:
             self._fail(exc)
             error = _describe(exc)
         total = time.perf_counter() - t0
         report = self._report(step, path, files, total if blocking else blocked, total, error,
-                              as_of=(rank, group_rank, world_size, generation))
+                              as_of=as_of)
         self._publish(report)
         return report
 
@@ -392,15 +408,15 @@ class Checkpointer:
 
     def _report(self, step: int, path: Path, files: dict[str, FileDigest], blocked: float,
                 total: float, error: str,
-                as_of: tuple[int, int, int, str] | None = None) -> CheckpointReport:
+                as_of: _SaveContext | None = None) -> CheckpointReport:
         g = self.guard
-        rank, _, world_size, generation = as_of or self._as_of()
+        as_of = as_of or self._as_of()
         return CheckpointReport(
-            id=uuid7(), job=g.job, rank=rank, step=step, path=str(path),
-            world_size=world_size, bytes=sum(d.bytes for d in files.values()),
+            id=uuid7(), job=g.job, rank=as_of.rank, step=step, path=str(path),
+            world_size=as_of.world_size, bytes=sum(d.bytes for d in files.values()),
             seconds_blocked=blocked, seconds_total=total, files=files,
-            attempt=g.identity.attempt.restart_count, generation=generation,
-            ok=not error, error=error[:2000], time=time.time())
+            attempt=g.identity.attempt.restart_count, generation=as_of.generation,
+            ok=not error, error=error[:2000], time=time.time(), state_since=as_of.state_since)
 
     def _publish(self, report: CheckpointReport) -> None:
         with self._lock:
@@ -439,6 +455,7 @@ class Checkpointer:
         keys = set(metadata.state_dict_metadata)
         self._model, self._optimizer = model, optimizer
         self.wait()
+        started = time.time()  # before the read: the point was chosen by then
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
         from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
@@ -472,6 +489,7 @@ class Checkpointer:
         set_state_dict(model, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
         self.loaded_extra = extra
+        self.state_since = started
         step = int(state[STEP_KEY]["step"])
         self._last_step = step
         return step
