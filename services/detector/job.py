@@ -324,6 +324,14 @@ class JobState:
         return (r is not None and not r.exited and bool(r.host and host and r.pid and pid)
                 and r.host != host and r.pid != pid)
 
+    @staticmethod
+    def superseded(r: RankInfo, pid: int, t: float) -> bool:
+        """A report at ``t`` about ``pid`` concerns a process that held ``r``'s number before
+        its current holder, which has spoken since (an in-place replacement's first beat
+        can overtake the agent's report of the old process's exit: two subjects, no order
+        between them). The agent and its ranks share a host, and so a clock."""
+        return bool(pid and r.pid and pid != r.pid and r.heard and t and t < r.last_hb)
+
     def beyond_world(self, rank: int) -> bool:
         """``rank`` is outside the world the current group declared (an agent that has not
         caught up with a shrink yet still names it): not a rank to admit."""

@@ -59,8 +59,11 @@ class Liveness:
         r = job.admit(ex.rank, ex.attempt, ex.time or now, ex.host)
         if r is None:
             return  # an exit of an incarnation already replaced
-        job.closing.pop(r.rank, None)
-        job.mark_exited(r)
+        if not job.superseded(r, ex.pid, ex.time):
+            job.closing.pop(r.rank, None)
+            job.mark_exited(r)
+        # else its replacement runs on: the old process's crash is still raised, and ends
+        # at once (``replaced``)
         if ex.initiated_by:
             return  # a command or the launcher's teardown: expected, not a fault
         if ex.exit_code == 0 and not ex.signal:
@@ -94,6 +97,8 @@ class Liveness:
                 r = job.admit(rank, node.attempt, node.time, node.host)
                 if r is None:
                     continue
+            elif job.superseded(r, node.pids.get(rank, 0), node.time):
+                continue  # a beat taken before the rank's replacement spoke
             if letter != r.proc_state:
                 if is_stopped(r.proc_state) and node.time > r.last_hb:
                     # Running again, as the agent saw: its silence so far is explained.

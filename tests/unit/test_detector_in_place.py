@@ -182,3 +182,58 @@ def test_a_late_hello_of_a_smaller_world_does_not_drop_live_ranks() -> None:
     job.d.on_hello(RankHello(job="j", rank=0, world_size=2, host="node-a", pid=job.pids[0],
                              attempt=Attempt(restart_count=0), time=job.now - 30), job.now)
     assert sorted(job.d.jobs["j"].ranks) == [0, 1, 2, 3]
+
+
+def test_an_exit_reported_after_its_replacement_spoke_is_the_old_process_s() -> None:
+    """The replacement of rank 2 beats before the agent's report of the old process's exit
+    reaches the detector (two subjects, no order between them). The report is about the old
+    pid: its crash is raised, and ends, but the replacement stays a live rank, so that its
+    own faults are judged (here SIGSTOP: a hang at once, naming rank 2)."""
+    job = Job({"node-a": 0, "node-b": 0})
+    job.steps(30)
+    old = job.pids[2]
+    job.pids[2] = 999  # the replacement, same attempt, already beating and stepping
+    job.steps(3)
+    job.d.on_exit(WorkerExit(id="x", job="j", host="node-b", rank=2, pid=old,
+                             exit_code=-9, signal="SIGKILL", attempt=job.attempts["node-b"],
+                             time=job.now - 1.0), job.now)
+    job.steps(1)
+    assert kinds(job) == [("crash", "open"), ("crash", "resolved")]
+    state = job.d.jobs["j"]
+    assert sorted(r.rank for r in state.in_attempt()) == [0, 1, 2, 3]
+    job.now += 0.1
+    job.d.on_telemetry(NodeHeartbeat(job="j", host="node-b", time=job.now, attempt=0,
+                                     ranks={2: "T", 3: "S"}, pids={2: 999, 3: job.pids[3]}))
+    hangs = [t.anomaly for t in job.d.drain() if t.anomaly.kind == "hang"]
+    assert [(a.status, a.ranks) for a in hangs] == [("open", [2])]
+
+
+def test_an_exit_the_agent_commanded_after_the_replacement_spoke_leaves_it_live() -> None:
+    """A hang's culprit killed by command (``initiated_by``), its exit reported after its
+    replacement's first beat: no crash, and the replacement is not taken for gone."""
+    job = Job({"node-a": 0, "node-b": 0})
+    job.steps(30)
+    old = job.pids[1]
+    job.pids[1] = 777
+    job.steps(2)
+    job.d.on_exit(WorkerExit(id="x", job="j", host="node-a", rank=1, pid=old,
+                             exit_code=-9, signal="SIGKILL", initiated_by="c1",
+                             attempt=job.attempts["node-a"], time=job.now - 0.5), job.now)
+    assert kinds(job) == []
+    state = job.d.jobs["j"]
+    assert not state.ranks[1].exited and state.expected == 4
+
+
+def test_a_node_beat_taken_before_the_replacement_spoke_does_not_judge_it() -> None:
+    """The agent's beat that still saw the old process gone arrives after the replacement's
+    first heartbeat: it is about the old pid, so the replacement is not taken for a crash."""
+    job = Job({"node-a": 0, "node-b": 0})
+    job.steps(30)
+    old = job.pids[2]
+    job.pids[2] = 999
+    job.steps(1)
+    job.d.on_telemetry(NodeHeartbeat(job="j", host="node-b", time=job.now - 0.3, attempt=0,
+                                     ranks={2: "X", 3: "S"}, pids={2: old, 3: job.pids[3]}))
+    job.steps(30)  # far past hb_timeout
+    assert kinds(job) == []
+    assert job.d.jobs["j"].ranks[2].proc_state != "X"
