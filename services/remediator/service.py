@@ -447,18 +447,13 @@ class RemediatorService(Service[RemediatorSettings]):
         await self.runtime.publish_event(subject, cmd)
         acks = await self._acks.collect(cmd.id, recovery.reload_responders(view.world_size),
                                         self.policy.ack_timeout_s)
+        # Not done: the restart follows. What the job saved of its bad state meanwhile is
+        # suspect by its state_since (older than the rollback), so the pointer stays put.
+        # A second rollback here would be worse than useless: when another incident
+        # restarted the group meanwhile, it would mark the fresh group's saves suspect.
         done, detail = recovery.reload_verdict(acks, view.world_size)
         step.params[recovery.RELOADED] = done
         step.detail = f"{step.detail}; {detail}"
-        if not done:
-            # The job trained on while the reload was tried, and may have committed a
-            # checkpoint of the bad state above the pointer since: rolled back again, the
-            # restart that follows resumes where the first rollback pointed.
-            status, again = await self.coordinator.rollback(
-                inc.job, int(step.params.get("below_step", 0)))
-            if status != "done":
-                step.status = status
-            step.detail = f"{step.detail}; rolled back again before the restart: {again}"
 
     async def _restart(self, inc: Incident, step: IncidentStep, persist: Persist) -> None:
         if recovery.rolled_back_in_place(inc):

@@ -204,7 +204,6 @@ async def test_a_rank_without_reload_leaves_the_rollback_to_a_restart(
     rollback = restarted(seen)[-1].actions[0]
     assert "rank-1: failed no reload handler" in rollback.detail
     assert len(agents.executed("restart")) == 1
-    # The job kept training (and may have saved its bad state) while the reload was
-    # tried: the rollback is applied again, right before the restart.
-    assert [r.below_step for r in rollbacks] == [rollbacks[0].below_step] * 2
-    assert "rolled back again before the restart" in rollback.detail
+    # One rollback: what the job saved of its bad state while the reload was tried is
+    # suspect by its state_since, so a second one would only hit a fresh group's saves.
+    assert len(rollbacks) == 1

@@ -4,6 +4,7 @@ where the job store is, and the NCCL path's decisions (run on CPU with a real gl
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 
@@ -297,7 +298,7 @@ def test_agreements_come_every_sync_period_at_most_sync_every_steps_apart() -> N
 
     def agreement(local: Sequence[int]) -> list[int]:
         agreed_at.append(desk.last_completed or 0)
-        return [local[0], local[1], max(local[2], peer[0])]
+        return [local[0], local[1], max(local[2], peer[0]), local[3]]
 
     def find(world_size: int) -> Callable[[Sequence[int]], list[int]]:
         built_at.append(desk.last_completed or 0)
@@ -364,5 +365,38 @@ def test_a_job_resumed_anywhere_agrees_soon_and_drops_what_its_group_ran_before(
                                              params={"every_steps": 7}), None, 0.0))
         desk.safe_point(None)
         assert [c.id for c in desk.scheduled] == ["s6"]
+    finally:
+        g.close(timeout=1.0)
+
+
+def test_commands_sent_before_a_restarted_group_listened_are_not_waited_for() -> None:
+    """A group restarted after seq 1-4 never gets them: at its first agreement on seq 5 it
+    must run 5 at once, not wait ``collective_timeout`` for commands no rank holds (the
+    chaos suite's SDC rollback stalled the group 30 s, and the stall read as a hang)."""
+    from trainguard.client.commands import NONE_HELD, CommandDesk, Queued
+    from trainguard.schemas import Command
+
+    g = Guard(job="unit", rank=0, world_size=2, nats_url=f"nats://127.0.0.1:{free_port()}")
+    peer_lowest = [NONE_HELD]  # the other rank's lowest held seq: its copy is in flight
+
+    def agreement(local: Sequence[int]) -> list[int]:
+        return [max(local[0], 5), local[1], local[2], max(local[3], -peer_lowest[0])]
+
+    desk = CommandDesk(g.identity, g.subjects, g.transport, sync_every=10,
+                       find=lambda _: agreement)
+    desk.collective_timeout = 60.0
+    ran: list[str] = []
+    desk.handlers["set_interval"] = lambda cmd: ran.append(cmd.id) or ""
+    try:
+        desk.note_completed(9)
+        desk.safe_point(9)  # builds the agreement; nothing held yet
+        desk.inbox.append(Queued(Command(id="s5", job="unit", kind="set_interval", seq=5,
+                                         issuer="coordinator", params={"every_steps": 7}),
+                                 None, 0.0))
+        t0 = time.monotonic()
+        desk.note_completed(10)
+        desk.safe_point(10)
+        assert time.monotonic() - t0 < 30  # not the 60 s wait for seqs 1-4
+        assert ran == ["s5"] and desk.agreed_seq == 5
     finally:
         g.close(timeout=1.0)

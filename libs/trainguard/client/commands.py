@@ -11,12 +11,14 @@ or leaves ``guard.step`` (the safe points):
 * collective kinds (``save_now``, ``set_interval``, ``reload``) without ``at_step`` but
   with a ``seq``: at the next agreement boundary, after the ranks agree through an
   all-reduce (MAX) of the highest sequence each has received; a rank that has not received
-  the agreed command yet waits for it up to ``collective_timeout``.
+  the agreed command yet waits for it up to ``collective_timeout``. Sequences below the
+  lowest one any rank holds are skipped: sent before the group's processes listened (a
+  group restarted since), no rank will ever get them.
 
 Boundaries come about every ``sync_period`` seconds and at most ``sync_every`` steps
 apart: each agreement also agrees on the number of steps to the next one, from the ranks'
 step times. A fixed step count would make a rollback or a save-now wait ten steps of a
-slow model (tens of seconds); one all-reduce of three integers per period costs nothing
+slow model (tens of seconds); one all-reduce of four integers per period costs nothing
 beside a step.
 
 The same all-reduce carries the newest process-group generation any rank knows of
@@ -60,6 +62,10 @@ Agreement = Callable[[Sequence[int]], list[int]]
 """Elementwise all-reduce (MAX) of ints across ranks; installed when torch.distributed is
 running."""
 
+
+NONE_HELD: Final = 2**62
+"""The lowest held sequence a rank that holds none proposes (the agreement takes the MIN of
+the lowest held, as the MAX of their negations)."""
 
 FIRST_EVERY: Final = 10
 """The first agreement comes at a multiple of this (ranks start at one step, any step: a
@@ -330,11 +336,16 @@ class CommandDesk:
         self._agreement_checked = False
         self._regrouped = True
 
+    def _lowest_held(self) -> int:
+        """The lowest sequence this rank holds and has not run; NONE_HELD if none."""
+        return min((s for s in self._collective if s > self._agreed_seq), default=NONE_HELD)
+
     def _agree_and_run(self, completed: int) -> None:
         assert self.agreement is not None
         try:
-            agreed, generation, interval = self.agreement(
-                [self._highest_seq, self._generation(), self._proposed_interval()])
+            agreed, generation, interval, neg_floor = self.agreement(
+                [self._highest_seq, self._generation(), self._proposed_interval(),
+                 -self._lowest_held()])
         except Exception as exc:
             log.warning("collective command agreement failed (%r); running commands locally",
                         exc)
@@ -346,8 +357,15 @@ class CommandDesk:
         self._generation_rose(generation)
         if agreed <= self._agreed_seq:
             return
+        # Below the lowest sequence any rank holds, no rank will ever get one: it was sent
+        # before these processes listened (a group restarted after it). Waiting for it
+        # would stall the group for collective_timeout.
+        floor = -neg_floor
+        if floor > self._agreed_seq + 1:
+            log.info("commands of seq %d..%d reached no rank of this group (sent before it "
+                     "started): skipped", self._agreed_seq + 1, min(floor, agreed + 1) - 1)
         deadline = time.monotonic() + self.collective_timeout
-        for seq in range(self._agreed_seq + 1, agreed + 1):
+        for seq in range(max(self._agreed_seq + 1, floor), agreed + 1):
             while seq not in self._collective and time.monotonic() < deadline:
                 # Another rank has it; ours is in flight. Admit arrivals while waiting.
                 while self.inbox:
