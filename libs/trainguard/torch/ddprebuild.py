@@ -43,6 +43,7 @@ class InPlaceDDP(nn.Module):
         if guard.recovery is not None:
             guard.recovery.on_teardown(self.release)
             guard.recovery.on_regroup(self.rebuild, after_sync=True)
+        guard.on_close(self._free)
         if not guard.joining:
             self.rebuild()
 
@@ -59,6 +60,15 @@ class InPlaceDDP(nn.Module):
         the re-form's full ``gc.collect`` (``InPlace.collect_waiting``) is what frees it and
         closes the group's sockets."""
         self._current.clear()
+
+    def _free(self) -> None:
+        """At ``guard.close()``, the end of training: free the DDP while its group is still
+        up. Left in its reference cycles it would be destroyed at the interpreter's exit,
+        after ``destroy_process_group``, where its reducer's teardown can abort the process
+        (``terminate called without an active exception``, exit -6, seen on a loaded
+        machine after every rank had finished)."""
+        self.release()
+        gc.collect()
 
     def rebuild(self) -> None:
         """Build DDP on the current default group (collective)."""
