@@ -39,14 +39,10 @@ class Coordinator:
         return save_outcome(*await self._call(job, SAVE, SaveRequest(deadline=deadline),
                                               deadline + 5))
 
-    async def rollback(self, job: str, below_step: int) -> Outcome:
-        """Point the job's resume pointer below ``below_step`` (effective on a restart)."""
-        return (await self.rollback_to(job, below_step))[1]
-
     async def rollback_to(self, job: str, below_step: int
                           ) -> tuple[RollbackReply | None, Outcome]:
-        """:meth:`rollback`, with the reply (where the pointer went: a ``reload`` in place
-        names that step and path)."""
+        """Point the job's resume pointer below ``below_step``; the reply says where it went
+        (a ``reload`` in place names that step and path, a restart resumes there)."""
         reply, error = await self._call(job, ROLLBACK, RollbackRequest(below_step=below_step),
                                         10.0)
         return reply, rollback_outcome(reply, error)

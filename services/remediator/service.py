@@ -447,13 +447,13 @@ class RemediatorService(Service[RemediatorSettings]):
         await self.runtime.publish_event(subject, cmd)
         acks = await self._acks.collect(cmd.id, recovery.reload_responders(view.world_size),
                                         self.policy.ack_timeout_s)
-        # Not done: the restart follows. What the job saved of its bad state meanwhile is
-        # suspect by its state_since (older than the rollback), so the pointer stays put.
-        # A second rollback here would be worse than useless: when another incident
-        # restarted the group meanwhile, it would mark the fresh group's saves suspect.
         done, detail = recovery.reload_verdict(acks, view.world_size)
         step.params[recovery.RELOADED] = done
         step.detail = f"{step.detail}; {detail}"
+        # Not done: the plan's restart follows, from the pointer as it stands. What the job
+        # saved of its bad state meanwhile is suspect by its state_since, so no second
+        # rollback: one after another incident restarted the group would mark the fresh
+        # group's saves suspect.
 
     async def _restart(self, inc: Incident, step: IncidentStep, persist: Persist) -> None:
         if recovery.rolled_back_in_place(inc):

@@ -377,10 +377,10 @@ def test_commands_sent_before_a_restarted_group_listened_are_not_waited_for() ->
     from trainguard.schemas import Command
 
     g = Guard(job="unit", rank=0, world_size=2, nats_url=f"nats://127.0.0.1:{free_port()}")
-    peer_lowest = [NONE_HELD]  # the other rank's lowest held seq: its copy is in flight
 
     def agreement(local: Sequence[int]) -> list[int]:
-        return [max(local[0], 5), local[1], local[2], max(local[3], -peer_lowest[0])]
+        # The peer has seen seq 5 announced but holds nothing yet: its copy is in flight.
+        return [max(local[0], 5), local[1], local[2], max(local[3], -NONE_HELD)]
 
     desk = CommandDesk(g.identity, g.subjects, g.transport, sync_every=10,
                        find=lambda _: agreement)

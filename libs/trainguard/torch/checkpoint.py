@@ -455,7 +455,7 @@ class Checkpointer:
         keys = set(metadata.state_dict_metadata)
         self._model, self._optimizer = model, optimizer
         self.wait()
-        started = time.time()  # before the read: the point was chosen by then
+        started = time.time()  # as early as load knows of the point: errs old, not new
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
         from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
