@@ -78,17 +78,21 @@ class CommandExecutor:
             return self.receiver.ack(cmd, "failed", f"{type(exc).__name__}: {exc}")
         return self.receiver.ack(cmd, "done", detail)
 
-    def _ranks(self, cmd: Command) -> list[int]:
+    def _ranks(self, cmd: Command, among: bool = False) -> list[int]:
+        """The local ranks ``cmd`` names (all, when it names none). ``among``: the names are
+        the job's ranks of interest, spread over hosts (a hang's culprits, sent to each of
+        their hosts): those that run here, refused only when none does; otherwise every
+        named rank must run here."""
         pids = self.node.rank_pids()
         raw = cmd.params.get("rank", cmd.params.get("ranks"))
         if raw is None:
             return sorted(pids)
         ranks = [int(r) for r in (raw if isinstance(raw, list) else [raw])]
         missing = [r for r in ranks if r not in pids]
-        if missing:
+        if missing and not (among and len(missing) < len(ranks)):
             raise Refused(f"rank(s) {missing} do not run on host {self.node.host} "
                           f"(local ranks: {sorted(pids)})")
-        return ranks
+        return [r for r in ranks if r in pids]
 
     def _run(self, cmd: Command) -> str:
         node = self.node
@@ -115,7 +119,7 @@ class CommandExecutor:
                                   "would end the job on every node")
                 return node.isolate(cmd.id)
             case "dump":
-                return node.dump(self._ranks(cmd))
+                return node.dump(self._ranks(cmd, among=True))
             case "kill" | "freeze" | "thaw":
                 ranks = self._ranks(cmd)
                 return "; ".join(node.signal_rank(r, cmd.kind) for r in ranks)

@@ -128,7 +128,7 @@ class Detector:
         """A rank (re)started: its host, world size, GPU index and the job's overrides."""
         job = self.job(hello.job)
         attempt = hello.attempt.restart_count
-        r = job.admit(hello.rank, attempt, hello.time or now, hello.host)
+        r = job.admit(hello.rank, attempt, hello.time or now, hello.host, hello.world_size)
         if r is None:
             return
         if r.exited:

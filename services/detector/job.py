@@ -206,10 +206,17 @@ class JobState:
         self.closed_upto = -(2**62)
 
     # -- ranks and attempts -------------------------------------------------------------
-    def admit(self, rank: int, attempt: int, t: float, host: str = "") -> RankInfo | None:
-        """The rank's state for a message of ``attempt``; None if the message is stale."""
+    def admit(self, rank: int, attempt: int, t: float, host: str = "",
+              world: int = 0) -> RankInfo | None:
+        """The rank's state for a message of ``attempt`` sent at ``t``; None if the message
+        is stale. A rank outside the world the current group declared is new only by a
+        message that itself declares a world holding it (``world``), newer than that
+        declaration (a grow); any other is about a number that went, such as a renumbered
+        process's beat as its old rank, taken before the renumbering and heard after it."""
         r = self.ranks.get(rank)
         if r is None:
+            if self.beyond_world(rank) and not (rank < world and t >= self.world_time):
+                return None
             r = self.ranks[rank] = RankInfo(rank, attempt, t, host, self.th.straggler_window)
             self._joined(r, t)
         elif attempt != r.attempt:
@@ -406,7 +413,7 @@ class JobState:
     def on_step(self, sr: StepReport) -> None:
         r = self.ranks.get(sr.rank)
         if r is None or sr.attempt != r.attempt:
-            r = self.admit(sr.rank, sr.attempt, sr.time)
+            r = self.admit(sr.rank, sr.attempt, sr.time, world=sr.world_size)
             if r is None:
                 return
         t = sr.time

@@ -92,11 +92,9 @@ class Liveness:
                 continue  # an agent that has not caught up with a renumbering yet
             r = job.ranks.get(rank)
             if r is None:
-                if job.beyond_world(rank):
-                    continue
                 r = job.admit(rank, node.attempt, node.time, node.host)
                 if r is None:
-                    continue
+                    continue  # stale, or a gone rank an agent that has not caught up names
             elif job.superseded(r, node.pids.get(rank, 0), node.time):
                 continue  # a beat taken before the rank's replacement spoke
             if letter != r.proc_state:

@@ -42,6 +42,9 @@ CRASHING: Final = frozenset({"process_crash", "oom", "hbm_ecc"})
 OPEN: Final = frozenset({"open", "mitigating"})
 AGENT_ACTIONS: Final = frozenset({"restart", "isolate", "dump", "hold"})
 """Steps the node agents carry out (a done one proves the job runs under ``launch``)."""
+EVIDENCE_ACTIONS: Final = frozenset({"dump"})
+"""Steps that gather evidence and recover nothing: one that failed (a rank gone before it
+could dump) is kept on the incident, and the recovery after it goes on."""
 
 @dataclass
 class JobView:
@@ -318,7 +321,7 @@ def finish_step(inc: Incident, step: IncidentStep) -> None:
     elif step.action == "hold" and step.status in ("done", "skipped"):
         inc.status = "failed"  # held, or nothing was left to hold: the job has ended
         inc.escalation = inc.escalation or step.detail
-    elif step.status == "failed":
+    elif step.status == "failed" and step.action not in EVIDENCE_ACTIONS:
         inc.status = "escalated"
         inc.escalation = f"{step.action} failed: {step.detail}"
 

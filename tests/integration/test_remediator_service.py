@@ -58,7 +58,9 @@ class Agents:
     def __init__(self, nc: Any, prefix: str, job: str, *, drop_first_ack: bool = False) -> None:
         self.nc, self.s, self.job = nc, Subjects(prefix), job
         self.bus = Bus(nc, self.s, source="test-agent")
-        self.nodes = {h: FakeNode(host=h, hosts_store=h == "node-a") for h in ("node-a", "node-b")}
+        self.nodes = {h: FakeNode(host=h, hosts_store=h == "node-a", pids=pids)
+                      for h, pids in (("node-a", {0: 1000, 1: 1001}),
+                                      ("node-b", {2: 1002, 3: 1003}))}
         self.executors = {h: CommandExecutor(n) for h, n in self.nodes.items()}
         self.commands: list[Command] = []
         self.drop_first_ack = drop_first_ack
@@ -192,6 +194,29 @@ async def test_no_second_restart_when_the_launcher_already_restarted(
     assert final.actions[0].action == "restart" and final.actions[0].status == "skipped"
     assert "already restarted" in final.actions[0].detail
     assert agents.commands == []
+
+
+async def test_a_hang_with_culprits_on_two_hosts_dumps_each_host_s_own_and_restarts(
+        nats_url: str, redis_url: str, prefix: str, job: str, nc: Any) -> None:
+    """Ranks 1 (node-a) and 3 (node-b) are the hang's culprits: each host is asked for the
+    culprits' dumps and dumps its own (neither refuses for the other's rank), and the restart
+    the dumps precede runs."""
+    agents, seen = await stage(nc, redis_url, prefix, job)
+    async with leading(nats_url, redis_url, prefix):
+        bus = Bus(nc, Subjects(prefix), source="test")
+        d = diagnosis(job, "d1", cause="rank_hang")
+        d.ranks, d.hosts = [1, 3], ["node-a", "node-b"]
+        await bus.publish_durable(Subjects(prefix).event(job, "diagnosis"), d)
+        await wait_until(lambda: any(i.mitigated_at for i in seen), timeout=30,
+                         what="mitigated")
+        await seed(redis_url, prefix, job, attempt=1, step=121)
+        await wait_until(lambda: any(i.status == "resolved" for i in seen), timeout=30,
+                         what="resolved")
+    final = seen[-1]
+    assert [(a.action, a.status) for a in final.actions] == [
+        ("dump", "done"), ("dump", "done"), ("restart", "done")], final.actions
+    assert (agents.nodes["node-a"].calls[0], agents.nodes["node-b"].calls[0]) == (
+        "dump:[1]", "dump:[3]")
 
 
 async def test_a_sick_host_is_blocklisted_isolated_and_the_rest_restarted(

@@ -32,9 +32,10 @@ class FakeNode:
     hosts_store: bool = False
     drills_allowed: bool = True
     calls: list[str] = field(default_factory=list)
+    pids: dict[int, int] = field(default_factory=lambda: {2: 1002, 3: 1003})
 
     def rank_pids(self) -> dict[int, int]:
-        return {2: 1002, 3: 1003}
+        return dict(self.pids)
 
     def restart(self, command_id: str) -> str:
         self.calls.append(f"restart:{command_id}")
@@ -102,6 +103,20 @@ def test_a_culprit_restart_names_its_fallback() -> None:
     bad = ex.handle(cmd("b", "restart", params={"rank": 2, "fallback": "cluster"}))
     assert bad is not None and bad.outcome == "refused" and "params.fallback" in bad.detail
     assert node.calls == ["restart:2:g:group"]
+
+
+def test_a_dump_naming_ranks_on_several_hosts_dumps_the_local_ones() -> None:
+    """A hang's culprits 0 (node-a) and 2 (node-b): each host dumps its own, and is refused
+    only when none runs there; a drill naming another host's rank is still refused."""
+    node = FakeNode()
+    ex = CommandExecutor(node)
+    both = ex.handle(cmd("d1", "dump", params={"ranks": [0, 2]}))
+    assert both is not None and both.outcome == "done"
+    none = ex.handle(cmd("d2", "dump", params={"ranks": [0, 1]}))
+    assert none is not None and none.outcome == "refused" and "[0, 1]" in none.detail
+    kill = ex.handle(cmd("k", "kill", params={"ranks": [0, 2]}))
+    assert kill is not None and kill.outcome == "refused"
+    assert node.calls == ["dump:[2]"]
 
 
 def test_rank_commands_are_not_the_agents() -> None:

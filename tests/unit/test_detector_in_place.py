@@ -150,6 +150,84 @@ def test_a_host_that_left_in_place_takes_its_ranks_out_of_the_job() -> None:
     assert job.states() == {0: "ok", 1: "ok"}
 
 
+def test_a_renumbered_rank_s_late_reports_as_its_old_number_are_not_a_new_rank() -> None:
+    """Rank 1 (node-a) left in place and node-b's ranks 2-3 closed up the gap as 1-2 of 3.
+    Rank 0's hello at world size 3 came first; node-b's process then beat once more as rank
+    3 before it renumbered, and a step report of its old number was late: number 3 went,
+    and stays gone (it was once raised ``unresponsive`` when that beat re-admitted it)."""
+    from trainguard.schemas import Attempt, RankHello
+
+    def hello(rank: int, world: int, host: str, pid: int, t: float) -> None:
+        job.d.on_hello(RankHello(job="j", rank=rank, world_size=world, host=host, pid=pid,
+                                 attempt=Attempt(restart_count=0), time=t), job.now)
+
+    job = Job({"node-a": 0, "node-b": 0})
+    for r, host in HOSTS.items():
+        hello(r, 4, host, job.pids[r], job.now)
+    job.steps(10)
+    job.d.drain()
+    state = job.d.jobs["j"]
+    hello(0, 3, "node-a", job.pids[0], job.now)
+    assert sorted(state.ranks) == [0, 1, 2]
+    job.now += 0.2
+    job.d.on_telemetry(Heartbeat(job="j", time=job.now, rank=3, attempt=0, host="node-b",
+                                 pid=job.pids[3], step=job.step, phase="comm"))
+    job.d.on_telemetry(StepReport(job="j", time=job.now - 1.0, rank=3, step=job.step - 1,
+                                  attempt=0, duration=0.5, world_size=4))
+    assert sorted(state.ranks) == [0, 1, 2]
+    moved = {1: job.pids[2], 2: job.pids[3]}
+    for r, pid in moved.items():
+        hello(r, 3, "node-b", pid, job.now + 0.1)
+    pids, hosts = {0: job.pids[0], **moved}, {0: "node-a", 1: "node-b", 2: "node-b"}
+    for _ in range(40):  # 20 s: far past every silence and hang threshold
+        job.now += 0.5
+        for r in (0, 1, 2):
+            job.d.on_telemetry(Heartbeat(job="j", time=job.now, rank=r, attempt=0,
+                                         host=hosts[r], pid=pids[r], step=job.step,
+                                         phase="compute"))
+            job.d.on_telemetry(StepReport(job="j", time=job.now, rank=r, step=job.step,
+                                          attempt=0, duration=0.5, world_size=3,
+                                          phases={"compute": 0.45, "comm": 0.05}, loss=2.0,
+                                          grad_norm=1.0))
+        job.step += 1
+        job.d.tick(job.now)
+    assert kinds(job) == []
+    assert sorted(state.ranks) == [0, 1, 2] and state.expected == 3
+
+
+def test_a_rank_a_grow_adds_is_admitted_by_the_hello_that_declares_it() -> None:
+    """The group went on at 2 (node-b left) and grows back to 4: the new ranks' beats before
+    their hellos are not yet of the job, their hellos at world size 4 admit them, and a
+    late hello at the old size (before the shrink) admits nothing."""
+    from trainguard.schemas import Attempt, RankHello
+
+    def hello(rank: int, world: int, t: float) -> None:
+        job.d.on_hello(RankHello(job="j", rank=rank, world_size=world, host=HOSTS[rank],
+                                 pid=job.pids[rank], attempt=Attempt(restart_count=0),
+                                 time=t), job.now)
+
+    job = Job({"node-a": 0, "node-b": 0})
+    for r in HOSTS:
+        hello(r, 4, job.now)
+    job.steps(5)
+    shrunk = job.now
+    for r in (0, 1):
+        hello(r, 2, shrunk)
+    state = job.d.jobs["j"]
+    assert sorted(state.ranks) == [0, 1]
+    hello(2, 4, shrunk - 5.0)  # sent before the shrink, delivered after it
+    assert sorted(state.ranks) == [0, 1]
+    job.now += 3.0
+    job.pids.update({2: 302, 3: 303})
+    job.beat(only={2, 3})
+    assert sorted(state.ranks) == [0, 1]
+    for r in HOSTS:
+        hello(r, 4, job.now)
+    job.steps(5)
+    assert sorted(state.ranks) == [0, 1, 2, 3] and state.expected == 4
+    assert job.states() == {0: "ok", 1: "ok", 2: "ok", 3: "ok"}
+
+
 def test_reports_about_a_numbers_previous_process_leave_its_new_holder_alone() -> None:
     """node-b (rank 2) left and node-c's process closed up the gap as rank 2: node-b's late
     exit and node heartbeat for rank 2 are about its own process, not node-c's."""

@@ -83,6 +83,8 @@ FINISH = [
     ("hold", "done", "host-node-a: done holding", "failed", "host-node-a: done holding"),
     ("hold", "skipped", "nothing to hold", "failed", "nothing to hold"),  # launchers gone
     ("hold", "failed", "no ack", "escalated", "hold failed: no ack"),  # it may still run
+    # Evidence only: a rank that could not dump does not stop the restart after it.
+    ("dump", "failed", "host-node-a: refused no rank", "mitigating", ""),
 ]
 
 

@@ -489,8 +489,9 @@ class Guard:
 
     # -- background thread ------------------------------------------------------------
     def _beat(self) -> None:
-        hb = self.state.heartbeat(self.identity, self.transport.stats.dropped)
-        self.transport.publish(self.subjects.hb(self.job, self.rank), hb)
+        identity = self.identity  # one read: a resize on the training thread may be midway
+        hb = self.state.heartbeat(identity, self.transport.stats.dropped)
+        self.transport.publish(self.subjects.hb(self.job, identity.rank), hb)
 
     # -- built-in command handlers ----------------------------------------------------
     def _set_interval(self, cmd: Command) -> str:
