@@ -8,8 +8,10 @@ from __future__ import annotations
 from tests.unit.test_detector_attempts import HOSTS, Job
 from trainguard.schemas import (
     RECOVERING_PHASE,
+    Attempt,
     Heartbeat,
     NodeHeartbeat,
+    RankHello,
     StepReport,
     WorkerExit,
 )
@@ -23,6 +25,31 @@ def crash_rank_2(job: Job) -> None:
     job.d.on_exit(WorkerExit(id="x", job="j", host="node-b", rank=2, pid=job.pids[2],
                              exit_code=-9, signal="SIGKILL", attempt=job.attempts["node-b"],
                              time=job.now), job.now)
+
+
+def hello(job: Job, rank: int, world: int, t: float, host: str = "",
+          pid: int = 0) -> None:
+    """``rank`` says hello at world size ``world``, sent at ``t`` (host and pid: its own by
+    default, the process's after a renumbering)."""
+    job.d.on_hello(RankHello(job="j", rank=rank, world_size=world, host=host or HOSTS[rank],
+                             pid=pid or job.pids[rank], attempt=Attempt(restart_count=0),
+                             time=t), job.now)
+
+
+def step_on(job: Job, ranks: dict[int, tuple[str, int]], world: int) -> None:
+    """``ranks`` (rank -> host, pid) beat and step for 20 s, far past every silence and hang
+    threshold, in a group of ``world``."""
+    for _ in range(40):
+        job.now += 0.5
+        for r, (host, pid) in ranks.items():
+            job.d.on_telemetry(Heartbeat(job="j", time=job.now, rank=r, attempt=0, host=host,
+                                         pid=pid, step=job.step, phase="compute"))
+            job.d.on_telemetry(StepReport(job="j", time=job.now, rank=r, step=job.step,
+                                          attempt=0, duration=0.5, world_size=world,
+                                          phases={"compute": 0.45, "comm": 0.05}, loss=2.0,
+                                          grad_norm=1.0))
+        job.step += 1
+        job.d.tick(job.now)
 
 
 def wait_recovering(job: Job, seconds: float, survivors: set[int],
@@ -112,12 +139,9 @@ def test_a_host_that_left_in_place_takes_its_ranks_out_of_the_job() -> None:
     """node-b is isolated (its exits are the command's) and node-a's ranks say hello at
     world size 2: ranks 2-3 are gone, not silent; nothing is raised and the job steps on
     with two."""
-    from trainguard.schemas import Attempt, RankHello
-
     job = Job({"node-a": 0, "node-b": 0})
-    for r, host in HOSTS.items():
-        job.d.on_hello(RankHello(job="j", rank=r, world_size=4, host=host, pid=job.pids[r],
-                                 attempt=Attempt(restart_count=0), time=job.now), job.now)
+    for r in HOSTS:
+        hello(job, r, 4, job.now)
     job.steps(10)
     job.d.drain()
     for r in (2, 3):
@@ -125,27 +149,14 @@ def test_a_host_that_left_in_place_takes_its_ranks_out_of_the_job() -> None:
                                  exit_code=-15, signal="SIGTERM", initiated_by="c1",
                                  attempt=0, time=job.now), job.now)
     for r in (0, 1):
-        job.d.on_hello(RankHello(job="j", rank=r, world_size=2, host="node-a",
-                                 pid=job.pids[r], attempt=Attempt(restart_count=0),
-                                 time=job.now), job.now)
+        hello(job, r, 2, job.now)
     state = job.d.jobs["j"]
     assert sorted(state.ranks) == [0, 1] and state.expected == 2
     # An agent that has not caught up yet still names a gone rank: it is not admitted.
     job.d.on_telemetry(NodeHeartbeat(job="j", host="node-b", time=job.now, attempt=0,
                                      ranks={2: "R"}))
     assert sorted(state.ranks) == [0, 1]
-    for _ in range(40):  # 20 s: far past every silence and hang threshold
-        job.now += 0.5
-        for r in (0, 1):
-            job.d.on_telemetry(Heartbeat(job="j", time=job.now, rank=r, attempt=0,
-                                         host="node-a", pid=job.pids[r], step=job.step,
-                                         phase="compute"))
-            job.d.on_telemetry(StepReport(job="j", time=job.now, rank=r, step=job.step,
-                                          attempt=0, duration=0.5, world_size=2,
-                                          phases={"compute": 0.45, "comm": 0.05}, loss=2.0,
-                                          grad_norm=1.0))
-        job.step += 1
-        job.d.tick(job.now)
+    step_on(job, {r: ("node-a", job.pids[r]) for r in (0, 1)}, world=2)
     assert kinds(job) == []
     assert job.states() == {0: "ok", 1: "ok"}
 
@@ -155,19 +166,13 @@ def test_a_renumbered_rank_s_late_reports_as_its_old_number_are_not_a_new_rank()
     Rank 0's hello at world size 3 came first; node-b's process then beat once more as rank
     3 before it renumbered, and a step report of its old number was late: number 3 went,
     and stays gone (it was once raised ``unresponsive`` when that beat re-admitted it)."""
-    from trainguard.schemas import Attempt, RankHello
-
-    def hello(rank: int, world: int, host: str, pid: int, t: float) -> None:
-        job.d.on_hello(RankHello(job="j", rank=rank, world_size=world, host=host, pid=pid,
-                                 attempt=Attempt(restart_count=0), time=t), job.now)
-
     job = Job({"node-a": 0, "node-b": 0})
-    for r, host in HOSTS.items():
-        hello(r, 4, host, job.pids[r], job.now)
+    for r in HOSTS:
+        hello(job, r, 4, job.now)
     job.steps(10)
     job.d.drain()
     state = job.d.jobs["j"]
-    hello(0, 3, "node-a", job.pids[0], job.now)
+    hello(job, 0, 3, job.now)
     assert sorted(state.ranks) == [0, 1, 2]
     job.now += 0.2
     job.d.on_telemetry(Heartbeat(job="j", time=job.now, rank=3, attempt=0, host="node-b",
@@ -175,22 +180,11 @@ def test_a_renumbered_rank_s_late_reports_as_its_old_number_are_not_a_new_rank()
     job.d.on_telemetry(StepReport(job="j", time=job.now - 1.0, rank=3, step=job.step - 1,
                                   attempt=0, duration=0.5, world_size=4))
     assert sorted(state.ranks) == [0, 1, 2]
-    moved = {1: job.pids[2], 2: job.pids[3]}
-    for r, pid in moved.items():
-        hello(r, 3, "node-b", pid, job.now + 0.1)
-    pids, hosts = {0: job.pids[0], **moved}, {0: "node-a", 1: "node-b", 2: "node-b"}
-    for _ in range(40):  # 20 s: far past every silence and hang threshold
-        job.now += 0.5
-        for r in (0, 1, 2):
-            job.d.on_telemetry(Heartbeat(job="j", time=job.now, rank=r, attempt=0,
-                                         host=hosts[r], pid=pids[r], step=job.step,
-                                         phase="compute"))
-            job.d.on_telemetry(StepReport(job="j", time=job.now, rank=r, step=job.step,
-                                          attempt=0, duration=0.5, world_size=3,
-                                          phases={"compute": 0.45, "comm": 0.05}, loss=2.0,
-                                          grad_norm=1.0))
-        job.step += 1
-        job.d.tick(job.now)
+    group = {0: ("node-a", job.pids[0]), 1: ("node-b", job.pids[2]),
+             2: ("node-b", job.pids[3])}
+    for r in (1, 2):
+        hello(job, r, 3, job.now + 0.1, *group[r])
+    step_on(job, group, world=3)
     assert kinds(job) == []
     assert sorted(state.ranks) == [0, 1, 2] and state.expected == 3
 
@@ -199,30 +193,23 @@ def test_a_rank_a_grow_adds_is_admitted_by_the_hello_that_declares_it() -> None:
     """The group went on at 2 (node-b left) and grows back to 4: the new ranks' beats before
     their hellos are not yet of the job, their hellos at world size 4 admit them, and a
     late hello at the old size (before the shrink) admits nothing."""
-    from trainguard.schemas import Attempt, RankHello
-
-    def hello(rank: int, world: int, t: float) -> None:
-        job.d.on_hello(RankHello(job="j", rank=rank, world_size=world, host=HOSTS[rank],
-                                 pid=job.pids[rank], attempt=Attempt(restart_count=0),
-                                 time=t), job.now)
-
     job = Job({"node-a": 0, "node-b": 0})
     for r in HOSTS:
-        hello(r, 4, job.now)
+        hello(job, r, 4, job.now)
     job.steps(5)
     shrunk = job.now
     for r in (0, 1):
-        hello(r, 2, shrunk)
+        hello(job, r, 2, shrunk)
     state = job.d.jobs["j"]
     assert sorted(state.ranks) == [0, 1]
-    hello(2, 4, shrunk - 5.0)  # sent before the shrink, delivered after it
+    hello(job, 2, 4, shrunk - 5.0)  # sent before the shrink, delivered after it
     assert sorted(state.ranks) == [0, 1]
     job.now += 3.0
     job.pids.update({2: 302, 3: 303})
     job.beat(only={2, 3})
     assert sorted(state.ranks) == [0, 1]
     for r in HOSTS:
-        hello(r, 4, job.now)
+        hello(job, r, 4, job.now)
     job.steps(5)
     assert sorted(state.ranks) == [0, 1, 2, 3] and state.expected == 4
     assert job.states() == {0: "ok", 1: "ok", 2: "ok", 3: "ok"}
@@ -250,15 +237,10 @@ def test_reports_about_a_numbers_previous_process_leave_its_new_holder_alone() -
 
 
 def test_a_late_hello_of_a_smaller_world_does_not_drop_live_ranks() -> None:
-    from trainguard.schemas import Attempt, RankHello
-
     job = Job({"node-a": 0, "node-b": 0})
-    for rank, host in HOSTS.items():
-        job.d.on_hello(RankHello(job="j", rank=rank, world_size=4, host=host,
-                                 pid=job.pids[rank], attempt=Attempt(restart_count=0),
-                                 time=job.now), job.now)
-    job.d.on_hello(RankHello(job="j", rank=0, world_size=2, host="node-a", pid=job.pids[0],
-                             attempt=Attempt(restart_count=0), time=job.now - 30), job.now)
+    for rank in HOSTS:
+        hello(job, rank, 4, job.now)
+    hello(job, 0, 2, job.now - 30)
     assert sorted(job.d.jobs["j"].ranks) == [0, 1, 2, 3]
 
 
