@@ -5,17 +5,33 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 PYTEST := $(BIN)/python -m pytest --durations=25
 
-.PHONY: setup test test-fast test-e2e test-torch-matrix check-client-install lint up demo bench clean
+.PHONY: setup lock test test-fast test-e2e test-torch-matrix check-client-install lint up demo bench clean
 
 setup: $(STAMP)
 
-# torch: the CPU build of 2.13.0 where no torch is present (an unpinned `torch` would pull a
-# CUDA build of several GB).
-$(STAMP): pyproject.toml
+# Exactly the versions in requirements/dev.lock (torch: its CPU build), then the project itself
+# without its dependencies: a fresh clone installs what CI passed with, whatever was released
+# since. `make lock` refreshes the locks on purpose; review their diff like code.
+LOCK := requirements/dev.lock
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "torch==2.13.0"
-	$(BIN)/python -m pip install -q -e ".[dev,torch,gpu,services,embedded]"
+	$(BIN)/python -m pip install -q -r $(LOCK)
+	$(BIN)/python -m pip install -q --no-deps -e .
+	$(BIN)/python -m pip check
 	touch $(STAMP)
+
+# The locks: dev.lock for `make setup` and CI, services.lock and client.lock for the images
+# (client.lock leaves torch out: the image installs the build its TORCH_INDEX serves). The
+# library's own ranges in pyproject.toml stay open for users. A local wheel directory
+# (PIP_FIND_LINKS) or the CPU index supplies torch's CPU build.
+TORCH_SOURCE ?= $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS),--extra-index-url https://download.pytorch.org/whl/cpu --index-strategy unsafe-best-match)
+COMPILE = $(BIN)/uv pip compile pyproject.toml -q --python-version 3.11 \
+	--python-platform x86_64-manylinux_2_28 -c requirements/constraints.txt $(TORCH_SOURCE)
+
+lock: setup
+	$(COMPILE) --extra dev --extra torch --extra gpu --extra services --extra embedded -o requirements/dev.lock
+	$(COMPILE) --extra services -o requirements/services.lock
+	$(COMPILE) --extra torch --extra gpu --extra agent --no-emit-package torch -o requirements/client.lock
 
 lint: setup
 	$(BIN)/ruff check libs services tests bench scripts

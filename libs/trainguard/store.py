@@ -75,8 +75,7 @@ def _sentinel_client(url: str, options: dict[str, Any]) -> aioredis.Redis:
         "username": target.username, "password": target.password,
         **({"ssl": True, **tls} if target.tls else {}),
     }
-    sentinel = Sentinel(list(target.sentinels),  # type: ignore[no-untyped-call]
-                        sentinel_kwargs=sentinel_options)
+    sentinel = Sentinel(list(target.sentinels), sentinel_kwargs=sentinel_options)
     node_options: dict[str, Any] = {**options, "db": target.db}
     if target.tls:
         node_options["ssl"] = True
