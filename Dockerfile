@@ -22,7 +22,6 @@ FROM ${PYTHON_IMAGE} AS wheel
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY libs ./libs
-COPY services ./services
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 FROM ${KUBECTL_IMAGE} AS kubectl

@@ -34,8 +34,9 @@ lock: setup
 	$(COMPILE) --extra torch --extra gpu --extra agent --no-emit-package torch -o requirements/client.lock
 
 lint: setup
-	$(BIN)/ruff check libs services tests bench scripts
-	$(BIN)/mypy libs/trainguard services
+	$(BIN)/ruff check libs tests bench scripts
+	$(BIN)/mypy libs/trainguard
+	$(BIN)/lint-imports
 
 test-fast: setup
 	$(PYTEST) tests/unit tests/integration

@@ -25,15 +25,15 @@ from typing import Any
 
 import nats
 
-from trainguard.bus import Bus
-from trainguard.config import load_settings
-from trainguard.embedded import EmbeddedControlPlane
-from trainguard.schemas import Incident
-from trainguard.service import Runtime, run_service
+from trainguard.contract.schemas import Incident
+from trainguard.contract.subjects import Subjects
+from trainguard.runtime.bus import Bus
+from trainguard.runtime.config import load_settings
+from trainguard.runtime.embedded import EmbeddedControlPlane
+from trainguard.runtime.service import Runtime, run_service
+from trainguard.runtime.topology import provision, streams
 from trainguard.services.bridge.service import BridgeService
 from trainguard.services.bridge.settings import BridgeSettings
-from trainguard.subjects import Subjects
-from trainguard.topology import provision, streams
 
 PREFIX = "bench"
 

@@ -32,16 +32,16 @@ import torch.distributed as dist
 from torch import nn
 
 from trainguard import Guard
-from trainguard.bus import Bus
-from trainguard.codec import decode_durable
-from trainguard.config import load_settings
-from trainguard.embedded import EmbeddedControlPlane, free_port
-from trainguard.envelope import uuid7
-from trainguard.schemas import CheckpointCommitted, CheckpointReport, FileDigest
-from trainguard.service import run_service
+from trainguard.contract.codec import decode_durable
+from trainguard.contract.envelope import uuid7
+from trainguard.contract.schemas import CheckpointCommitted, CheckpointReport, FileDigest
+from trainguard.contract.subjects import Subjects
+from trainguard.runtime.bus import Bus
+from trainguard.runtime.config import load_settings
+from trainguard.runtime.embedded import EmbeddedControlPlane, free_port
+from trainguard.runtime.service import run_service
 from trainguard.services.checkpointer.service import CheckpointerService
 from trainguard.services.checkpointer.settings import CheckpointerSettings
-from trainguard.subjects import Subjects
 from trainguard.torch import Checkpointer
 
 PREFIX = "bench"

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from trainguard import Guard
-from trainguard.embedded import EmbeddedControlPlane
+from trainguard.runtime.embedded import EmbeddedControlPlane
 from trainguard.torch import grad_norm
 
 

@@ -26,15 +26,15 @@ import sys
 import time
 from typing import Any
 
-from trainguard.codec import decode_telemetry, encode_telemetry
-from trainguard.config import load_settings
-from trainguard.schemas import Heartbeat, StepReport, WorkerExit
-from trainguard.service import Metrics
+from trainguard.contract.codec import decode_telemetry, encode_telemetry
+from trainguard.contract.schemas import Heartbeat, StepReport, WorkerExit
+from trainguard.runtime.config import load_settings
+from trainguard.runtime.service import Metrics
+from trainguard.runtime.state import encode_progress
 from trainguard.services.detector.service import DetectorService
 from trainguard.services.detector.settings import DetectorSettings
 from trainguard.services.detector.synthetic import Harness, SimConfig
 from trainguard.services.detector.thresholds import Thresholds
-from trainguard.state import encode_progress
 
 JOB = "bench"
 START = 1_700_000_000.0

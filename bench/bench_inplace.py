@@ -100,8 +100,8 @@ class Harness:
     def __init__(self, tmp: Path, size: str) -> None:
         from torch.distributed import PrefixStore, TCPStore
 
-        from trainguard import groupstore
-        from trainguard.embedded import free_port
+        from trainguard.recovery import groupstore
+        from trainguard.runtime.embedded import free_port
 
         self.tmp, self.size, self.port = tmp, size, free_port()
         self.store = TCPStore("127.0.0.1", self.port, is_master=True,
@@ -130,7 +130,7 @@ class Harness:
         return proc
 
     def ready(self) -> bool:
-        from trainguard import groupstore
+        from trainguard.recovery import groupstore
 
         return self.job.check([groupstore.in_place_key(self.generation, r)
                                for r in range(WORLD)])
@@ -146,7 +146,7 @@ def wait_for(cond: Any, what: str, procs: list[subprocess.Popen[bytes]],
 
 
 def in_place(tmp: Path, size: str, steps: int) -> dict[str, float]:
-    from trainguard import groupstore
+    from trainguard.recovery import groupstore
 
     h = Harness(tmp, size)
     procs = {r: h.spawn(r, "--steps", str(steps), "--ckpt-step", "3") for r in range(WORLD)}

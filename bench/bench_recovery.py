@@ -66,7 +66,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainguard.embedded import free_port, port_taken
+from trainguard.runtime.embedded import free_port, port_taken
 
 STEP_TIME = 0.05
 CKPT_EVERY = 10

@@ -4,7 +4,7 @@ process against a warm spare, interleaved in one run.
 The replacement is the real one: ``trainguard.examples.toy_trainer`` (gloo, world size 1,
 trainguard enabled, its bus unreachable as after a control-plane blip), started either as
 ``trainguard launch`` starts a cold rank (``python -u -m ...``) or by handing the rank's
-environment to a ready spare of the agent's own pool (:mod:`trainguard.services.agent.spares`),
+environment to a ready spare of the agent's own pool (:mod:`trainguard.agent.spares`),
 which runs it in-process. The clock starts just before the start (or the hand-over) and
 stops at the first step's line in the trainer's ``--progress-file``; a spare's warm-up
 happens before and is not counted (that is the point of it), but its idle memory is
@@ -24,9 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from trainguard.embedded import free_port
-from trainguard.services.agent.spare import SpareOrder
-from trainguard.services.agent.spares import SparePool
+from trainguard.agent.spare import SpareOrder
+from trainguard.agent.spares import SparePool
+from trainguard.runtime.embedded import free_port
 
 TRAINER = "trainguard.examples.toy_trainer"
 

@@ -71,11 +71,11 @@ async def first_step_at(path: Path, after: float, world: int
 
 
 async def run(variant: str, root: Path, tracker: Tracker) -> dict[str, Any]:
-    from trainguard.codec import encode_durable
+    from trainguard.contract.codec import encode_durable
+    from trainguard.contract.envelope import make_headers
+    from trainguard.contract.subjects import Subjects
+    from trainguard.contract.targets import addressed
     from trainguard.demo.cluster import Cluster
-    from trainguard.envelope import make_headers
-    from trainguard.subjects import Subjects
-    from trainguard.targets import addressed
 
     class ShrinkCluster(Cluster):
         progress_file: Path

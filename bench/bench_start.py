@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainguard.embedded import NatsServer, free_port
+from trainguard.runtime.embedded import NatsServer, free_port
 
 RANKS = 4
 MODES = ("plain", "trainguard", "disabled")

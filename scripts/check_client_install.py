@@ -27,7 +27,7 @@ from pathlib import Path
 
 import nats
 
-from trainguard.embedded import NatsServer, free_port
+from trainguard.runtime.embedded import NatsServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 TRANSITIVE = ("typing-extensions", "importlib-metadata", "zipp")

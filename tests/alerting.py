@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from trainguard.embedded import free_port
+from trainguard.runtime.embedded import free_port
 
 _apt_lock = threading.Lock()
 

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from trainguard.embedded import EmbeddedControlPlane, NatsServer, RedisServer, free_port
+from trainguard.runtime.embedded import EmbeddedControlPlane, NatsServer, RedisServer, free_port
 
 T = TypeVar("T")
 

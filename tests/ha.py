@@ -23,7 +23,7 @@ import nats
 import pytest
 import redis.asyncio as aioredis
 
-from trainguard.embedded import (
+from trainguard.runtime.embedded import (
     LOOPBACK,
     NatsServer,
     RedisServer,
@@ -196,7 +196,7 @@ class SentinelSet:
 
     @property
     def url(self) -> str:
-        """The Sentinel URL of ``trainguard.redisurl``."""
+        """The Sentinel URL of ``trainguard.runtime.redisurl``."""
         return "redis+sentinel://" + ",".join(s.url for s in self.sentinels) + f"/{MASTER}/0"
 
     async def isolate_replica(self) -> None:

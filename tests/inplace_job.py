@@ -2,7 +2,7 @@
 
 The test holds the job's rendezvous ``TCPStore`` (the agent's store), starts the ranks with
 the environment ``trainguard launch`` gives them, and replaces a rank the way the agent
-does: bump :data:`trainguard.groupstore.GENERATION`, start the same rank with
+does: bump :data:`trainguard.recovery.groupstore.GENERATION`, start the same rank with
 ``TRAINGUARD_JOIN=peers`` and the new ``TRAINGUARD_GENERATION``.
 """
 
@@ -20,8 +20,9 @@ from typing import Any
 import torch
 from torch.distributed import PrefixStore, TCPStore
 
-from trainguard import envnames, groupstore
-from trainguard.embedded import free_port
+from trainguard.contract import envnames
+from trainguard.recovery import groupstore
+from trainguard.runtime.embedded import free_port
 
 RUN_ID = "inplace-test"
 

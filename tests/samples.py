@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from trainguard import schemas as s
-from trainguard.evidence import FlightRecorderEvidence, LossSpikeEvidence
-from trainguard.flightrec import GroupStatus, RankRecord
+from trainguard.analysis.flightrec import GroupStatus, RankRecord
+from trainguard.contract import schemas as s
+from trainguard.contract.evidence import FlightRecorderEvidence, LossSpikeEvidence
 
 TELEMETRY: list[s.TelemetryMessage] = [
     s.Heartbeat(job="j1", time=1.5, seq=3, rank=2, attempt=1, host="node-a", pid=42, step=10,

@@ -8,12 +8,12 @@ from typing import Any
 
 import nats
 
-from trainguard.bus import Bus
-from trainguard.codec import decode_any_durable, decode_telemetry
-from trainguard.envelope import H_ID, H_TYPE, normalize_headers
-from trainguard.schemas import CommandAck, Durable, NodeHello, RankHello, WorkerExit
-from trainguard.subjects import Subjects
-from trainguard.topology import provision, streams
+from trainguard.contract.codec import decode_any_durable, decode_telemetry
+from trainguard.contract.envelope import H_ID, H_TYPE, normalize_headers
+from trainguard.contract.schemas import CommandAck, Durable, NodeHello, RankHello, WorkerExit
+from trainguard.contract.subjects import Subjects
+from trainguard.runtime.bus import Bus
+from trainguard.runtime.topology import provision, streams
 
 
 class Tap:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from trainguard.embedded import LOOPBACK, ServerProcess, nats_server_binary
+from trainguard.runtime.embedded import LOOPBACK, ServerProcess, nats_server_binary
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from trainguard.embedded import free_port
+from trainguard.runtime.embedded import free_port
 
 E2E_TIMEOUT = 180
 

@@ -13,8 +13,8 @@ import redis.asyncio as aioredis
 from tests.conftest import wait_until
 from tests.e2e.conftest import job_env, launch
 from tests.tap import Tap, tapped
-from trainguard.embedded import free_port
-from trainguard.schemas import (
+from trainguard.agent.launcher import EXIT_ISOLATED
+from trainguard.contract.schemas import (
     Command,
     GpuSample,
     Heartbeat,
@@ -22,9 +22,9 @@ from trainguard.schemas import (
     RankHello,
     StepReport,
 )
-from trainguard.services.agent.launcher import EXIT_ISOLATED
-from trainguard.state import Keys
-from trainguard.subjects import Subjects
+from trainguard.contract.subjects import Subjects
+from trainguard.runtime.embedded import free_port
+from trainguard.runtime.state import Keys
 
 
 def env_for(nats_url: str, redis_url: str, prefix: str) -> dict[str, str]:

@@ -28,8 +28,8 @@ from tests.conftest import wait_until
 from tests.e2e.conftest import job_env
 from tests.integration.test_checkpointer import coordinator
 from tests.tap import tapped
-from trainguard.embedded import free_port
-from trainguard.schemas import StepReport
+from trainguard.contract.schemas import StepReport
+from trainguard.runtime.embedded import free_port
 
 TRAINER = "tests.e2e.ckpt_trainer"
 

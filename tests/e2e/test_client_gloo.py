@@ -10,8 +10,8 @@ from typing import Any
 from tests.conftest import wait_until
 from tests.e2e.conftest import job_env, torchrun
 from tests.tap import tapped
-from trainguard.schemas import Command, Fingerprint, Heartbeat, StepReport
-from trainguard.subjects import Subjects
+from trainguard.contract.schemas import Command, Fingerprint, Heartbeat, StepReport
+from trainguard.contract.subjects import Subjects
 
 
 async def finish(proc: subprocess.Popen[bytes], log: Path, timeout: float = 150) -> None:

@@ -20,10 +20,11 @@ from tests.e2e.conftest import job_env
 from tests.e2e.test_agent import exit_code
 from tests.integration.recorder import running
 from tests.tap import tapped
-from trainguard.codec import decode_durable
-from trainguard.config import load_settings
-from trainguard.schemas import Action, Incident, RankHello
-from trainguard.services.agent.launcher import EXIT_HELD
+from trainguard.agent.launcher import EXIT_HELD
+from trainguard.contract.codec import decode_durable
+from trainguard.contract.schemas import Action, Incident, RankHello
+from trainguard.contract.subjects import Subjects
+from trainguard.runtime.config import load_settings
 from trainguard.services.detector.service import DetectorService
 from trainguard.services.detector.settings import DetectorSettings
 from trainguard.services.diagnoser.service import DiagnoserService
@@ -31,7 +32,6 @@ from trainguard.services.diagnoser.settings import DiagnoserSettings
 from trainguard.services.remediator.policy import load_policy
 from trainguard.services.remediator.service import RemediatorService
 from trainguard.services.remediator.settings import RemediatorSettings
-from trainguard.subjects import Subjects
 
 ERROR = "RuntimeError: bad config: vocab_size=0"
 TRAINER = """

@@ -28,17 +28,17 @@ from tests.conftest import wait_until
 from tests.e2e.browser import Browser, ensure_chromium
 from tests.integration.recorder import running
 from trainguard import Guard
-from trainguard.bus import Bus
-from trainguard.config import Settings, load_settings
+from trainguard.contract.schemas import CheckpointCommitted
+from trainguard.contract.subjects import Subjects
 from trainguard.dashboard import DashboardServer, run_dashboard
-from trainguard.schemas import CheckpointCommitted
+from trainguard.runtime.bus import Bus
+from trainguard.runtime.config import Settings, load_settings
 from trainguard.services.detector.service import DetectorService
 from trainguard.services.detector.settings import DetectorSettings
 from trainguard.services.diagnoser.service import DiagnoserService
 from trainguard.services.diagnoser.settings import DiagnoserSettings
 from trainguard.services.remediator.service import RemediatorService
 from trainguard.services.remediator.settings import RemediatorSettings
-from trainguard.subjects import Subjects
 
 ROOT = Path(__file__).resolve().parents[2]
 SCREENSHOT = ROOT / "docs" / "img" / "dashboard.png"

@@ -12,10 +12,10 @@ import pytest
 import pytest_asyncio
 
 from tests.conftest import wait_until
+from trainguard.contract.schemas import Diagnosis
 from trainguard.demo.cluster import Cluster
 from trainguard.demo.runner import Runner
 from trainguard.demo.scenario import FAULTS
-from trainguard.schemas import Diagnosis
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -11,8 +11,9 @@ from pathlib import Path
 
 from tests.conftest import wait_until
 from tests.e2e.conftest import job_env, torchrun
-from trainguard import envnames, flightrec
-from trainguard.services.agent import flightrec as agent_fr
+from trainguard.agent import flightrec as agent_fr
+from trainguard.analysis import flightrec
+from trainguard.contract import envnames
 
 NPROC = 3
 

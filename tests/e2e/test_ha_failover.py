@@ -33,19 +33,19 @@ from tests.e2e.test_agent import exit_code
 from tests.ha import NatsCluster, SentinelSet
 from tests.integration.recorder import running
 from tests.tap import tapped
-from trainguard.codec import decode_durable
-from trainguard.config import load_settings
-from trainguard.envelope import normalize_headers
-from trainguard.schemas import Command, Incident, RankHello, StepReport
+from trainguard.contract.codec import decode_durable
+from trainguard.contract.envelope import normalize_headers
+from trainguard.contract.schemas import Command, Incident, RankHello, StepReport
+from trainguard.contract.subjects import Subjects
+from trainguard.runtime.config import load_settings
+from trainguard.runtime.store import connect_redis
+from trainguard.runtime.topology import stream_name
 from trainguard.services.detector.service import DetectorService
 from trainguard.services.detector.settings import DetectorSettings
 from trainguard.services.diagnoser.service import DiagnoserService
 from trainguard.services.diagnoser.settings import DiagnoserSettings
 from trainguard.services.remediator.service import RemediatorService
 from trainguard.services.remediator.settings import RemediatorSettings
-from trainguard.store import connect_redis
-from trainguard.subjects import Subjects
-from trainguard.topology import stream_name
 
 HANG_STEP = 10
 

@@ -25,13 +25,13 @@ import torch
 
 from tests.conftest import wait_until
 from tests.e2e.conftest import job_env, torchrun
-from trainguard.codec import decode_any_durable, decode_telemetry, encode_durable
+from trainguard.agent.exitcodes import EXIT_ISOLATED
+from trainguard.contract.codec import decode_any_durable, decode_telemetry, encode_durable
+from trainguard.contract.envelope import make_headers, normalize_headers
+from trainguard.contract.schemas import Heartbeat, Incident, RankHello, RecoveryReport
+from trainguard.contract.subjects import Subjects
+from trainguard.contract.targets import addressed
 from trainguard.demo.cluster import Cluster
-from trainguard.envelope import make_headers, normalize_headers
-from trainguard.schemas import Heartbeat, Incident, RankHello, RecoveryReport
-from trainguard.services.agent.exitcodes import EXIT_ISOLATED
-from trainguard.subjects import Subjects
-from trainguard.targets import addressed
 
 pytestmark = pytest.mark.timeout(420)  # the cluster's start on a loaded machine, then the job
 STEPS = 150

@@ -20,13 +20,13 @@ import pytest_asyncio
 
 from tests.alerting import Alertmanager, Receiver
 from tests.conftest import wait_until
-from trainguard.codec import decode_durable
+from trainguard.contract.codec import decode_durable
+from trainguard.contract.envnames import setting
+from trainguard.contract.schemas import Incident
+from trainguard.contract.subjects import Subjects
 from trainguard.demo.cluster import Cluster
 from trainguard.demo.runner import Runner
 from trainguard.demo.scenario import FAULTS
-from trainguard.envnames import setting
-from trainguard.schemas import Incident
-from trainguard.subjects import Subjects
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -12,7 +12,7 @@ from typing import Any
 from tests.conftest import wait_until
 from tests.e2e.conftest import job_env, torchrun
 from tests.tap import tapped
-from trainguard.schemas import StepReport
+from trainguard.contract.schemas import StepReport
 
 FIRST_STEP_BOUND = 120.0
 """Seconds from a rank's process start to its first step: generous for 2 busy cores (a

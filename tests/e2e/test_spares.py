@@ -17,8 +17,8 @@ from tests.conftest import wait_until
 from tests.e2e.conftest import launch
 from tests.e2e.test_agent import env_for, exit_code
 from tests.tap import Tap, tapped
-from trainguard.schemas import Command, Heartbeat, NodeHeartbeat, RankHello, StepReport
-from trainguard.subjects import Subjects
+from trainguard.contract.schemas import Command, Heartbeat, NodeHeartbeat, RankHello, StepReport
+from trainguard.contract.subjects import Subjects
 
 
 def beats(tap: Tap) -> list[NodeHeartbeat]:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainguard.codec import decode_durable
-from trainguard.config import load_settings
-from trainguard.schemas import Diagnosis
+from trainguard.contract.codec import decode_durable
+from trainguard.contract.schemas import Diagnosis
+from trainguard.contract.subjects import Subjects
+from trainguard.runtime.config import load_settings
 from trainguard.services.diagnoser.settings import DiagnoserSettings
-from trainguard.subjects import Subjects
 
 
 def diagnoser_settings(nats_url: str, redis_url: str, prefix: str) -> DiagnoserSettings:

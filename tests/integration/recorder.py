@@ -6,11 +6,11 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
 
-from trainguard.config import Settings, load_settings
-from trainguard.errors import Reject
-from trainguard.schemas import Anomaly
-from trainguard.service import Consumer, Delivery, Runtime, Service, run_service
-from trainguard.topology import ConsumerSpec
+from trainguard.contract.errors import Reject
+from trainguard.contract.schemas import Anomaly
+from trainguard.runtime.config import Settings, load_settings
+from trainguard.runtime.service import Consumer, Delivery, Runtime, Service, run_service
+from trainguard.runtime.topology import ConsumerSpec
 
 
 class Recorder(Service):

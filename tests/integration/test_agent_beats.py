@@ -14,13 +14,13 @@ import sys
 from typing import Any
 
 from tests.conftest import wait_until
-from trainguard.codec import decode_telemetry
-from trainguard.config import load_settings
-from trainguard.schemas import NodeHeartbeat, NodeHello
-from trainguard.services.agent.link import AgentLink
-from trainguard.services.agent.node import LocalNode, Worker
-from trainguard.services.agent.settings import AgentSettings
-from trainguard.subjects import Subjects
+from trainguard.agent.link import AgentLink
+from trainguard.agent.node import LocalNode, Worker
+from trainguard.agent.settings import AgentSettings
+from trainguard.contract.codec import decode_telemetry
+from trainguard.contract.schemas import NodeHeartbeat, NodeHello
+from trainguard.contract.subjects import Subjects
+from trainguard.runtime.config import load_settings
 
 WAIT = 15.0
 """Far below the test's ``node_interval``: only an at-once beat arrives within it."""

@@ -3,7 +3,7 @@ and the group store the agent serves (real ``TCPStore`` on loopback): a rank tha
 in a group whose every rank declared in-place recovery is replaced alone (the survivor's
 process runs on, the replacement joins the next generation from its peers at the same
 attempt); a group that did not declare it restarts, and the agent says why. The ranks
-are small scripts speaking the job store's keys (``trainguard.groupstore``) as
+are small scripts speaking the job store's keys (``trainguard.recovery.groupstore``) as
 ``trainguard.torch`` does, without a process group."""
 
 from __future__ import annotations
@@ -14,20 +14,20 @@ from pathlib import Path
 import pytest
 
 from tests.unit.test_launcher_supervision import plan
-from trainguard.config import load_settings
-from trainguard.embedded import free_port
-from trainguard.schemas import RecoveryReport, WorkerExit
-from trainguard.services.agent.node import LocalNode
-from trainguard.services.agent.rendezvous import JobRendezvous
-from trainguard.services.agent.settings import AgentSettings
-from trainguard.services.agent.spares import SparePool
-from trainguard.services.agent.supervisor import Program, Supervisor
+from trainguard.agent.node import LocalNode
+from trainguard.agent.rendezvous import JobRendezvous
+from trainguard.agent.settings import AgentSettings
+from trainguard.agent.spares import SparePool
+from trainguard.agent.supervisor import Program, Supervisor
+from trainguard.contract.schemas import RecoveryReport, WorkerExit
+from trainguard.runtime.config import load_settings
+from trainguard.runtime.embedded import free_port
 
 RANK = r'''
 import json, os, sys, time
 from datetime import timedelta
 import torch.distributed as dist
-from trainguard import groupstore
+from trainguard.recovery import groupstore
 env, out, declare = os.environ, sys.argv[1], sys.argv[2] == "declare"
 store = dist.PrefixStore(groupstore.job_prefix(env["TORCHELASTIC_RUN_ID"]), dist.TCPStore(
     env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,

@@ -23,15 +23,15 @@ from tests.alerting import Alertmanager, Receiver
 from tests.conftest import wait_until
 from tests.integration.recorder import running
 from tests.integration.test_remediator_service import diagnosis, leading, seed, stage
-from trainguard.bus import Bus
-from trainguard.codec import decode_durable
-from trainguard.config import load_settings
-from trainguard.schemas import Incident, IncidentStep
-from trainguard.service import Runtime
+from trainguard.contract.codec import decode_durable
+from trainguard.contract.schemas import Incident, IncidentStep
+from trainguard.contract.subjects import Subjects
+from trainguard.runtime.bus import Bus
+from trainguard.runtime.config import load_settings
+from trainguard.runtime.service import Runtime
+from trainguard.runtime.topology import provision, streams
 from trainguard.services.bridge.service import BridgeService
 from trainguard.services.bridge.settings import BridgeSettings
-from trainguard.subjects import Subjects
-from trainguard.topology import provision, streams
 
 
 @pytest.fixture

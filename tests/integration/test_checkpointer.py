@@ -22,12 +22,10 @@ import pytest
 from tests.conftest import wait_until
 from tests.integration.recorder import running
 from trainguard import Guard
-from trainguard.bus import Bus
-from trainguard.codec import decode_durable
-from trainguard.commit_record import COMMIT_FILE, decode_commit
-from trainguard.config import load_settings
-from trainguard.envelope import uuid7
-from trainguard.schemas import (
+from trainguard.contract.codec import decode_durable
+from trainguard.contract.commit_record import COMMIT_FILE, decode_commit
+from trainguard.contract.envelope import uuid7
+from trainguard.contract.schemas import (
     Anomaly,
     CheckpointCommitted,
     CheckpointReport,
@@ -35,10 +33,12 @@ from trainguard.schemas import (
     FileDigest,
     ResumePoint,
 )
+from trainguard.contract.subjects import Subjects
+from trainguard.runtime.bus import Bus
+from trainguard.runtime.config import load_settings
+from trainguard.runtime.topology import provision, stream_name, streams
 from trainguard.services.checkpointer.service import CheckpointerService
 from trainguard.services.checkpointer.settings import CheckpointerSettings
-from trainguard.subjects import Subjects
-from trainguard.topology import provision, stream_name, streams
 
 
 def coordinator_settings(nats_url: str, redis_url: str, prefix: str,

@@ -24,9 +24,9 @@ from tests.conftest import wait_until
 from tests.integration.test_checkpointer import Coordinator, coordinator, write_shards
 from trainguard import Guard
 from trainguard.cli import checkpoints as cli
-from trainguard.codec import decode_durable
-from trainguard.schemas import Command, Incident
-from trainguard.state import Keys, Progress, encode_progress
+from trainguard.contract.codec import decode_durable
+from trainguard.contract.schemas import Command, Incident
+from trainguard.runtime.state import Keys, Progress, encode_progress
 
 
 class Rank(threading.Thread):

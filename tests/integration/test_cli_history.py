@@ -15,10 +15,9 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from tests.integration.test_cli_oncall import cli
-from trainguard.bus import Bus
-from trainguard.codec import encode_durable
-from trainguard.evidence import HangEvidence
-from trainguard.schemas import (
+from trainguard.contract.codec import encode_durable
+from trainguard.contract.evidence import HangEvidence
+from trainguard.contract.schemas import (
     Action,
     Anomaly,
     CheckpointCommitted,
@@ -27,9 +26,10 @@ from trainguard.schemas import (
     Incident,
     IncidentStep,
 )
-from trainguard.state import Keys
-from trainguard.subjects import Subjects
-from trainguard.topology import provision, streams
+from trainguard.contract.subjects import Subjects
+from trainguard.runtime.bus import Bus
+from trainguard.runtime.state import Keys
+from trainguard.runtime.topology import provision, streams
 
 
 def history(job: str, now: float) -> list[tuple[str, Any]]:

@@ -11,10 +11,11 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from trainguard.bus import Bus
-from trainguard.codec import encode_durable
-from trainguard.schemas import Anomaly, Incident, IncidentStep
-from trainguard.state import (
+from trainguard.contract.codec import encode_durable
+from trainguard.contract.schemas import Anomaly, Incident, IncidentStep
+from trainguard.contract.subjects import Subjects
+from trainguard.runtime.bus import Bus
+from trainguard.runtime.state import (
     BlocklistEntry,
     Keys,
     Progress,
@@ -22,8 +23,7 @@ from trainguard.state import (
     encode_blocklist_entry,
     encode_progress,
 )
-from trainguard.subjects import Subjects
-from trainguard.topology import provision, streams
+from trainguard.runtime.topology import provision, streams
 
 
 async def cli(*args: str) -> subprocess.CompletedProcess[str]:

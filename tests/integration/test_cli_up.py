@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from trainguard.embedded import free_port
-from trainguard.ports import OFFSETS, PLUGIN_OFFSET
+from trainguard.runtime.embedded import free_port
+from trainguard.runtime.ports import OFFSETS, PLUGIN_OFFSET
 
 
 def _children(pid: int) -> list[int]:
@@ -129,7 +129,7 @@ def test_up_starts_embedded_servers_answers_and_stops_cleanly(tmp_path: Path,
         assert not any(_alive(c) for c in children)
         logged = [json.loads(line) for line in (text + rest).splitlines()
                   if line.startswith("{")]
-        ready = [r for r in logged if r["logger"] == "trainguard.service"
+        ready = [r for r in logged if r["logger"] == "trainguard.runtime.service"
                  and r["message"].startswith("service detector ready")]
         assert ready and ready[0]["level"] == "INFO" and ready[0]["time"].endswith("Z"), rest
         for name in ("detector", "diagnoser", "remediator", "checkpointer"):

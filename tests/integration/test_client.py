@@ -15,10 +15,10 @@ from tests.conftest import wait_until
 from tests.tap import tapped
 from trainguard import Guard
 from trainguard.client import DrillCrash
-from trainguard.client.identity import resolve_identity
-from trainguard.embedded import NatsServer, free_port
-from trainguard.schemas import Command, Heartbeat, StepReport
-from trainguard.subjects import Subjects
+from trainguard.contract.schemas import Command, Heartbeat, StepReport
+from trainguard.contract.subjects import Subjects
+from trainguard.core.identity import resolve_identity
+from trainguard.runtime.embedded import NatsServer, free_port
 
 
 def make_guard(url: str, prefix: str, job: str, **kw: Any) -> Guard:

@@ -18,11 +18,11 @@ from typing import Any
 import nats
 
 from tests.conftest import wait_until
-from trainguard.auth import access_from
-from trainguard.codec import encode_telemetry
-from trainguard.embedded import free_port
-from trainguard.schemas import Heartbeat, StepReport
-from trainguard.subjects import Subjects
+from trainguard.contract.codec import encode_telemetry
+from trainguard.contract.schemas import Heartbeat, StepReport
+from trainguard.contract.subjects import Subjects
+from trainguard.core.auth import access_from
+from trainguard.runtime.embedded import free_port
 
 
 def http(url: str) -> tuple[int, str, bytes]:

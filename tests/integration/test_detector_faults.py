@@ -33,12 +33,12 @@ from tests.integration.test_detector_service import (
     worker_exit,
 )
 from tests.integration.test_detector_sharding import _owned_by
-from trainguard.bus import Bus
-from trainguard.embedded import NatsServer, RedisServer, free_port
-from trainguard.schemas import Anomaly, NodeHeartbeat
+from trainguard.contract.schemas import Anomaly, NodeHeartbeat
+from trainguard.contract.subjects import Subjects
+from trainguard.runtime.bus import Bus
+from trainguard.runtime.embedded import NatsServer, RedisServer, free_port
+from trainguard.runtime.state import Keys
 from trainguard.services.detector.service import DetectorService
-from trainguard.state import Keys
-from trainguard.subjects import Subjects
 
 ROOT = Path(__file__).resolve().parents[2]
 

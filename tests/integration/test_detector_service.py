@@ -18,15 +18,15 @@ import redis.asyncio as aioredis
 
 from tests.conftest import wait_until
 from tests.integration.recorder import running
-from trainguard.bus import Bus
-from trainguard.codec import decode_durable
-from trainguard.config import load_settings
-from trainguard.embedded import NatsServer
-from trainguard.schemas import Anomaly, Heartbeat, RankHello, StepReport, WorkerExit
+from trainguard.contract.codec import decode_durable
+from trainguard.contract.schemas import Anomaly, Heartbeat, RankHello, StepReport, WorkerExit
+from trainguard.contract.subjects import Subjects
+from trainguard.runtime.bus import Bus
+from trainguard.runtime.config import load_settings
+from trainguard.runtime.embedded import NatsServer
+from trainguard.runtime.state import Keys, decode_progress
 from trainguard.services.detector.service import DetectorService
 from trainguard.services.detector.settings import DetectorSettings
-from trainguard.state import Keys, decode_progress
-from trainguard.subjects import Subjects
 
 WAIT = 60.0
 """Generous: the servers share a busy machine, where an fsync stall can last seconds."""

@@ -23,12 +23,12 @@ from tests.integration.test_detector_service import (
     until,
     worker_exit,
 )
-from trainguard.bus import Bus
-from trainguard.schemas import Anomaly
+from trainguard.contract.schemas import Anomaly
+from trainguard.contract.subjects import Subjects
+from trainguard.runtime.bus import Bus
+from trainguard.runtime.state import Keys
 from trainguard.services.detector.leases import preferred
 from trainguard.services.detector.service import DetectorService
-from trainguard.state import Keys
-from trainguard.subjects import Subjects
 
 ROOT = Path(__file__).resolve().parents[2]
 

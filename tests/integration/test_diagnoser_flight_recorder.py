@@ -10,12 +10,12 @@ from tests.conftest import wait_until
 from tests.integration.diagnoses import diagnoser_settings, diagnoses
 from tests.integration.recorder import running
 from tests.unit.test_flightrec import FIXTURES, faulted
-from trainguard import flightrec
-from trainguard.bus import Bus
-from trainguard.evidence import FlightRecorderEvidence, HangEvidence
-from trainguard.schemas import Anomaly, FlightRecorderReport
+from trainguard.analysis import flightrec
+from trainguard.contract.evidence import FlightRecorderEvidence, HangEvidence
+from trainguard.contract.schemas import Anomaly, FlightRecorderReport
+from trainguard.contract.subjects import Subjects
+from trainguard.runtime.bus import Bus
 from trainguard.services.diagnoser.service import DiagnoserService
-from trainguard.subjects import Subjects
 
 SET = "gpu_error_1st"
 

@@ -10,13 +10,13 @@ import redis.asyncio as aioredis
 from tests.conftest import wait_until
 from tests.integration.diagnoses import diagnoser_settings, diagnoses
 from tests.integration.recorder import running
-from trainguard.bus import Bus
-from trainguard.codec import decode_durable, encode_telemetry
-from trainguard.evidence import CrashEvidence, HangEvidence
-from trainguard.schemas import Anomaly, DeadLetter, GpuSample, WorkerExit, XidEvent
+from trainguard.contract.codec import decode_durable, encode_telemetry
+from trainguard.contract.evidence import CrashEvidence, HangEvidence
+from trainguard.contract.schemas import Anomaly, DeadLetter, GpuSample, WorkerExit, XidEvent
+from trainguard.contract.subjects import Subjects
+from trainguard.runtime.bus import Bus
+from trainguard.runtime.state import Keys
 from trainguard.services.diagnoser.service import DiagnoserService
-from trainguard.state import Keys
-from trainguard.subjects import Subjects
 
 
 async def test_exit_and_crash_become_one_diagnosis(nats_url: str, redis_url: str, prefix: str,
@@ -77,7 +77,7 @@ async def test_a_throughput_drop_while_a_rank_straggles_joins_the_straggler(
     The service follows the resolution from the anomaly stream itself."""
     import msgspec
 
-    from trainguard.evidence import StragglerEvidence, ThroughputDropEvidence
+    from trainguard.contract.evidence import StragglerEvidence, ThroughputDropEvidence
 
     s = Subjects(prefix)
     settings = diagnoser_settings(nats_url, redis_url, prefix)

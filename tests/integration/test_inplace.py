@@ -22,14 +22,15 @@ import torch
 from tests.conftest import wait_until
 from tests.inplace_job import Job, same_params
 from tests.tap import Tap, tapped
-from trainguard import envnames, groupstore
-from trainguard.bus import Bus
-from trainguard.codec import decode_any_durable
-from trainguard.envelope import normalize_headers
-from trainguard.schemas import Command, RankHello, RecoveryReport
-from trainguard.subjects import Subjects
-from trainguard.targets import addressed
-from trainguard.topology import streams
+from trainguard.contract import envnames
+from trainguard.contract.codec import decode_any_durable
+from trainguard.contract.envelope import normalize_headers
+from trainguard.contract.schemas import Command, RankHello, RecoveryReport
+from trainguard.contract.subjects import Subjects
+from trainguard.contract.targets import addressed
+from trainguard.recovery import groupstore
+from trainguard.runtime.bus import Bus
+from trainguard.runtime.topology import streams
 
 WORLD = 3
 STEPS = 40

@@ -21,11 +21,11 @@ from tests.conftest import wait_until
 from tests.integration.recorder import running
 from tests.integration.test_remediator_service import diagnosis, seed, settings_for, stage
 from tests.unit.test_remediator_hooks import HOOKS, calls, fake_tools
-from trainguard.bus import Bus
-from trainguard.schemas import Incident, NodeHello
+from trainguard.contract.schemas import Incident, NodeHello
+from trainguard.contract.subjects import Subjects
+from trainguard.runtime.bus import Bus
+from trainguard.runtime.state import Keys, read_blocklist_entry
 from trainguard.services.remediator.service import RemediatorService
-from trainguard.state import Keys, read_blocklist_entry
-from trainguard.subjects import Subjects
 
 
 @contextlib.asynccontextmanager
@@ -161,7 +161,7 @@ async def test_a_failing_hook_is_on_the_incident_and_recovery_goes_on(
 
 def test_a_bad_hook_template_stops_the_remediator_at_start(nats_url: str, redis_url: str,
                                                            prefix: str) -> None:
-    from trainguard.errors import ConfigError
+    from trainguard.contract.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"isolate_hook.*\{node\}"):
         RemediatorService(settings_for(nats_url, redis_url, prefix,
@@ -184,12 +184,12 @@ async def test_the_agent_joins_once_its_entry_ended_and_not_before(
     """The agent's launch check (``AgentLink.blocklisted``) against real Redis: an entry in
     force blocks, one past its ``expires`` (TTL or ``trainguard unblock``) does not, even
     before the remediator swept it."""
-    from trainguard.config import load_settings
-    from trainguard.services.agent.link import AgentLink
-    from trainguard.services.agent.node import LocalNode
-    from trainguard.services.agent.settings import AgentSettings
-    from trainguard.state import BlocklistEntry, encode_blocklist_entry
-    from trainguard.topology import provision, streams
+    from trainguard.agent.link import AgentLink
+    from trainguard.agent.node import LocalNode
+    from trainguard.agent.settings import AgentSettings
+    from trainguard.runtime.config import load_settings
+    from trainguard.runtime.state import BlocklistEntry, encode_blocklist_entry
+    from trainguard.runtime.topology import provision, streams
 
     await provision(nc.jetstream(), streams(prefix))
     settings = load_settings(AgentSettings, env={}, overrides={

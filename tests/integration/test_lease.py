@@ -1,4 +1,4 @@
-"""Leases and fenced writes (trainguard.lease) on a real Redis."""
+"""Leases and fenced writes (trainguard.runtime.lease) on a real Redis."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from tests.conftest import wait_until
-from trainguard.lease import LeaseHolder
+from trainguard.runtime.lease import LeaseHolder
 
 
 @pytest.fixture

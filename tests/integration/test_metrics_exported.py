@@ -21,8 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.alerting import Receiver, debian_tool
 from tests.integration.recorder import running
 from tests.integration.test_service import http_get
-from trainguard import registry
-from trainguard.config import load_settings
+from trainguard.runtime import registry
+from trainguard.runtime.config import load_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = [ROOT / "deploy/prometheus/alerts.yml", ROOT / "deploy/prometheus/recording.yml"]

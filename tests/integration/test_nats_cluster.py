@@ -16,12 +16,18 @@ from nats.js import api
 
 from tests.conftest import wait_until
 from tests.ha import NatsCluster
-from trainguard.bus import Bus, connect_nats
-from trainguard.errors import ConfigError
-from trainguard.fencing import Epochs
-from trainguard.schemas import Command
-from trainguard.subjects import Subjects
-from trainguard.topology import ConsumerSpec, ensure_consumer, provision, stream_name, streams
+from trainguard.contract.errors import ConfigError
+from trainguard.contract.schemas import Command
+from trainguard.contract.subjects import Subjects
+from trainguard.runtime.bus import Bus, connect_nats
+from trainguard.runtime.fencing import Epochs
+from trainguard.runtime.topology import (
+    ConsumerSpec,
+    ensure_consumer,
+    provision,
+    stream_name,
+    streams,
+)
 
 
 async def test_provisioning_scales_existing_streams_to_the_replica_setting(

@@ -24,13 +24,13 @@ from tests.integration.recorder import running
 from tests.integration.test_client import make_guard
 from tests.integration.test_service import MIB, big_diagnosis, collect_dead, errors, http_get
 from tests.tap import tapped
-from trainguard.bus import Bus
+from trainguard.agent.link import AgentLink, consumer_spec
+from trainguard.agent.node import LocalNode
+from trainguard.agent.settings import AgentSettings
 from trainguard.client.transport import Transport
-from trainguard.codec import decode_durable
-from trainguard.config import load_settings
-from trainguard.deadletter import KEEP_WHOLE
-from trainguard.envelope import H_TYPE
-from trainguard.schemas import (
+from trainguard.contract.codec import decode_durable
+from trainguard.contract.envelope import H_TYPE
+from trainguard.contract.schemas import (
     Action,
     Anomaly,
     CheckpointCommitted,
@@ -45,10 +45,12 @@ from trainguard.schemas import (
     RankHello,
     WorkerExit,
 )
-from trainguard.service import Runtime
-from trainguard.services.agent.link import AgentLink, consumer_spec
-from trainguard.services.agent.node import LocalNode
-from trainguard.services.agent.settings import AgentSettings
+from trainguard.contract.subjects import Subjects
+from trainguard.runtime.bus import Bus
+from trainguard.runtime.config import load_settings
+from trainguard.runtime.deadletter import KEEP_WHOLE
+from trainguard.runtime.service import Runtime
+from trainguard.runtime.topology import stream_name
 from trainguard.services.checkpointer.service import CheckpointerService
 from trainguard.services.checkpointer.settings import CheckpointerSettings
 from trainguard.services.detector.service import DetectorService
@@ -57,8 +59,6 @@ from trainguard.services.diagnoser.service import DiagnoserService
 from trainguard.services.diagnoser.settings import DiagnoserSettings
 from trainguard.services.remediator.service import RemediatorService
 from trainguard.services.remediator.settings import RemediatorSettings
-from trainguard.subjects import Subjects
-from trainguard.topology import stream_name
 
 WAIT = 60.0
 """Generous: four services share two busy cores with the servers."""

@@ -12,12 +12,13 @@ import uuid
 from typing import Any
 
 from services.remediator.leader import Leadership
+
 from tests.conftest import wait_until
 from tests.ha import SentinelSet
-from trainguard.bus import connect_nats
-from trainguard.fencing import Epochs, read_mirror
-from trainguard.state import Keys
-from trainguard.store import connect_redis
+from trainguard.runtime.bus import connect_nats
+from trainguard.runtime.fencing import Epochs, read_mirror
+from trainguard.runtime.state import Keys
+from trainguard.runtime.store import connect_redis
 
 
 async def _replicated(client: Any) -> None:

@@ -19,12 +19,12 @@ from tests.integration.test_remediator_service import (
     seed,
     stage,
 )
-from trainguard.bus import Bus
-from trainguard.codec import decode_durable
-from trainguard.rpc import ROLLBACK, RollbackReply, RollbackRequest
-from trainguard.schemas import Command, CommandAck, Incident, RecoveryReport, ResumePoint
-from trainguard.state import Keys, Progress, encode_progress
-from trainguard.subjects import Subjects
+from trainguard.contract.codec import decode_durable
+from trainguard.contract.rpc import ROLLBACK, RollbackReply, RollbackRequest
+from trainguard.contract.schemas import Command, CommandAck, Incident, RecoveryReport, ResumePoint
+from trainguard.contract.subjects import Subjects
+from trainguard.runtime.bus import Bus
+from trainguard.runtime.state import Keys, Progress, encode_progress
 
 
 def recovered(job: str, ident: str, *, path: str = "in_place", kind: str = "replace",

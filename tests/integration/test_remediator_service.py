@@ -19,12 +19,10 @@ import redis.asyncio as aioredis
 from tests.conftest import wait_until
 from tests.integration.recorder import running
 from tests.unit.test_agent_rules import FakeNode
-from trainguard.bus import Bus
-from trainguard.codec import decode_durable, encode_durable
-from trainguard.config import load_settings
-from trainguard.embedded import free_port
-from trainguard.rpc import RESUME, SAVE, SaveReply, SaveRequest
-from trainguard.schemas import (
+from trainguard.agent.executor import CommandExecutor
+from trainguard.contract.codec import decode_durable, encode_durable
+from trainguard.contract.rpc import RESUME, SAVE, SaveReply, SaveRequest
+from trainguard.contract.schemas import (
     Action,
     Command,
     CommandAck,
@@ -36,10 +34,11 @@ from trainguard.schemas import (
     ResumePoint,
     WorkerExit,
 )
-from trainguard.services.agent.executor import CommandExecutor
-from trainguard.services.remediator.service import RemediatorService
-from trainguard.services.remediator.settings import RemediatorSettings
-from trainguard.state import (
+from trainguard.contract.subjects import Subjects
+from trainguard.runtime.bus import Bus
+from trainguard.runtime.config import load_settings
+from trainguard.runtime.embedded import free_port
+from trainguard.runtime.state import (
     Keys,
     NodeRecord,
     Progress,
@@ -48,8 +47,9 @@ from trainguard.state import (
     encode_node_record,
     encode_progress,
 )
-from trainguard.subjects import Subjects
-from trainguard.topology import provision, stream_name, streams
+from trainguard.runtime.topology import provision, stream_name, streams
+from trainguard.services.remediator.service import RemediatorService
+from trainguard.services.remediator.settings import RemediatorSettings
 
 
 class Agents:

@@ -19,7 +19,7 @@ import msgspec
 from tests.conftest import wait_until
 from tests.integration.test_checkpointer import coordinator, write_shards
 from tests.integration.test_checkpointer_commands import ranks, redis_client
-from trainguard.state import Keys, Progress, RankProgress, encode_progress
+from trainguard.runtime.state import Keys, Progress, RankProgress, encode_progress
 
 
 async def test_ranks_of_nodes_at_different_attempts_commit_one_round(

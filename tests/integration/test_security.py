@@ -1,7 +1,7 @@
 """Access control on real servers: what a client with the wrong role (or none) cannot do.
 
 The control plane here runs with auth on, as ``trainguard up`` does by default: every role
-has its own NATS user and Redis ACL user, rendered from ``trainguard.auth``.
+has its own NATS user and Redis ACL user, rendered from ``trainguard.core.auth``.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from nats.aio.client import Client as NATS
 from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 
 from tests.conftest import wait_until
-from trainguard.auth import Role, load_credentials
-from trainguard.codec import encode_durable
-from trainguard.embedded import EmbeddedControlPlane
-from trainguard.subjects import Subjects
-from trainguard.targets import addressed
+from trainguard.contract.codec import encode_durable
+from trainguard.contract.subjects import Subjects
+from trainguard.contract.targets import addressed
+from trainguard.core.auth import Role, load_credentials
+from trainguard.runtime.embedded import EmbeddedControlPlane
 
 S = Subjects()
 
@@ -219,9 +219,9 @@ async def test_credentials_stay_private(secure_plane: EmbeddedControlPlane) -> N
 async def test_jetstream_is_the_services_alone(connect: Any, job: str) -> None:
     """No stream that captures the endpoints, no deleted durable, but on-call still reads
     the event history (an ordered consumer and its flow control)."""
-    from trainguard.bus import Bus
-    from trainguard.schemas import Anomaly
-    from trainguard.topology import provision, stream_name, streams
+    from trainguard.contract.schemas import Anomaly
+    from trainguard.runtime.bus import Bus
+    from trainguard.runtime.topology import provision, stream_name, streams
 
     service = await connect("detector")
     await provision(service.nc.jetstream(), streams("tg"))

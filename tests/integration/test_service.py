@@ -17,15 +17,15 @@ import redis.asyncio as aioredis
 
 from tests.conftest import wait_until
 from tests.integration.recorder import Recorder, recorder_settings, running
-from trainguard.bus import Bus
-from trainguard.codec import decode_as, decode_durable, encode_durable
-from trainguard.embedded import NatsServer, RedisServer
-from trainguard.envelope import normalize_headers
-from trainguard.errors import MessageTooLarge, NotStarted
-from trainguard.schemas import Anomaly, CommandAck, DeadLetter, Diagnosis
-from trainguard.service import Delivery, Runtime
-from trainguard.subjects import Subjects
-from trainguard.topology import provision, stream_name, streams
+from trainguard.contract.codec import decode_as, decode_durable, encode_durable
+from trainguard.contract.envelope import normalize_headers
+from trainguard.contract.errors import MessageTooLarge, NotStarted
+from trainguard.contract.schemas import Anomaly, CommandAck, DeadLetter, Diagnosis
+from trainguard.contract.subjects import Subjects
+from trainguard.runtime.bus import Bus
+from trainguard.runtime.embedded import NatsServer, RedisServer
+from trainguard.runtime.service import Delivery, Runtime
+from trainguard.runtime.topology import provision, stream_name, streams
 
 
 def anomaly(job: str, ident: str) -> Anomaly:
@@ -253,8 +253,8 @@ async def test_sigterm_drains_and_exits_zero(nats_url: str, redis_url: str, pref
     env = {**os.environ, "TRAINGUARD_NATS_URL": nats_url, "TRAINGUARD_REDIS_URL": redis_url,
            "TRAINGUARD_PREFIX": prefix}
     script = ("import asyncio; from tests.integration.recorder import Recorder; "
-              "from trainguard.config import load_settings, Settings; "
-              "from trainguard.service import run_service; "
+              "from trainguard.runtime.config import load_settings, Settings; "
+              "from trainguard.runtime.service import run_service; "
               "asyncio.run(run_service(Recorder(load_settings(Settings), "
               "), started=lambda rt: print('READY', flush=True)))")
     proc = await asyncio.create_subprocess_exec(

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from trainguard.services.agent.spares import SparePool
+from trainguard.agent.spares import SparePool
 
 READY_TIMEOUT = 180.0  # torch's import on a loaded 2-core machine
 

@@ -19,24 +19,24 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
-
-import trainguard
 from services.remediator.service import RemediatorService
 from services.remediator.settings import RemediatorSettings
+
+import trainguard
 from tests.conftest import wait_until
 from tests.integration.recorder import running
 from tests.tls import ConfiguredNats, ConfiguredRedis, make_pki, render
-from trainguard import envnames
-from trainguard.auth import Role, ensure_credentials, nats_authorization, redis_acl_file
-from trainguard.bus import BusUnavailable, connect_nats
-from trainguard.codec import decode_telemetry
-from trainguard.config import load_settings
-from trainguard.embedded import LOOPBACK, free_port
-from trainguard.fencing import Epochs
-from trainguard.redisha import MASTER_NAME, HaSecrets
-from trainguard.state import Keys
-from trainguard.store import StoreUnavailable, connect_redis
-from trainguard.subjects import Subjects
+from trainguard.contract import envnames
+from trainguard.contract.codec import decode_telemetry
+from trainguard.contract.subjects import Subjects
+from trainguard.core.auth import Role, ensure_credentials, nats_authorization, redis_acl_file
+from trainguard.runtime.bus import BusUnavailable, connect_nats
+from trainguard.runtime.config import load_settings
+from trainguard.runtime.embedded import LOOPBACK, free_port
+from trainguard.runtime.fencing import Epochs
+from trainguard.runtime.redisha import MASTER_NAME, HaSecrets
+from trainguard.runtime.state import Keys
+from trainguard.runtime.store import StoreUnavailable, connect_redis
 
 
 @dataclass

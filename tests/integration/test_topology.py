@@ -12,10 +12,16 @@ import pytest
 from nats.js import api
 
 from tests.conftest import wait_until
-from trainguard.bus import UNACKED_PUBLISH_ERRORS, Bus
-from trainguard.schemas import Command
-from trainguard.subjects import Subjects
-from trainguard.topology import ConsumerSpec, ensure_consumer, provision, stream_name, streams
+from trainguard.contract.schemas import Command
+from trainguard.contract.subjects import Subjects
+from trainguard.runtime.bus import UNACKED_PUBLISH_ERRORS, Bus
+from trainguard.runtime.topology import (
+    ConsumerSpec,
+    ensure_consumer,
+    provision,
+    stream_name,
+    streams,
+)
 
 
 async def test_provisioning_is_idempotent_and_updates_changed_streams(nc: Any,

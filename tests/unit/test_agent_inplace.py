@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from trainguard import groupstore
-from trainguard.services.agent.inplace import decide, missing_keys
+from trainguard.recovery import groupstore
+from trainguard.recovery.path import decide, missing_keys
 
 OK: dict[str, Any] = {"enabled": True, "failed": [2], "initiated": [], "restarts_left": 5,
                       "generation": 4, "missing": []}
@@ -104,7 +104,7 @@ def test_resize_records_of_a_store_that_went_away_are_unknown_not_none() -> None
 
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
-    from trainguard.embedded import free_port
+    from trainguard.runtime.embedded import free_port
 
     port = free_port()
     server = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,

@@ -9,19 +9,20 @@ from pathlib import Path
 
 import pytest
 
-from trainguard import Guard, envnames
-from trainguard.auth import generate, write_credentials
-from trainguard.config import load_settings
-from trainguard.envnames import setting
-from trainguard.schemas import Command, GpuStats, WorkerExit
-from trainguard.services.agent.executor import CommandExecutor
-from trainguard.services.agent.exitcodes import EXIT_HELD
-from trainguard.services.agent.gpu import ScriptedSource, open_source, throttle_names
-from trainguard.services.agent.launcher import prepare_torchrun, worker_environment
-from trainguard.services.agent.node import Failure, LocalNode, Worker
-from trainguard.services.agent.settings import AgentSettings
-from trainguard.subjects import Subjects
-from trainguard.targets import addressed, for_agent
+from trainguard import Guard
+from trainguard.agent.executor import CommandExecutor
+from trainguard.agent.exitcodes import EXIT_HELD
+from trainguard.agent.gpu import ScriptedSource, open_source, throttle_names
+from trainguard.agent.launcher import prepare_torchrun, worker_environment
+from trainguard.agent.node import Failure, LocalNode, Worker
+from trainguard.agent.settings import AgentSettings
+from trainguard.contract import envnames
+from trainguard.contract.envnames import setting
+from trainguard.contract.schemas import Command, GpuStats, WorkerExit
+from trainguard.contract.subjects import Subjects
+from trainguard.contract.targets import addressed, for_agent
+from trainguard.core.auth import generate, write_credentials
+from trainguard.runtime.config import load_settings
 
 
 @dataclass

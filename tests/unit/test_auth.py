@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from trainguard.auth import (
+from trainguard.contract.errors import ConfigError
+from trainguard.core.auth import (
     ROLES,
     Role,
     generate,
@@ -18,7 +19,6 @@ from trainguard.auth import (
     redis_acl,
     write_credentials,
 )
-from trainguard.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -117,7 +117,7 @@ def test_agents_reach_only_the_command_stream_and_readers_only_events() -> None:
 
 
 def test_a_secret_never_goes_through_a_planted_symlink(tmp_path: Path) -> None:
-    from trainguard.auth import write_private
+    from trainguard.core.auth import write_private
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.write_text("keep")

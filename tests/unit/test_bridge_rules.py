@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from trainguard.codec import decode_durable
-from trainguard.schemas import Incident, IncidentStep
+from trainguard.contract.codec import decode_durable
+from trainguard.contract.schemas import Incident, IncidentStep
 from trainguard.services.bridge import payloads
 from trainguard.services.bridge.routes import (
     NotifyPolicyError,
@@ -176,8 +176,8 @@ def test_a_bad_notify_section_names_its_line(text: str, message: str) -> None:
 
 
 def test_sink_urls_are_checked_and_a_bridge_without_sinks_is_skipped() -> None:
-    from trainguard.config import load_settings
-    from trainguard.errors import ConfigError
+    from trainguard.contract.errors import ConfigError
+    from trainguard.runtime.config import load_settings
     from trainguard.services.bridge.service import BridgeService
     from trainguard.services.bridge.settings import BridgeSettings
 

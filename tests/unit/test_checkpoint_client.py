@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from trainguard import Guard
-from trainguard.embedded import free_port
-from trainguard.schemas import CheckpointReport, Command
+from trainguard.contract.schemas import CheckpointReport, Command
+from trainguard.runtime.embedded import free_port
 from trainguard.torch import Checkpointer
 from trainguard.torch.checkpoint import rank_files
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainguard.errors import ConfigError
+from trainguard.contract.errors import ConfigError
 from trainguard.services.checkpointer.retention import Entry, expire
 from trainguard.services.checkpointer.settings import CheckpointerSettings
 

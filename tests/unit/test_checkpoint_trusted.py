@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from tests.unit.test_checkpoint_client import make, offline_guard, train
-from trainguard.checksum import METADATA_FILE, crc32_of
-from trainguard.commit_record import COMMIT_FILE, CommitRecord, encode_commit
-from trainguard.schemas import FileDigest, ResumePoint
+from trainguard.contract.checksum import METADATA_FILE, crc32_of
+from trainguard.contract.commit_record import COMMIT_FILE, CommitRecord, encode_commit
+from trainguard.contract.schemas import FileDigest, ResumePoint
 from trainguard.torch import Checkpointer
 from trainguard.torch.trusted import (
     CheckpointRefused,

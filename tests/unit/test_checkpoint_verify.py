@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from trainguard.checksum import CHUNK, METADATA_FILE, crc32_of, file_digest
-from trainguard.schemas import CheckpointReport, FileDigest
+from trainguard.contract.checksum import CHUNK, METADATA_FILE, crc32_of, file_digest
+from trainguard.contract.schemas import CheckpointReport, FileDigest
 from trainguard.services.checkpointer.verify import verify_checkpoint
 
 
@@ -114,5 +114,5 @@ def test_what_the_writer_reports_verifies_in_full_mode(tmp_path: Path) -> None:
 
 def test_the_checksum_module_loads_no_torch() -> None:
     """The coordinator imports it and does not install torch."""
-    code = "import sys, trainguard.checksum; sys.exit('torch' in sys.modules)"
+    code = "import sys, trainguard.contract.checksum; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from trainguard.config import Settings, load_settings
-from trainguard.envnames import CHECKPOINT_ROOT, PREFIX, setting
-from trainguard.errors import ConfigError
+from trainguard.contract.envnames import CHECKPOINT_ROOT, PREFIX, setting
+from trainguard.contract.errors import ConfigError
+from trainguard.runtime.config import Settings, load_settings
 from trainguard.services.checkpointer.settings import CheckpointerSettings
 from trainguard.services.detector.settings import DetectorSettings
 from trainguard.services.diagnoser.settings import DiagnoserSettings

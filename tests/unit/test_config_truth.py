@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from trainguard import tomldecode
-from trainguard.config import Settings, known_variables, load_settings
-from trainguard.errors import ConfigError
+from trainguard.contract.errors import ConfigError
+from trainguard.runtime import tomldecode
+from trainguard.runtime.config import Settings, known_variables, load_settings
 from trainguard.services.remediator.policy import PolicyError, load_policy, parse_policy
 
 
@@ -143,7 +143,7 @@ def test_settings_are_decoded_by_type_with_the_variable_named() -> None:
 
 # -- logs --------------------------------------------------------------------------------
 
-LOG_SOME = ("import logging; from trainguard import logs; logs.configure(); "
+LOG_SOME = ("import logging; from trainguard.runtime import logs; logs.configure(); "
             "log = logging.getLogger('trainguard.t'); log.info('hidden'); "
             "log.warning('shown'); log.debug('deep')")
 
@@ -177,7 +177,7 @@ def test_log_level_after_the_sub_command_and_version() -> None:
 
 # -- OpenTelemetry -----------------------------------------------------------------------
 
-SPANS = ("from trainguard import tracing; tracing.setup_tracing('trainguard-detector'); "
+SPANS = ("from trainguard.core import tracing; tracing.setup_tracing('trainguard-detector'); "
          "tracing.service_tracer('detector').start_span('s').end(); "
          "from opentelemetry import trace; "
          "getattr(trace.get_tracer_provider(), 'shutdown', lambda: None)()")
@@ -202,7 +202,7 @@ def test_otel_service_name_and_traces_exporter_are_honoured() -> None:
 
 def test_otel_propagators_decide_what_goes_into_headers() -> None:
     """Regression: OTEL_PROPAGATORS was ignored (W3C trace context always)."""
-    code = ("from trainguard import tracing; tracing.setup_tracing('t', 'none'); "
+    code = ("from trainguard.core import tracing; tracing.setup_tracing('t', 'none'); "
             "span = tracing.tracer().start_span('x'); from opentelemetry import trace; "
             "print(sorted(tracing.inject({}, trace.set_span_in_context(span))))")
     assert run_python(code).stdout.strip() == "['traceparent']"
@@ -210,7 +210,7 @@ def test_otel_propagators_decide_what_goes_into_headers() -> None:
     out = run_python(code, OTEL_PROPAGATORS="nosuch")
     assert out.returncode != 0 and "OTEL_PROPAGATORS='nosuch'" in out.stderr
     # A rank's publish never fails on it: W3C trace context, and a warning.
-    lib = ("from trainguard import tracing; from opentelemetry import trace; "
+    lib = ("from trainguard.core import tracing; from opentelemetry import trace; "
            "from opentelemetry.sdk.trace import TracerProvider; "
            "span = TracerProvider().get_tracer('t').start_span('x'); "
            "print(sorted(tracing.inject({}, trace.set_span_in_context(span))))")
@@ -220,7 +220,7 @@ def test_otel_propagators_decide_what_goes_into_headers() -> None:
 
 def test_each_service_of_one_process_has_its_own_service_name(tmp_path: Path) -> None:
     spans = tmp_path / "spans.jsonl"
-    code = (f"from trainguard import tracing; tracing.setup_tracing('trainguard-up', "
+    code = (f"from trainguard.core import tracing; tracing.setup_tracing('trainguard-up', "
             f"'file:{spans}', several=True)\n"
             "for name in ('detector', 'diagnoser', 'detector'):\n"
             "    tracing.service_tracer(name).start_span(name).end()\n")

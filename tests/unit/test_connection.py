@@ -7,7 +7,7 @@ import inspect
 import pytest
 from nats.aio.client import Client as NATS
 
-from trainguard.connection import connect_options
+from trainguard.core.connection import connect_options
 
 
 async def _error_cb(exc: Exception) -> None:

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.samples import DURABLE, TELEMETRY
-from trainguard import schemas
-from trainguard.codec import (
+from trainguard.contract import schemas
+from trainguard.contract.codec import (
     MAX_TELEMETRY_BYTES,
     decode_any_durable,
     decode_durable,
@@ -19,8 +19,8 @@ from trainguard.codec import (
     encode_durable,
     encode_telemetry,
 )
-from trainguard.errors import DecodeError, InvalidToken
-from trainguard.subjects import Subjects
+from trainguard.contract.errors import DecodeError, InvalidToken
+from trainguard.contract.subjects import Subjects
 
 
 def _same(a: object, b: object) -> bool:
@@ -200,7 +200,7 @@ def test_parse_subjects() -> None:
 
 
 def test_every_endpoint_answers_a_failure_in_its_own_reply() -> None:
-    from trainguard.rpc import CATALOGUE, ROLLBACK, SAVE, error_reply
+    from trainguard.contract.rpc import CATALOGUE, ROLLBACK, SAVE, error_reply
 
     assert error_reply("resume", "j", "boom") == b""
     assert SAVE.decode_reply(error_reply("save", "j", "boom")).status == "error"

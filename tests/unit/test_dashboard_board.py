@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from trainguard.dashboard.board import Board, compute_time
-from trainguard.schemas import (
+from trainguard.contract.schemas import (
     CheckpointCommitted,
     Heartbeat,
     Incident,
@@ -11,6 +10,7 @@ from trainguard.schemas import (
     NodeHeartbeat,
     StepReport,
 )
+from trainguard.dashboard.board import Board, compute_time
 
 T0 = 1_000_000.0
 

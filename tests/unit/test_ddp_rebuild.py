@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainguard import Guard
-from trainguard.embedded import free_port
+from trainguard.runtime.embedded import free_port
 from trainguard.torch import ddp
 
 

@@ -6,8 +6,8 @@ import hashlib
 
 import pytest
 
-from trainguard import schemas
-from trainguard.codec import (
+from trainguard.contract import schemas
+from trainguard.contract.codec import (
     MAX_DURABLE_BYTES,
     check_wire_size,
     decode_any_durable,
@@ -15,8 +15,14 @@ from trainguard.codec import (
     encode_durable,
     header_size,
 )
-from trainguard.deadletter import KEEP_WHOLE, MAX_REASON, bounded_headers, bounded_letter, clip
-from trainguard.errors import DecodeError, MessageTooLarge
+from trainguard.contract.errors import DecodeError, MessageTooLarge
+from trainguard.runtime.deadletter import (
+    KEEP_WHOLE,
+    MAX_REASON,
+    bounded_headers,
+    bounded_letter,
+    clip,
+)
 
 MIB = 1024 * 1024
 

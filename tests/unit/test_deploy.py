@@ -20,7 +20,7 @@ import pytest
 import yaml
 from helm_python import chart as helm
 
-from trainguard.services.agent.exitcodes import EXIT_HELD, EXIT_ISOLATED
+from trainguard.agent.exitcodes import EXIT_HELD, EXIT_ISOLATED
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "trainguard"
@@ -78,7 +78,7 @@ def test_two_images_both_non_root_with_extras_that_exist() -> None:
     assert ("deploy/hooks/", "/opt/trainguard/hooks/") in copied
     assert ("/bin/kubectl", "/usr/local/bin/kubectl") in copied
     ignore = (ROOT / ".dockerignore").read_text().split()
-    for needed in ("!pyproject.toml", "!README.md", "!libs/", "!services/", "!deploy/hooks/"):
+    for needed in ("!pyproject.toml", "!README.md", "!libs/", "!deploy/hooks/"):
         assert needed in ignore
 
 

@@ -9,7 +9,7 @@ thought gone. These tests drive the detector with such a job.
 
 from __future__ import annotations
 
-from trainguard.schemas import Heartbeat, NodeHeartbeat, StepReport
+from trainguard.contract.schemas import Heartbeat, NodeHeartbeat, StepReport
 from trainguard.services.detector.engine import Detector
 from trainguard.services.detector.thresholds import Thresholds
 
@@ -97,7 +97,7 @@ def test_a_rank_that_closed_holds_the_hang_until_its_exit_names_the_crash() -> N
     """On a busy machine a crashing rank says "closed" and then takes seconds to exit; its
     peers wait in the collective meanwhile. That wait is not a network hang: the exit, when
     it comes, is the crash. Without an exit, the hang is judged once ``exit_grace`` is over."""
-    from trainguard.schemas import WorkerExit
+    from trainguard.contract.schemas import WorkerExit
 
     for exit_comes in (True, False):
         job = Job({"node-a": 3, "node-b": 3})

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import pytest
 
-from trainguard.schemas import Attempt, RankHello
+from trainguard.contract.schemas import Attempt, RankHello
 from trainguard.services.detector.synthetic import Harness, SimConfig
 from trainguard.services.detector.thresholds import Thresholds
 

@@ -6,7 +6,7 @@ job's steps and baselines over like a resume."""
 from __future__ import annotations
 
 from tests.unit.test_detector_attempts import HOSTS, Job
-from trainguard.schemas import (
+from trainguard.contract.schemas import (
     RECOVERING_PHASE,
     Attempt,
     Heartbeat,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trainguard.schemas import Attempt, NodeHeartbeat, RankHello, StepReport, WorkerExit
+from trainguard.contract.schemas import Attempt, NodeHeartbeat, RankHello, StepReport, WorkerExit
 from trainguard.services.detector.synthetic import Harness, SimConfig
 from trainguard.services.detector.thresholds import Thresholds
 
@@ -114,7 +114,7 @@ def test_late_buffered_heartbeats_do_not_count_as_recent() -> None:
     [alert] = h.opened()
     job = h.job
     late = job.ranks[2].last_hb + 0.5
-    from trainguard.schemas import Heartbeat
+    from trainguard.contract.schemas import Heartbeat
 
     h.feed(Heartbeat(job=h.sim.cfg.job, time=late, rank=2, host="node-0", step=5))
     h.tick(h.clock + TICK)
@@ -288,7 +288,7 @@ def test_hello_sets_world_size_and_per_job_overrides() -> None:
 
 def test_ranks_announced_but_not_yet_beating_are_starting_not_silent() -> None:
     """The agent's hello names its ranks seconds before they import torch and beat."""
-    from trainguard.schemas import NodeHello
+    from trainguard.contract.schemas import NodeHello
 
     h = harness(ranks=4, startup_grace=60.0)
     t0 = h.clock

@@ -6,8 +6,8 @@ import math
 
 import msgspec
 
-from trainguard.evidence import EccRise
-from trainguard.schemas import Fingerprint, GpuSample, GpuStats, RankHello, XidEvent
+from trainguard.contract.evidence import EccRise
+from trainguard.contract.schemas import Fingerprint, GpuSample, GpuStats, RankHello, XidEvent
 from trainguard.services.detector.synthetic import Harness, SimConfig
 from trainguard.services.detector.thresholds import Thresholds
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trainguard.schemas import CheckpointReport, StepReport, TelemetryMessage
+from trainguard.contract.schemas import CheckpointReport, StepReport, TelemetryMessage
 from trainguard.services.detector.synthetic import Harness, SimConfig
 from trainguard.services.detector.thresholds import Thresholds
 

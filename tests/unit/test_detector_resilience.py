@@ -8,17 +8,17 @@ from typing import Any
 
 import pytest
 
-from trainguard.config import load_settings
-from trainguard.schemas import Heartbeat, NodeHeartbeat
-from trainguard.services.agent.node import Failure, LocalNode, Worker
-from trainguard.services.agent.settings import AgentSettings
+from trainguard.agent.node import Failure, LocalNode, Worker
+from trainguard.agent.settings import AgentSettings
+from trainguard.contract.schemas import Heartbeat, NodeHeartbeat
+from trainguard.runtime.config import load_settings
+from trainguard.runtime.state import Keys
 from trainguard.services.detector.busview import BusView
 from trainguard.services.detector.identity import Claim, default_name, judge_claim
 from trainguard.services.detector.leases import Leases
 from trainguard.services.detector.synthetic import Harness, SimConfig
 from trainguard.services.detector.thresholds import Thresholds
 from trainguard.services.detector.writebehind import FieldWrites
-from trainguard.state import Keys
 
 # -- the view of the bus ------------------------------------------------------------------
 # Steps: ("probe", sent, answered) or ("tick", now, connected, reconnects, verdict).

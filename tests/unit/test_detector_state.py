@@ -8,10 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from trainguard import xids
-from trainguard.config import Settings, load_settings
-from trainguard.errors import ConfigError
-from trainguard.evidence import CrashEvidence, HangEvidence, NonfiniteEvidence, UnresponsiveEvidence
+from trainguard.contract.errors import ConfigError
+from trainguard.contract.evidence import (
+    CrashEvidence,
+    HangEvidence,
+    NonfiniteEvidence,
+    UnresponsiveEvidence,
+)
+from trainguard.runtime import xids
+from trainguard.runtime.config import Settings, load_settings
 from trainguard.services.detector.book import AnomalyBook, Transition, dump_anomaly, load_anomaly
 from trainguard.services.detector.engine import Detector
 from trainguard.services.detector.leases import preferred
@@ -161,7 +166,8 @@ def test_rendezvous_hashing_spreads_jobs_and_is_stable() -> None:
 
 
 def test_every_setting_is_documented_in_the_readme() -> None:
-    readme = (Path(__file__).resolve().parents[2] / "services" / "detector" / "README.md")
+    readme = (Path(__file__).resolve().parents[2] / "libs" / "trainguard" / "services" / "detector"
+              / "README.md")
     text = readme.read_text()
     own = {f.name for f in dataclasses.fields(DetectorSettings)} - {
         f.name for f in dataclasses.fields(Settings)}
@@ -170,7 +176,7 @@ def test_every_setting_is_documented_in_the_readme() -> None:
 
 
 def test_expected_ranks_stay_right_through_joins_exits_and_restarts() -> None:
-    from trainguard.schemas import Attempt, RankHello, WorkerExit
+    from trainguard.contract.schemas import Attempt, RankHello, WorkerExit
 
     h = Harness(Thresholds(), SimConfig(ranks=6))
     d, job = h.detector, h.job

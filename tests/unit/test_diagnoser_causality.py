@@ -21,14 +21,14 @@ from tests.unit.test_diagnoser_rules import (
     exit_of,
     hang,
 )
-from trainguard.evidence import (
+from trainguard.contract.evidence import (
     CheckpointSlowEvidence,
     DataStallEvidence,
     Evidence,
     StragglerEvidence,
     ThroughputDropEvidence,
 )
-from trainguard.schemas import Anomaly, Diagnosis
+from trainguard.contract.schemas import Anomaly, Diagnosis
 from trainguard.services.diagnoser.rules import Diagnoser
 
 EVERYONE = [0, 1, 2, 3]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainguard.evidence import (
+from trainguard.contract.evidence import (
     CheckpointSlowEvidence,
     CrashEvidence,
     DataStallEvidence,
@@ -19,7 +19,7 @@ from trainguard.evidence import (
     UnresponsiveEvidence,
     XidSeen,
 )
-from trainguard.schemas import Anomaly, GpuSample, GpuStats, WorkerExit, XidEvent
+from trainguard.contract.schemas import Anomaly, GpuSample, GpuStats, WorkerExit, XidEvent
 from trainguard.services.diagnoser.rules import Diagnoser, HostRecord, traceback_signature
 
 NOW = 1_000_000.0

@@ -3,7 +3,7 @@ from __future__ import annotations
 import uuid
 
 from tests.samples import DURABLE
-from trainguard.envelope import make_headers, normalize_headers, uuid7
+from trainguard.contract.envelope import make_headers, normalize_headers, uuid7
 
 
 def test_uuid7_is_version_7_unique_and_time_ordered() -> None:

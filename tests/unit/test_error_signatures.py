@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from trainguard import xids
-from trainguard.evidence import CrashEvidence
-from trainguard.schemas import Anomaly, WorkerExit
-from trainguard.services.agent import hostmem
+from trainguard.agent import hostmem
+from trainguard.contract.evidence import CrashEvidence
+from trainguard.contract.schemas import Anomaly, WorkerExit
+from trainguard.runtime import xids
 from trainguard.services.diagnoser import signatures
 from trainguard.services.diagnoser.rules import Diagnoser
 

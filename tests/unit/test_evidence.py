@@ -8,10 +8,10 @@ from typing import get_args
 import msgspec
 import pytest
 
-from trainguard import evidence as ev
-from trainguard.codec import decode_durable, encode_durable
-from trainguard.errors import DecodeError
-from trainguard.schemas import Anomaly, AnomalyKind
+from trainguard.contract import evidence as ev
+from trainguard.contract.codec import decode_durable, encode_durable
+from trainguard.contract.errors import DecodeError
+from trainguard.contract.schemas import Anomaly, AnomalyKind
 
 
 def body(kind: str, evidence: object) -> bytes:

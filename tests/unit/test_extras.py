@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from trainguard.embedded import free_port
-from trainguard.extras import MissingExtra, explain, extra_for, require
+from trainguard.cli.extras import MissingExtra, explain, extra_for, require
+from trainguard.runtime.embedded import free_port
 
 # Runs the CLI (or a Guard) in a fresh interpreter where the services' modules cannot be
 # imported: a meta-path finder refuses them, the way a client-only install would.

@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 
 from tests.unit.test_flightrec import FIXTURES, faulted
-from trainguard import envnames, flightrec
+from trainguard.agent.hostmem import PREFIX, OomWatch
+from trainguard.analysis import flightrec
 from trainguard.client.frdump import DUMP_FILE, Trigger
-from trainguard.evidence import FlightRecorderEvidence, HangEvidence
-from trainguard.schemas import Anomaly, FlightRecorderReport
-from trainguard.services.agent.hostmem import PREFIX, OomWatch
+from trainguard.contract import envnames
+from trainguard.contract.evidence import FlightRecorderEvidence, HangEvidence
+from trainguard.contract.schemas import Anomaly, FlightRecorderReport
 from trainguard.services.diagnoser.flightrec import FlightRecorder
 from trainguard.services.diagnoser.rules import Diagnoser
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from trainguard import flightrec
+from trainguard.analysis import flightrec
+from trainguard.analysis.flightrec import GroupStatus, RankRecord
 from trainguard.cli import main
-from trainguard.flightrec import GroupStatus, RankRecord
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "flight-recorder"
 SETS = ("gpu_error_1st", "lock_gil_1st")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from trainguard.embedded import free_port
+from trainguard.runtime.embedded import free_port
 
 
 def test_ports_handed_out_in_a_row_are_all_different() -> None:

@@ -8,8 +8,8 @@ import time
 import torch
 
 from trainguard import Guard
-from trainguard.embedded import free_port
-from trainguard.schemas import Command, Fingerprint, Heartbeat, StepReport
+from trainguard.contract.schemas import Command, Fingerprint, Heartbeat, StepReport
+from trainguard.runtime.embedded import free_port
 
 
 def offline_guard(**kw: object) -> Guard:

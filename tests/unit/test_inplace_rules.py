@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import TCPStore
 
-from trainguard import Guard, envnames
+from trainguard import Guard
 from trainguard.client import DrillCrash
-from trainguard.embedded import free_port
-from trainguard.torch.inplace import (
+from trainguard.contract import envnames
+from trainguard.recovery.inplace import (
     NCCL_CLEANUP_ONLY,
     agent_store_address,
     comm_device,
@@ -25,7 +25,8 @@ from trainguard.torch.inplace import (
     needs_abort,
     teardown,
 )
-from trainguard.torch.peerloss import is_peer_loss
+from trainguard.recovery.peerloss import is_peer_loss
+from trainguard.runtime.embedded import free_port
 
 GLOO_RESET = ("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
               "[127.0.0.1]:41877: Connection reset by peer")
@@ -248,7 +249,7 @@ def test_after_a_re_form_collective_commands_wait_for_the_groups_first_step() ->
     group completed its first step and rebuilt its agreement (none with one rank: then
     locally, at that step)."""
     from trainguard.client.commands import Queued
-    from trainguard.schemas import Command
+    from trainguard.contract.schemas import Command
 
     g = Guard(job="unit", rank=0, world_size=1, nats_url=f"nats://127.0.0.1:{free_port()}",
               sync_every=1000, checkpoint_every=10)
@@ -271,7 +272,7 @@ def test_after_a_re_form_collective_commands_wait_for_the_groups_first_step() ->
 def test_an_agreed_newer_generation_regroups_after_the_step_that_agreed() -> None:
     """A host taken back in place: nothing failed, the loop re-forms after the step and
     goes on with the next one (no step repeated, none skipped)."""
-    from trainguard.client.recovery import Loop, iterate
+    from trainguard.recovery.loop import Loop, iterate
 
     rec = Scripted(lambda e: False, resume=0)
     loop, seen, notes = Loop(), [], []
@@ -342,7 +343,7 @@ def test_a_job_resumed_anywhere_agrees_soon_and_drops_what_its_group_ran_before(
     multiple of ``sync_every=1000``; a collective command that reaches a rank after its
     group agreed on it (a rank that joined since) is neither run nor handed on."""
     from trainguard.client.commands import CommandDesk, Queued
-    from trainguard.schemas import Command
+    from trainguard.contract.schemas import Command
 
     g = Guard(job="unit", rank=0, world_size=2, nats_url=f"nats://127.0.0.1:{free_port()}")
     agreed_at: list[int] = []
@@ -374,7 +375,7 @@ def test_commands_sent_before_a_restarted_group_listened_are_not_waited_for() ->
     must run 5 at once, not wait ``collective_timeout`` for commands no rank holds (the
     chaos suite's SDC rollback stalled the group 30 s, and the stall read as a hang)."""
     from trainguard.client.commands import NONE_HELD, CommandDesk, Queued
-    from trainguard.schemas import Command
+    from trainguard.contract.schemas import Command
 
     g = Guard(job="unit", rank=0, world_size=2, nats_url=f"nats://127.0.0.1:{free_port()}")
 

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from trainguard.errors import ConfigError
-from trainguard.jobmetrics import (
+from trainguard.contract.errors import ConfigError
+from trainguard.contract.schemas import Incident
+from trainguard.runtime.jobmetrics import (
     OTHER,
     CheckpointMetrics,
     Goodput,
@@ -19,9 +20,8 @@ from trainguard.jobmetrics import (
     JobMetrics,
     phase_durations,
 )
-from trainguard.ports import OFFSETS, PLUGIN_OFFSET, health_port
-from trainguard.schemas import Incident
-from trainguard.state import Progress
+from trainguard.runtime.ports import OFFSETS, PLUGIN_OFFSET, health_port
+from trainguard.runtime.state import Progress
 
 ROOT = Path(__file__).resolve().parents[2]
 

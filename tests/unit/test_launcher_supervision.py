@@ -10,14 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from trainguard import envnames, groupstore
-from trainguard.config import load_settings
-from trainguard.embedded import free_port
-from trainguard.services.agent.node import LocalNode
-from trainguard.services.agent.rendezvous import JobRendezvous, RendezvousPlan, Round
-from trainguard.services.agent.settings import AgentSettings
-from trainguard.services.agent.spares import SparePool
-from trainguard.services.agent.supervisor import Program, Supervisor, error_message
+from trainguard.agent.node import LocalNode
+from trainguard.agent.rendezvous import JobRendezvous, RendezvousPlan, Round
+from trainguard.agent.settings import AgentSettings
+from trainguard.agent.spares import SparePool
+from trainguard.agent.supervisor import Program, Supervisor, error_message
+from trainguard.contract import envnames
+from trainguard.recovery import groupstore
+from trainguard.runtime.config import load_settings
+from trainguard.runtime.embedded import free_port
 
 CONF = {"last_call_timeout": "1", "join_timeout": "60", "keep_alive_interval": "1",
         "keep_alive_max_attempt": "3"}
@@ -166,8 +167,8 @@ def test_the_ranks_after_a_leaving_host_close_up_the_gap(tmp_path: Path) -> None
     its node record (heartbeats, exits) and for a later in-place replacement's RANK."""
     from typing import Any, cast
 
-    from trainguard.services.agent.node import Worker
-    from trainguard.services.agent.supervisor import RankProc
+    from trainguard.agent.node import Worker
+    from trainguard.agent.supervisor import RankProc
 
     settings = load_settings(AgentSettings, env={}, overrides={"job": "j", "host": "node-c"})
     node = LocalNode(settings, hosts_store=False, gpu=None, publish_exit=lambda e: None)

@@ -12,8 +12,8 @@ import pytest
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext
 
-from trainguard import logs
-from trainguard.errors import ConfigError
+from trainguard.contract.errors import ConfigError
+from trainguard.runtime import logs
 
 
 @pytest.fixture

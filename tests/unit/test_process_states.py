@@ -9,11 +9,11 @@ import sys
 import msgspec
 import pytest
 
-from trainguard.codec import decode_telemetry, encode_telemetry
-from trainguard.errors import DecodeError
-from trainguard.schemas import NodeHeartbeat, is_gone, is_stopped
-from trainguard.services.agent import procs
-from trainguard.state import Progress, RankProgress, decode_progress, encode_progress
+from trainguard.agent import procs
+from trainguard.contract.codec import decode_telemetry, encode_telemetry
+from trainguard.contract.errors import DecodeError
+from trainguard.contract.schemas import NodeHeartbeat, is_gone, is_stopped
+from trainguard.runtime.state import Progress, RankProgress, decode_progress, encode_progress
 
 STATES = [
     # letter, stopped (cannot progress, ignores SIGTERM), gone
@@ -66,9 +66,9 @@ def test_which_changes_are_beaten_about_at_once() -> None:
 
 @pytest.mark.parametrize("name", ["node_interval", "state_interval", "gpu_interval"])
 def test_an_agent_interval_that_is_not_positive_names_itself(name: str) -> None:
-    from trainguard.config import load_settings
-    from trainguard.errors import ConfigError
-    from trainguard.services.agent.settings import AgentSettings
+    from trainguard.agent.settings import AgentSettings
+    from trainguard.contract.errors import ConfigError
+    from trainguard.runtime.config import load_settings
 
     with pytest.raises(ConfigError, match=f"{name}=0"):
         load_settings(AgentSettings, env={}, overrides={name: 0})

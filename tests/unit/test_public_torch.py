@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-TREES = ("libs", "services", "tests", "bench")
+TREES = ("libs", "tests", "bench")
 MISSING = object()
 
 

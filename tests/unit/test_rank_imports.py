@@ -15,12 +15,11 @@ from pathlib import Path
 import pytest
 
 from trainguard import Guard
-from trainguard.embedded import free_port
-from trainguard.schemas import ResumePoint
+from trainguard.contract.schemas import ResumePoint
+from trainguard.runtime.embedded import free_port
 
 HEAVY = ("opentelemetry.sdk", "prometheus_client", "redis", "rich", "trainguard.services",
-         "trainguard.service", "trainguard.bus", "trainguard.store", "trainguard.health",
-         "trainguard.metrics", "trainguard.settle", "trainguard.embedded")
+         "trainguard.runtime", "trainguard.analysis", "trainguard.agent")
 """The control plane's stack: none of it belongs on the rank path."""
 
 # A first step of a Guard, after its transport thread has tried the bus once (so whatever it
@@ -120,7 +119,7 @@ def frozen_server() -> Iterator[int]:
 
 
 def _latest(root: Path, job: str, step: int) -> ResumePoint:
-    from trainguard.codec import encode_durable
+    from trainguard.contract.codec import encode_durable
 
     point = ResumePoint(job=job, step=step, path=str(root / job / f"step-{step}"),
                         checkpoint_id="c1")

@@ -10,12 +10,12 @@ import pytest
 
 from tests.unit.test_agent_rules import FakeNode
 from trainguard import Guard
-from trainguard.embedded import free_port
-from trainguard.receiver import RUN, Answer, Drop, Receiver, Verdict, clip
-from trainguard.schemas import AckOutcome, Command
-from trainguard.services.agent.executor import CommandExecutor
-from trainguard.subjects import Subjects
-from trainguard.targets import addressed
+from trainguard.agent.executor import CommandExecutor
+from trainguard.contract.schemas import AckOutcome, Command
+from trainguard.contract.subjects import Subjects
+from trainguard.contract.targets import addressed
+from trainguard.core.receiver import RUN, Answer, Drop, Receiver, Verdict, clip
+from trainguard.runtime.embedded import free_port
 
 
 @dataclass(frozen=True)

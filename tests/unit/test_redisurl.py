@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from trainguard.config import Settings, load_settings
-from trainguard.errors import ConfigError
-from trainguard.redisurl import SentinelTarget, parse_sentinel_url
+from trainguard.contract.errors import ConfigError
+from trainguard.runtime.config import Settings, load_settings
+from trainguard.runtime.redisurl import SentinelTarget, parse_sentinel_url
 
 
 def test_a_sentinel_url_names_sentinels_master_db_and_the_sentinels_credentials() -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from trainguard.rpc import RollbackReply, SaveReply
-from trainguard.schemas import (
+from trainguard.contract.rpc import RollbackReply, SaveReply
+from trainguard.contract.schemas import (
     AckOutcome,
     CommandAck,
     Diagnosis,
@@ -15,10 +15,10 @@ from trainguard.schemas import (
     IncidentStep,
     WorkerExit,
 )
+from trainguard.runtime.state import NodeRecord
 from trainguard.services.remediator import endings, engine
 from trainguard.services.remediator.engine import JobView
 from trainguard.services.remediator.policy import load_policy
-from trainguard.state import NodeRecord
 
 NOW = 1_000_000.0
 POLICY = load_policy()

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from tests.conftest import wait_until
-from trainguard.errors import ConfigError
-from trainguard.schemas import HookRun
+from trainguard.contract.errors import ConfigError
+from trainguard.contract.schemas import HookRun
 from trainguard.services.remediator.hooks import Hook, summary
 
 HOOKS = Path(__file__).resolve().parents[2] / "deploy" / "hooks"

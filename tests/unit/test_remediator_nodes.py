@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from trainguard.codec import decode_durable, encode_durable
-from trainguard.schemas import NodeHello
+from trainguard.contract.codec import decode_durable, encode_durable
+from trainguard.contract.schemas import NodeHello
 from trainguard.services.remediator import endings
 
 

@@ -7,7 +7,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from trainguard.schemas import Diagnosis, IncidentStep
+from trainguard.contract.schemas import Diagnosis, IncidentStep
+from trainguard.runtime.state import NodeRecord
 from trainguard.services.remediator.endings import resolved_by_progress
 from trainguard.services.remediator.engine import (
     JobView,
@@ -18,7 +19,6 @@ from trainguard.services.remediator.engine import (
     plan,
 )
 from trainguard.services.remediator.policy import PolicyError, load_policy, parse_policy
-from trainguard.state import NodeRecord
 
 NOW = 1_000_000.0
 POLICY = load_policy()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainguard.schemas import (
+from trainguard.contract.schemas import (
     AckOutcome,
     CommandAck,
     Diagnosis,

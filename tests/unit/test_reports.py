@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from trainguard.client.reports import PENDING_LIMIT, Pending, Reports, aggregate
-from trainguard.schemas import Fingerprint, StepReport
+from trainguard.contract.schemas import Fingerprint, StepReport
 
 INF = math.inf
 

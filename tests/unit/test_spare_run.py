@@ -21,7 +21,7 @@ main()
 """
 IN_SPARE = """
 import sys
-from trainguard.services.agent.spare import SpareOrder, _run
+from trainguard.agent.spare import SpareOrder, _run
 sys.exit(_run(SpareOrder(env={}, argv=[sys.argv[1]], cwd=".", stdout="", stderr="",
                          script=sys.argv[1])))
 """

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from trainguard.errors import DecodeError
-from trainguard.state import (
+from trainguard.contract.errors import DecodeError
+from trainguard.runtime.state import (
     BlocklistEntry,
     NodeRecord,
     decode_blocklist_entry,
@@ -65,7 +65,7 @@ def test_an_entry_blocks_until_it_ends() -> None:
 
 
 def test_a_host_taken_back_follows_the_running_ranks() -> None:
-    from trainguard import groupstore
+    from trainguard.recovery import groupstore
 
     grown = groupstore.plan_growth(2, 1, [("node-b", 2)])
     assert (grown.world_size, grown.nodes, grown.joined, grown.grows) == (4, 2, (2, 3), True)

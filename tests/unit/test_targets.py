@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from trainguard.errors import ConfigError
-from trainguard.subjects import Subjects
-from trainguard.targets import addressed
+from trainguard.contract.errors import ConfigError
+from trainguard.contract.subjects import Subjects
+from trainguard.contract.targets import addressed
 
 
 def test_agent_kinds_go_to_the_host_naming_the_rank() -> None:

@@ -9,9 +9,9 @@ import sys
 import msgspec
 import pytest
 
-from trainguard import xids
-from trainguard.evidence import CrashEvidence
-from trainguard.schemas import Anomaly, GpuSample, GpuStats, RankHello, XidEvent
+from trainguard.contract.evidence import CrashEvidence
+from trainguard.contract.schemas import Anomaly, GpuSample, GpuStats, RankHello, XidEvent
+from trainguard.runtime import xids
 from trainguard.services.detector.synthetic import Harness, SimConfig
 from trainguard.services.detector.thresholds import Thresholds
 from trainguard.services.diagnoser.rules import Diagnoser
@@ -87,9 +87,9 @@ def test_a_bad_catalog_line_is_named() -> None:
 
 
 def test_the_client_never_loads_the_catalog() -> None:
-    code = ("import sys, trainguard, trainguard.schemas, trainguard.evidence\n"
-            "assert 'trainguard.xids' not in sys.modules, 'imported'\n"
-            "from trainguard import xids\n"
+    code = ("import sys, trainguard, trainguard.contract.schemas, trainguard.contract.evidence\n"
+            "assert 'trainguard.runtime.xids' not in sys.modules, 'imported'\n"
+            "from trainguard.runtime import xids\n"
             "assert xids.table.cache_info().currsize == 0, 'read on import'\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60, check=False)

@@ -7,9 +7,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .. import __version__, logs
-from ..errors import ConfigError, TrainguardError
-from ..extras import explain
+from trainguard import __version__
+from trainguard.contract.errors import ConfigError, TrainguardError
+from trainguard.runtime import logs
+
 from . import (
     checkpoints,
     credentials,
@@ -22,6 +23,7 @@ from . import (
     unblock,
     up,
 )
+from .extras import explain
 
 COMMANDS = (up, service_cmd, inject, oncall, checkpoints, demo, credentials, unblock, fr,
             dashboard)

@@ -20,10 +20,20 @@ from typing import Any
 import msgspec
 import nats.errors
 
-from ..bus import connect_nats
-from ..errors import DecodeError, TrainguardError
-from ..rpc import CATALOGUE, SAVE, CatalogueRequest, Endpoint, Rep, Req, SaveRequest, call
-from ..subjects import check_token
+from trainguard.contract.errors import DecodeError, TrainguardError
+from trainguard.contract.rpc import (
+    CATALOGUE,
+    SAVE,
+    CatalogueRequest,
+    Endpoint,
+    Rep,
+    Req,
+    SaveRequest,
+    call,
+)
+from trainguard.contract.subjects import check_token
+from trainguard.runtime.bus import connect_nats
+
 from .common import add_connection_flags, settings_from
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..config import Settings, load_settings
+from trainguard.runtime.config import Settings, load_settings
 
 
 def tcp_port(text: str) -> int:

@@ -21,7 +21,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..auth import (
+from trainguard.contract.errors import ConfigError
+from trainguard.contract.subjects import DEFAULT_PREFIX, check_token
+from trainguard.core.auth import (
     ROLES,
     generate,
     nats_authorization,
@@ -30,9 +32,7 @@ from ..auth import (
     write_credentials,
     write_private,
 )
-from ..errors import ConfigError
-from ..redisha import HaSecrets
-from ..subjects import DEFAULT_PREFIX, check_token
+from trainguard.runtime.redisha import HaSecrets
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

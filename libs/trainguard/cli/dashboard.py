@@ -12,7 +12,8 @@ import argparse
 import asyncio
 import signal
 
-from ..dashboard import DEFAULT_PORT, DashboardServer, run_dashboard
+from trainguard.dashboard import DEFAULT_PORT, DashboardServer, run_dashboard
+
 from .common import add_connection_flags, settings_from, tcp_port
 
 

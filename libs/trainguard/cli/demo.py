@@ -15,9 +15,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from .. import extras
-from ..demo.scenario import FAULTS, parse_faults
-from ..errors import ConfigError
+from trainguard.contract.errors import ConfigError
+from trainguard.demo.scenario import FAULTS, parse_faults
+
+from . import extras
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -53,9 +54,9 @@ async def _demo(args: argparse.Namespace, faults: list, workdir: Path) -> int:  
     from rich.console import Console
     from rich.live import Live
 
-    from ..demo.cluster import Cluster
-    from ..demo.runner import Runner
-    from ..demo.view import live, summary
+    from trainguard.demo.cluster import Cluster
+    from trainguard.demo.runner import Runner
+    from trainguard.demo.view import live, summary
 
     console = Console(width=None if sys.stdout.isatty() else 160)
     cluster = Cluster(workdir, "demo", steps=args.steps, step_time=args.step_time,

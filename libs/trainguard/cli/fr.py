@@ -2,7 +2,7 @@
 
 Offline and torch-free: reads the c10d flight-recorder dumps a hung job left (NCCL's dump
 on timeout, or the ones ``trainguard launch`` collects), one file per rank named after it,
-and prints which ranks stopped short, per process group (:mod:`trainguard.flightrec`).
+and prints which ranks stopped short, per process group (:mod:`trainguard.analysis.flightrec`).
 
     trainguard fr /tmp/trainguard-myjob-node-a-x/            # text
     trainguard fr DIR --json                                 # the Analysis as JSON
@@ -19,7 +19,7 @@ import sys
 
 import msgspec
 
-from .. import flightrec
+from trainguard.analysis import flightrec
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -14,8 +14,8 @@ from typing import Any
 
 import msgspec
 
-from ..errors import TrainguardError
-from ..schemas import Anomaly, Diagnosis, Incident
+from trainguard.contract.errors import TrainguardError
+from trainguard.contract.schemas import Anomaly, Diagnosis, Incident
 
 
 class UnknownIncident(TrainguardError, LookupError):

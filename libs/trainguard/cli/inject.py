@@ -16,12 +16,13 @@ import asyncio
 import contextlib
 from typing import Any
 
-from ..bus import Bus, connect_nats
-from ..codec import decode_durable
-from ..errors import ConfigError, DecodeError
-from ..schemas import AGENT_DRILLS, RANK_DRILLS, CommandAck, NodeHello, RankHello
-from ..targets import addressed, for_agent
-from ..topology import stream_name
+from trainguard.contract.codec import decode_durable
+from trainguard.contract.errors import ConfigError, DecodeError
+from trainguard.contract.schemas import AGENT_DRILLS, RANK_DRILLS, CommandAck, NodeHello, RankHello
+from trainguard.contract.subjects import stream_name
+from trainguard.contract.targets import addressed, for_agent
+from trainguard.runtime.bus import Bus, connect_nats
+
 from .common import add_connection_flags, settings_from
 
 DRILLS = RANK_DRILLS | AGENT_DRILLS | {"dump"}

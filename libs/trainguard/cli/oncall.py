@@ -15,13 +15,14 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from .. import eventlog
-from ..bus import connect_nats
-from ..codec import decode_durable
-from ..config import Settings
-from ..schemas import Anomaly, Diagnosis, Incident
-from ..state import Keys, decode_progress, read_blocklist_entry
-from ..subjects import EVENT_KINDS
+from trainguard.contract.codec import decode_durable
+from trainguard.contract.schemas import Anomaly, Diagnosis, Incident
+from trainguard.contract.subjects import EVENT_KINDS
+from trainguard.runtime import eventlog
+from trainguard.runtime.bus import connect_nats
+from trainguard.runtime.config import Settings
+from trainguard.runtime.state import Keys, decode_progress, read_blocklist_entry
+
 from . import incident_show
 from .common import add_connection_flags, settings_from
 
@@ -95,7 +96,7 @@ def _span(a: float | None, b: float | None) -> str:
 async def _status(args: argparse.Namespace) -> int:
     settings: Settings = settings_from(args)
     keys = Keys(settings.prefix)
-    from ..store import connect_redis
+    from trainguard.runtime.store import connect_redis
 
     redis = await connect_redis(settings.redis_url, timeout=settings.connect_timeout,
                                 access=settings.access.redis_options())
@@ -146,7 +147,7 @@ async def _status(args: argparse.Namespace) -> int:
 
 async def _all_incidents(settings: Settings, job: str | None) -> list[Incident]:
     keys = Keys(settings.prefix)
-    from ..store import connect_redis
+    from trainguard.runtime.store import connect_redis
 
     redis = await connect_redis(settings.redis_url, timeout=settings.connect_timeout,
                                 access=settings.access.redis_options())

@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from .. import extras, registry, tracing
-from ..errors import ConfigError
+from trainguard.contract.errors import ConfigError
+from trainguard.core import tracing
+from trainguard.runtime import registry
+
+from . import extras
 from .common import add_connection_flags, settings_from
 
 
@@ -25,7 +28,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     extras.require("services", "trainguard service")
-    from ..service import run_service
+    from trainguard.runtime.service import run_service
 
     cls = registry.load(args.name)
     settings = settings_from(args, cls.settings_type, health_port=args.health_port)

@@ -18,9 +18,10 @@ import asyncio
 import getpass
 import time
 
-from .. import extras
-from ..state import Keys, encode_blocklist_entry, read_blocklist_entry
-from ..subjects import check_token
+from trainguard.contract.subjects import check_token
+from trainguard.runtime.state import Keys, encode_blocklist_entry, read_blocklist_entry
+
+from . import extras
 from .common import add_connection_flags, settings_from
 
 
@@ -40,7 +41,7 @@ async def run(args: argparse.Namespace) -> int:
     extras.require("services", "trainguard unblock")
     from redis.exceptions import WatchError
 
-    from ..store import connect_redis
+    from trainguard.runtime.store import connect_redis
 
     host = check_token("host", args.host)
     settings = settings_from(args)

@@ -5,13 +5,13 @@ and 6379), then every installed service in this process, prints where everything
 listens and a status line per service, and stops it all on Ctrl-C or SIGTERM.
 
 The embedded servers run with auth on: one NATS user and one Redis ACL user per role
-(``trainguard.auth``), their credentials kept under ``<data-dir>/creds`` (mode 0600) and
+(``trainguard.core.auth``), their credentials kept under ``<data-dir>/creds`` (mode 0600) and
 reused on the next start. Each service connects as its own role; agents, ranks and on-call
 tools take theirs from there (``--credentials`` / ``TRAINGUARD_CREDENTIALS``).
 ``--insecure`` starts them without auth, for a quick local try.
 
 Each service's ``/livez``, ``/readyz`` and ``/metrics`` listen on a fixed port, the base
-port (``--base-port``, default 9460) plus the service's offset (``trainguard.ports``:
+port (``--base-port``, default 9460) plus the service's offset (``trainguard.runtime.ports``:
 detector +1, diagnoser +2, remediator +3, checkpointer +4, bridge +5, dashboard +6), on
 ``--health-host`` (default 127.0.0.1; 0.0.0.0 to be scraped from elsewhere).
 ``--base-port 0`` takes free ports instead. A service that needs configuration it lacks
@@ -30,19 +30,27 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .. import extras, registry, tracing
-from ..auth import ensure_credentials, nats_authorization, redis_acl_file, role_of_service
-from ..config import DEFAULT_NATS_PORT, DEFAULT_REDIS_PORT, Settings
-from ..dashboard import DEFAULT_PORT as DASHBOARD_PORT
-from ..dashboard import run_dashboard
-from ..embedded import NatsServer, RedisServer, ServerProcess, port_taken
-from ..envnames import setting
-from ..errors import ConfigError
-from ..ports import DEFAULT_BASE_PORT, health_port
+from trainguard.contract.envnames import setting
+from trainguard.contract.errors import ConfigError
+from trainguard.core import tracing
+from trainguard.core.auth import (
+    ensure_credentials,
+    nats_authorization,
+    redis_acl_file,
+    role_of_service,
+)
+from trainguard.dashboard import DEFAULT_PORT as DASHBOARD_PORT
+from trainguard.dashboard import run_dashboard
+from trainguard.runtime import registry
+from trainguard.runtime.config import DEFAULT_NATS_PORT, DEFAULT_REDIS_PORT, Settings
+from trainguard.runtime.embedded import NatsServer, RedisServer, ServerProcess, port_taken
+from trainguard.runtime.ports import DEFAULT_BASE_PORT, health_port
+
+from . import extras
 from .common import add_connection_flags, settings_from, tcp_port
 
 if TYPE_CHECKING:
-    from ..service import Runtime, Service
+    from trainguard.runtime.service import Runtime, Service
 
 log = logging.getLogger("trainguard.up")
 
@@ -190,7 +198,7 @@ def _check_health_ports(names: list[str], base: Settings) -> None:
 
 
 def _settings_for(cls: type[Service], base: Settings, creds_dir: Path | None) -> Settings:
-    from ..config import load_settings
+    from trainguard.runtime.config import load_settings
 
     shared = {k: getattr(base, k) for k in ("nats_url", "redis_url", "prefix", "otel_exporter",
                                             "credentials", "base_port", "health_host")}
@@ -213,7 +221,7 @@ async def _dashboard(base: Settings, creds_dir: Path | None, port: int,
 
 async def _supervise(service: Service, stop: asyncio.Event) -> None:
     """Run one service; if it crashes, report it and start it again with backoff."""
-    from ..service import run_service
+    from trainguard.runtime.service import run_service
 
     delay = 1.0
     while not stop.is_set():

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from .commands import DrillCrash
+from trainguard.contract.errors import DrillCrash
+from trainguard.recovery.handle import GuardHandle
+
 from .guard import Guard
-from .handle import GuardHandle
 from .steps import Phase, Step
 
 __all__ = ["DrillCrash", "Guard", "GuardHandle", "Phase", "Step"]

@@ -27,7 +27,7 @@ at that boundary, the same step on every rank.
 
 Every command is acknowledged once (done, failed with the reason, too_late, unknown_kind,
 refused for a stale epoch); a redelivered id, or a retry of a command already run, is not
-run again. Those admission rules are :class:`trainguard.receiver.Receiver`'s, shared with
+run again. Those admission rules are :class:`trainguard.core.receiver.Receiver`'s, shared with
 the node agent; what is a rank's own (scheduling at safe points) is here.
 """
 
@@ -35,21 +35,23 @@ from __future__ import annotations
 
 import collections
 import logging
-import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING
 
-from .. import tracing
-from ..codec import decode_as
-from ..envelope import H_TRACEPARENT, H_TYPE, normalize_headers
-from ..errors import DecodeError, InvalidToken, TrainguardError
-from ..receiver import Answer, Drop, Receiver
-from ..schemas import COLLECTIVE_KINDS, RANK_KINDS, AckOutcome, Command
-from ..subjects import Subjects
-from ..targets import for_agent
-from .identity import Identity
+from trainguard.contract.codec import decode_as
+from trainguard.contract.envelope import H_TRACEPARENT, H_TYPE, normalize_headers
+from trainguard.contract.errors import DecodeError, DrillCrash, InvalidToken
+from trainguard.contract.schemas import COLLECTIVE_KINDS, RANK_KINDS, AckOutcome, Command
+from trainguard.contract.subjects import Subjects
+from trainguard.contract.targets import for_agent
+from trainguard.core import tracing
+from trainguard.core.identity import Identity
+from trainguard.core.receiver import Answer, Drop, Receiver
+from trainguard.recovery.agreement import FIRST_EVERY, NONE_HELD, AgreeFn, find_agreement
+from trainguard.recovery.handle import Handler
+
 from .transport import Transport
 
 if TYPE_CHECKING:
@@ -57,41 +59,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("trainguard.client")
 
-Handler = Callable[[Command], "str | None"]
-Agreement = Callable[[Sequence[int]], list[int]]
-"""Elementwise all-reduce (MAX) of ints across ranks; installed when torch.distributed is
-running."""
-
-
-NONE_HELD: Final = 2**62
-"""The lowest held sequence a rank that holds none proposes (the agreement takes the MIN of
-the lowest held, as the MAX of their negations)."""
-
-FIRST_EVERY: Final = 10
-"""The first agreement comes at a multiple of this (ranks start at one step, any step: a
-job resumed at step 1337 with ``sync_every=1000`` must not wait for step 2000)."""
-
-
 def _for_ranks(kind: str) -> bool:
     """Every kind that is not the agent's: a trainer's own kinds (``guard.on``) included."""
     return not for_agent(kind)
-
-
-def find_agreement(world_size: int) -> Agreement | None:
-    """The all-reduce ranks agree through, once torch.distributed runs; else None.
-
-    Only looked for if the trainer imported torch.distributed: the client never imports
-    torch by itself.
-    """
-    if world_size < 2 or "torch.distributed" not in sys.modules:
-        return None
-    try:
-        from ..torch.collective import side_group_agreement
-
-        return side_group_agreement()
-    except Exception:
-        log.debug("no collective agreement", exc_info=True)
-        return None
 
 
 @dataclass
@@ -120,7 +90,7 @@ class CommandDesk:
                  sync_every: int = 10, sync_period: float = 0.25,
                  collective_timeout: float = 30.0,
                  clock: Callable[[], float] = time.monotonic,
-                 find: Callable[[int], Agreement | None] | None = None) -> None:
+                 find: Callable[[int], AgreeFn | None] | None = None) -> None:
         self.identity = identity
         self.subjects = subjects
         self.transport = transport
@@ -140,7 +110,7 @@ class CommandDesk:
         self.receiver = Receiver("rank", str(identity.rank), _for_ranks)
         self.handlers: dict[str, Handler] = {}
         self.inbox: collections.deque[Queued] = collections.deque(maxlen=10_000)
-        self.agreement: Agreement | None = None
+        self.agreement: AgreeFn | None = None
         self._agreement_checked = False
         self._regrouped = False
         """The group re-formed: the agreement is built again at the next completed step."""
@@ -411,8 +381,3 @@ class CommandDesk:
         tracing.inject(headers)
         self.transport.publish_durable(subject, ack,
                                        traceparent=headers.get(H_TRACEPARENT) or q.traceparent)
-
-
-class DrillCrash(TrainguardError, RuntimeError):
-    """Raised into the training loop by the ``crash`` drill: the one exception the client
-    lets through on purpose."""

@@ -12,10 +12,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .. import envnames
-from ..schemas import Command
-from .commands import DrillCrash
-from .rankstate import RankState
+from trainguard.contract import envnames
+from trainguard.contract.errors import DrillCrash
+from trainguard.contract.schemas import Command
+from trainguard.core.rankstate import RankState
 
 
 class Drills:
@@ -67,7 +67,7 @@ class Drills:
         self.nan_pending = True
         model = self.model()
         if model is not None:
-            from ..torch.stats import poison_with_nan
+            from trainguard.torch.stats import poison_with_nan
 
             self.on_entry.append(lambda: f"NaN written into {poison_with_nan(model)}")
             return "NaN goes into the first parameter as the next step begins"
@@ -77,7 +77,7 @@ class Drills:
         model = self.model()
         if model is None:
             raise RuntimeError("the sdc drill needs guard.attach(model)")
-        from ..torch.stats import flip_bit
+        from trainguard.torch.stats import flip_bit
 
         bit = int(params.get("bit", 20))
         self.on_entry.append(lambda: flip_bit(model, bit=bit))

@@ -10,7 +10,7 @@ a collective. So the agent asks through a file: it writes a request id to
 entry point torch's own debug server and watchdog use; without C++ stack traces, which take
 seconds to symbolize) to ``TORCH_FR_DUMP_TEMP_FILE<rank>``, atomically, then the id to
 ``<that>.id``. A rank frozen or dead writes nothing: its dump is missing, which is itself
-the analysis' evidence (:mod:`trainguard.flightrec`).
+the analysis' evidence (:mod:`trainguard.analysis.flightrec`).
 
 torch is imported only when a request comes and ``torch.distributed`` is initialized:
 ``import trainguard`` stays free of it.
@@ -25,8 +25,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
-from .. import envnames
-from ..files import write_atomically
+from trainguard.contract import envnames
+from trainguard.core.files import write_atomically
 
 log = logging.getLogger("trainguard.client")
 

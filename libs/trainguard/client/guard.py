@@ -26,12 +26,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from .. import envnames
-from ..auth import TlsFiles, access_from
-from ..codec import decode_durable
-from ..errors import DecodeError, TrainguardError
-from ..rpc import RESUME, ResumeRequest, decode_resume
-from ..schemas import (
+from trainguard.contract import envnames
+from trainguard.contract.codec import decode_durable
+from trainguard.contract.errors import DecodeError, TrainguardError
+from trainguard.contract.rpc import RESUME, ResumeRequest, decode_resume
+from trainguard.contract.schemas import (
     RANK_DRILLS,
     CheckpointReport,
     Command,
@@ -39,14 +38,16 @@ from ..schemas import (
     RecoveryReport,
     ResumePoint,
 )
-from ..subjects import DEFAULT_PREFIX, Subjects
+from trainguard.contract.subjects import DEFAULT_PREFIX, Subjects
+from trainguard.core.auth import TlsFiles, access_from
+from trainguard.core.identity import Identity, environment_record, resolve_identity
+from trainguard.core.rankstate import RankState
+from trainguard.recovery.handle import RESUME_TIMEOUT, Handler
+from trainguard.recovery.loop import CommandState, Loop, Recovery, iterate
+
 from . import frdump
-from .commands import CommandDesk, Handler
+from .commands import CommandDesk
 from .drills import Drills
-from .handle import RESUME_TIMEOUT
-from .identity import Identity, environment_record, resolve_identity
-from .rankstate import RankState
-from .recovery import CommandState, Loop, Recovery, iterate
 from .reports import Reports
 from .steps import Step
 from .transport import Transport

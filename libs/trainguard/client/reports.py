@@ -15,7 +15,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from ..schemas import Fingerprint, StepReport
+from trainguard.contract.schemas import Fingerprint, StepReport
+
 from .values import Deferred, is_tensor, read_number
 
 PENDING_LIMIT = 64
@@ -180,7 +181,7 @@ class Reports:
             model = self.model()
             if report.grad_norm is not None and not math.isfinite(report.grad_norm) \
                     and model is not None:
-                from ..torch.stats import nonfinite_grad_names
+                from trainguard.torch.stats import nonfinite_grad_names
 
                 report.nonfinite_params = nonfinite_grad_names(model)
         if self.report_every == 1:
@@ -191,7 +192,7 @@ class Reports:
             self.flush()
 
     def _fingerprint(self, n: int, model: Any) -> None:
-        from ..torch.stats import fingerprint
+        from trainguard.torch.stats import fingerprint
 
         value = fingerprint(model)
         fp = Fingerprint(job=self.job, time=time.time(), seq=self.seq, rank=self.rank, step=n,
@@ -201,7 +202,7 @@ class Reports:
                 fp.checksum = int(value.item())
                 self.publish_fingerprint(fp)
             else:
-                from ..torch.values import defer_tensor
+                from trainguard.torch.values import defer_tensor
 
                 self.pending.append(Pending(fp, {"checksum": defer_tensor(value)}))
         else:

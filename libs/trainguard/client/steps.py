@@ -12,7 +12,8 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Protocol
 
-from .rankstate import RankState
+from trainguard.core.rankstate import RankState
+
 from .values import plain_float
 
 

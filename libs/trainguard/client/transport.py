@@ -24,11 +24,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .. import tracing
-from ..codec import check_wire_size, encode_durable, encode_telemetry
-from ..connection import connect_options
-from ..envelope import make_headers
-from ..schemas import Durable, TelemetryMessage
+from trainguard.contract.codec import check_wire_size, encode_durable, encode_telemetry
+from trainguard.contract.envelope import make_headers
+from trainguard.contract.schemas import Durable, TelemetryMessage
+from trainguard.core import tracing
+from trainguard.core.connection import connect_options
 
 if TYPE_CHECKING:
     from nats.aio.client import Client as NATS
@@ -91,7 +91,7 @@ class Transport:
         self.connect_timeout = connect_timeout
         self.pending_size = pending_size
         self.access = dict(access or {})
-        """Credentials and TLS (:meth:`trainguard.auth.Access.nats_options`)."""
+        """Credentials and TLS (:meth:`trainguard.core.auth.Access.nats_options`)."""
         self.stats = TransportStats()
         self.telemetry: collections.deque[tuple[str, TelemetryMessage]] = collections.deque(
             maxlen=buffer_size)

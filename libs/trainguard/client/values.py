@@ -31,7 +31,7 @@ def read_number(value: Any) -> float | Deferred | None:
     if is_tensor(value):
         if value.device.type == "cpu":
             return float(value.detach().item())
-        from ..torch.values import defer_tensor
+        from trainguard.torch.values import defer_tensor
 
         return defer_tensor(value)
     return float(value)

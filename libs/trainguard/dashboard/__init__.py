@@ -16,9 +16,10 @@ import asyncio
 from collections.abc import Callable
 from typing import Final
 
-from ..bus import connect_nats
-from ..config import Settings
-from ..ports import DEFAULT_BASE_PORT, OFFSETS
+from trainguard.runtime.bus import connect_nats
+from trainguard.runtime.config import Settings
+from trainguard.runtime.ports import DEFAULT_BASE_PORT, OFFSETS
+
 from .board import Board
 from .feed import Feed
 from .server import DashboardServer
@@ -26,7 +27,7 @@ from .server import DashboardServer
 __all__ = ["DEFAULT_PORT", "Board", "DashboardServer", "Feed", "run_dashboard"]
 
 DEFAULT_PORT: Final = DEFAULT_BASE_PORT + OFFSETS["dashboard"]
-"""9466: the dashboard's place among the fixed ports (``trainguard.ports``)."""
+"""9466: the dashboard's place among the fixed ports (``trainguard.runtime.ports``)."""
 
 
 async def run_dashboard(settings: Settings, *, host: str = "127.0.0.1",

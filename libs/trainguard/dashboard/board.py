@@ -16,7 +16,7 @@ from typing import Any, Final
 
 import msgspec
 
-from ..schemas import (
+from trainguard.contract.schemas import (
     CheckpointCommitted,
     Durable,
     Heartbeat,

@@ -3,7 +3,7 @@
 Heartbeats, step reports and the agents' node heartbeats are core NATS (what the detector
 hears too: the on-call role may subscribe to them); incidents and checkpoints come from the
 event stream, read from the start of its history and then followed
-(:func:`trainguard.eventlog.read`), so a dashboard opened late still shows what happened.
+(:func:`trainguard.runtime.eventlog.read`), so a dashboard opened late still shows what happened.
 A message that does not decode is counted and skipped: the dashboard reads, it never
 dead-letters (that is the services' job).
 """
@@ -16,11 +16,12 @@ import contextlib
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from .. import eventlog
-from ..codec import decode_telemetry
-from ..errors import DecodeError
-from ..logs import get_logger
-from ..subjects import Subjects
+from trainguard.contract.codec import decode_telemetry
+from trainguard.contract.errors import DecodeError
+from trainguard.contract.subjects import Subjects
+from trainguard.runtime import eventlog
+from trainguard.runtime.logs import get_logger
+
 from .board import Board
 
 log = get_logger("trainguard.dashboard")

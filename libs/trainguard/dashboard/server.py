@@ -15,8 +15,9 @@ import time
 from importlib import resources
 from typing import Final
 
-from ..httpd import SmallHttpServer, reply
-from ..logs import get_logger
+from trainguard.runtime.httpd import SmallHttpServer, reply
+from trainguard.runtime.logs import get_logger
+
 from .board import Board, to_json
 
 log = get_logger("trainguard.dashboard")

@@ -21,13 +21,11 @@ from typing import Any
 
 import nats
 
-from .. import envnames
-from ..auth import Access, load_credentials
-from ..codec import decode_any_durable, decode_telemetry
-from ..embedded import free_port
-from ..envelope import normalize_headers
-from ..envnames import setting
-from ..schemas import (
+from trainguard.contract import envnames
+from trainguard.contract.codec import decode_any_durable, decode_telemetry
+from trainguard.contract.envelope import normalize_headers
+from trainguard.contract.envnames import setting
+from trainguard.contract.schemas import (
     Action,
     Anomaly,
     CheckpointCommitted,
@@ -39,7 +37,9 @@ from ..schemas import (
     RankHello,
     StepReport,
 )
-from ..subjects import Subjects
+from trainguard.contract.subjects import Subjects
+from trainguard.core.auth import Access, load_credentials
+from trainguard.runtime.embedded import free_port
 
 HOSTS = ("node-a", "node-b")
 DEMO_POLICY = """\

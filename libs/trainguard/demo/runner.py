@@ -12,11 +12,12 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from ..codec import encode_durable
-from ..envelope import make_headers
-from ..schemas import Anomaly, AnomalyKind, Incident
-from ..subjects import Subjects
-from ..targets import addressed
+from trainguard.contract.codec import encode_durable
+from trainguard.contract.envelope import make_headers
+from trainguard.contract.schemas import Anomaly, AnomalyKind, Incident
+from trainguard.contract.subjects import Subjects
+from trainguard.contract.targets import addressed
+
 from .cluster import Cluster, Observer
 from .scenario import Fault
 

@@ -34,7 +34,7 @@ from torch import nn
 
 import trainguard
 import trainguard.torch as tgt
-from trainguard import envnames
+from trainguard.contract import envnames
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

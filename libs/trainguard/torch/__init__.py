@@ -1,16 +1,20 @@
-"""``trainguard.torch``: the torch-side helpers of the client.
+"""``trainguard.torch``: the torch helpers a trainer uses beside its Guard (Checkpointer,
+DDP instrumentation, batch and gradient statistics, device values), and the in-place
+recovery's public entry points.
 
-Imported only by trainers (and the agent's launcher), never by the services, which must
-run without torch installed.
+They type against the :class:`~trainguard.recovery.handle.GuardHandle` Protocol, never the
+Guard itself (import-linter forbids ``trainguard.client``). Imported only by trainers, never
+by the services, which run without torch installed.
 """
 
 from __future__ import annotations
 
+from trainguard.recovery.ddprebuild import InPlaceDDP
+from trainguard.recovery.inplace import InPlace, init_process_group
+from trainguard.recovery.peerloss import is_peer_loss
+
 from .checkpoint import Checkpointer
-from .ddp import instrument_ddp
-from .ddprebuild import InPlaceDDP, ddp
-from .inplace import InPlace, init_process_group
-from .peerloss import is_peer_loss
+from .ddp import ddp, instrument_ddp
 from .stats import (
     BatchCheck,
     check_batch,

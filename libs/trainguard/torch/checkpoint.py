@@ -41,12 +41,13 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.staging import DefaultStager
 
-from ..checksum import METADATA_FILE, file_digest
-from ..client.handle import RESUME_TIMEOUT, GuardHandle
-from ..client.recovery import recovery_report
-from ..codec import decode_durable, encode_durable
-from ..envelope import uuid7
-from ..schemas import CheckpointReport, Command, FileDigest, ResumePoint
+from trainguard.contract.checksum import METADATA_FILE, file_digest
+from trainguard.contract.codec import decode_durable, encode_durable
+from trainguard.contract.envelope import uuid7
+from trainguard.contract.schemas import CheckpointReport, Command, FileDigest, ResumePoint
+from trainguard.recovery.handle import RESUME_TIMEOUT, GuardHandle
+from trainguard.recovery.loop import recovery_report
+
 from .trusted import (
     CheckpointRefused,
     confine,

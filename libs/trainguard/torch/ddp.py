@@ -18,12 +18,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from trainguard.recovery.ddprebuild import InPlaceDDP
+
 if TYPE_CHECKING:
-    from ..client.handle import GuardHandle
+    from trainguard.recovery.handle import GuardHandle
 
 
 class CommTimer:
-    """Counts collectives into the Guard's shared :class:`~trainguard.client.rankstate.RankState`
+    """Counts collectives into the Guard's shared :class:`~trainguard.core.rankstate.RankState`
     (the heartbeat reads them) and keeps each step's wait per phase."""
 
     def __init__(self, guard: GuardHandle, process_group: Any = None) -> None:
@@ -91,3 +93,12 @@ def instrument_ddp(model: Any, guard: GuardHandle, process_group: Any = None) ->
     model.register_comm_hook(timer, _allreduce_hook)
     guard.set_phase_accounting(timer.account)
     return timer
+
+
+def ddp(module: torch.nn.Module, guard: GuardHandle, *, instrument: bool = True,
+        **ddp_kwargs: Any) -> InPlaceDDP:
+    """Wrap ``module`` in DDP that is rebuilt on the new group after an in-place re-form
+    (:class:`~trainguard.recovery.ddprebuild.InPlaceDDP`), its collectives timed by
+    :func:`instrument_ddp` unless ``instrument`` is False."""
+    return InPlaceDDP(module, guard, instrument=instrument_ddp if instrument else None,
+                      **ddp_kwargs)

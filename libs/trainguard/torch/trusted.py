@@ -5,7 +5,7 @@ its non-tensor values. So before DCP reads anything:
 
 * the directory must be a step directory under this Checkpointer's own ``<root>/<job>``
   (symlinks resolved), so an answer cannot point a rank at a file it planted elsewhere;
-* the coordinator's commit record (:mod:`trainguard.commit_record`) must be there for a
+* the coordinator's commit record (:mod:`trainguard.contract.commit_record`) must be there for a
   resume point, and match: its job and path, and the CRC32 of ``.metadata``;
 * ``.metadata`` is first read by an unpickler that admits only DCP's metadata classes,
   torch sizes and dtypes, and every non-tensor value is first read with
@@ -35,9 +35,9 @@ if TYPE_CHECKING:  # DCP costs ~0.7 s to import: only when a checkpoint is read
     from torch.distributed.checkpoint.planner import LoadPlanner
     from torch.distributed.checkpoint.storage import StorageReader
 
-from ..checksum import METADATA_FILE
-from ..commit_record import COMMIT_FILE, decode_commit
-from ..errors import TrainguardError
+from trainguard.contract.checksum import METADATA_FILE
+from trainguard.contract.commit_record import COMMIT_FILE, decode_commit
+from trainguard.contract.errors import TrainguardError
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _ALLOWED: frozenset[tuple[str, str]] = frozenset({

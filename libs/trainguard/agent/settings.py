@@ -1,0 +1,48 @@
+"""The agent's settings: the shared ones plus what only a node agent needs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from trainguard.contract.errors import ConfigError
+from trainguard.runtime.config import Settings
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AgentSettings(Settings):
+    # job, host, allow_drills (and the shared nats_url, prefix) are read from the same
+    # TRAINGUARD_* names the agent then sets for its ranks (trainguard.contract.envnames).
+    job: str = ""
+    host: str = ""
+    allow_drills: bool = False
+    node_interval: float = 1.0
+    """Seconds between node heartbeats (process state of each local rank)."""
+    state_interval: float = 0.1
+    """Seconds between looks at the ranks' process states: a rank stopped (SIGSTOP) or
+    gone is beaten about at once, not at the next ``node_interval``."""
+    gpu_interval: float = 5.0
+    stop_grace: float = 10.0
+    """SIGTERM-to-SIGKILL grace when the agent stops workers (restart, stop)."""
+    preempt_grace: float = 30.0
+    """On SIGTERM to ``trainguard launch``: how long a save-now may take before stopping."""
+    rank_credentials: str = ""
+    """The rank role's credentials file, handed to the ranks (``TRAINGUARD_CREDENTIALS`` of
+    their environment); the agent's own is ``credentials``."""
+    warm_spares: int | None = None
+    """Warm spares kept per node (processes with torch imported, waiting to replace a
+    rank); None (the default): one per local rank, so a whole-group restart is warm for
+    every rank; 0 turns them off."""
+    spare_refill_delay: float = 1.0
+    """Seconds after a group (or a rank) started before used spares are refilled, so the
+    refill's imports do not compete with the new ranks' start."""
+    in_place: bool = True
+    """Replace a single failed rank in place (its survivors keep running and hand it their
+    state) when every rank declared it can; off: every failure restarts the group."""
+    scripted_gpus: int = 0
+    """Fake GPUs for drills on machines without one (0: only with --allow-drills, 1 GPU)."""
+
+    def __post_init__(self) -> None:
+        for name in ("node_interval", "state_interval", "gpu_interval"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"setting {name}={getattr(self, name)}: must be a positive "
+                                  "number of seconds")

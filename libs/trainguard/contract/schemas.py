@@ -1,0 +1,617 @@
+"""Every message on the bus, as msgspec Structs (v1 of each).
+
+Two families, encoded differently (DESIGN.md section 12):
+
+* Telemetry (``Heartbeat``, ``StepReport``, ``Fingerprint``, ``GpuSample``,
+  ``NodeHeartbeat``) is high-rate and fire-and-forget: MessagePack, with a tag
+  ``<type>.v<N>`` that carries the version, no headers.
+* Durable messages (events, commands, acks, exits, checkpoint reports, hellos, dead
+  letters) travel on JetStream as JSON with CloudEvents headers; ``ce-type`` =
+  ``io.trainguard.<kind>.v<major>`` is authoritative and the body's ``schema`` field
+  mirrors it.
+
+Wire types never forbid unknown fields, so an old reader tolerates a newer writer that
+added a field. Entities that change (an anomaly resolved, an incident moving on) are
+republished with the same ``id``, a higher ``rev`` and a new ``status``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal, get_args
+
+import msgspec
+
+from .evidence import EvidenceField, FlightRecorderEvidence, typed_evidence, unset_evidence
+
+# -- telemetry (MessagePack, tagged) ---------------------------------------------------
+
+
+class Telemetry(msgspec.Struct, tag_field="t", kw_only=True):
+    """Fields every telemetry message carries.
+
+    ``time`` is the sender's clock and ``seq`` its sequence number: a client that
+    reconnects delivers buffered messages late, so receivers judge by these, never by
+    arrival time.
+    """
+
+    job: str
+    time: float
+    seq: int = 0
+
+
+class Heartbeat(Telemetry, tag="hb.v1"):
+    rank: int
+    attempt: int = 0
+    host: str = ""
+    pid: int = 0
+    step: int | None = None
+    phase: str | None = None
+    phase_elapsed: float = 0.0
+    coll_seq: int = 0
+    coll_done: int = 0
+    dropped: int = 0
+
+
+RECOVERING_PHASE = "recovering"
+"""The heartbeat phase of a rank that lost a peer and waits for its group to re-form in
+place (``trainguard.torch``'s recovery): the detector holds its hang judgement meanwhile,
+for at most its ``recovery_timeout``."""
+
+
+class StepReport(Telemetry, tag="step.v1"):
+    rank: int
+    step: int
+    attempt: int = 0
+    duration: float = 0.0
+    phases: dict[str, float] = {}
+    loss: float | None = None
+    grad_norm: float | None = None
+    nonfinite: int = 0
+    nonfinite_params: list[str] = []
+    tokens: int | None = None
+    samples: int | None = None
+    steps: int = 1
+    extra: dict[str, float] = {}
+    world_size: int = 0
+    """The job's size this rank runs in (0: not told). A change re-forms the job."""
+    lr: float | None = None
+    """The learning rate of the step, when the trainer's optimizer tells it."""
+
+
+class Fingerprint(Telemetry, tag="fp.v1"):
+    rank: int
+    step: int
+    checksum: int
+    attempt: int = 0
+    group: str = "dp"
+
+
+class GpuStats(msgspec.Struct, kw_only=True):
+    """One GPU's counters in a :class:`GpuSample`; absent readings are None."""
+
+    index: int
+    uuid: str = ""
+    name: str = ""
+    temperature_c: float | None = None
+    power_w: float | None = None
+    power_limit_w: float | None = None
+    sm_clock_mhz: float | None = None
+    throttle_reasons: list[str] = []
+    util_pct: float | None = None
+    mem_used: int | None = None
+    mem_total: int | None = None
+    ecc_corrected_volatile: int | None = None
+    ecc_uncorrected_volatile: int | None = None
+    ecc_corrected_aggregate: int | None = None
+    ecc_uncorrected_aggregate: int | None = None
+    retired_pages_pending: bool | None = None
+    remapped_rows_pending: bool | None = None
+    pcie_replay: int | None = None
+    nvlink_errors: int | None = None
+
+
+class XidEvent(msgspec.Struct, kw_only=True):
+    gpu: int
+    code: int
+    time: float
+    detail: str = ""
+
+
+class GpuSample(Telemetry, tag="gpu.v1"):
+    host: str
+    gpus: list[GpuStats] = []
+    xids: list[XidEvent] = []
+    source: str = "nvml"
+
+
+ProcessState = Literal["R", "S", "D", "T", "t", "Z", "X", "x", "I", "P", "K", "W"]
+"""A worker's Linux state letter, as ``/proc/<pid>/stat`` gives it (every letter a kernel
+reports, old ones included, so no agent can send one a detector rejects); ``X`` also when
+the pid is gone. Written by the agent, judged by the detector, stored in ``progress``."""
+PROCESS_STATES: frozenset[str] = frozenset(get_args(ProcessState))
+STOPPED_STATES: frozenset[ProcessState] = frozenset({"T", "t", "D"})
+"""Cannot make progress: stopped by a signal (T) or a tracer (t), or in uninterruptible
+sleep (D). Such a worker also ignores SIGTERM until it runs again. T is SIGSTOP and lasts;
+t and D are often brief (a profiler, a disk write)."""
+GONE_STATES: frozenset[ProcessState] = frozenset({"Z", "X", "x"})
+"""Dead (X, x) or a zombie nobody reaped yet (Z)."""
+
+
+def is_stopped(state: str | None) -> bool:
+    return state in STOPPED_STATES
+
+
+def is_gone(state: str | None) -> bool:
+    return state in GONE_STATES
+
+
+class NodeHeartbeat(Telemetry, tag="node.v1"):
+    """The agent's view of its local ranks: process state letter by rank.
+
+    ``restarting``: the worker group is being restarted (a worker failed, or a ``restart``
+    command came) and the new one has not started yet, since ``restarting_since`` (the
+    agent's clock): the detector reads the ranks' silence then as the restart, not as
+    failing ranks. Both default to "not restarting", so old agents and readers interoperate.
+    """
+
+    host: str
+    ranks: dict[int, ProcessState] = {}
+    pids: dict[int, int] = {}
+    attempt: int = 0
+    restarting: bool = False
+    restarting_since: float | None = None
+    generation: int = 0
+    """The job's process-group generation this node's ranks belong to (0: an old agent)."""
+    spares: list[int] = []
+    """The pids of the node's idle warm spares that are ready (one becomes a rank on a
+    restart, keeping its pid)."""
+
+
+TelemetryMessage = Heartbeat | StepReport | Fingerprint | GpuSample | NodeHeartbeat
+
+# -- durable (JSON + CloudEvents) ------------------------------------------------------
+
+
+class Durable(msgspec.Struct, kw_only=True):
+    """Base of every JetStream message; ``KIND`` and ``VERSION`` make up ``ce-type``."""
+
+    KIND: ClassVar[str] = ""
+    VERSION: ClassVar[int] = 1
+    schema: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.schema:
+            self.schema = self.ce_type()
+
+    @classmethod
+    def ce_type(cls) -> str:
+        return f"io.trainguard.{cls.KIND}.v{cls.VERSION}"
+
+
+AnomalyKind = Literal[
+    "crash", "unresponsive", "gpu_health", "hang", "straggler", "nonfinite",
+    "grad_explosion", "grad_vanishing", "loss_spike", "sdc_mismatch",
+    "throughput_drop", "data_stall", "checkpoint_slow",
+]
+Cause = Literal[
+    "gpu_lost", "hbm_ecc", "network", "storage_io", "oom", "numeric", "sdc_suspect",
+    "straggler_thermal", "straggler_power", "straggler", "data_pipeline",
+    "process_crash", "rank_hang", "unknown",
+]
+Severity = Literal["info", "warning", "critical"]
+# Who runs which command kind (DESIGN.md section 12). Each receiver ignores the others'.
+# The Literals are the vocabulary; the frozensets are derived from them, never listed twice.
+# ``Command.kind`` stays ``str`` on the wire: a trainer's own kinds (``guard.on("note",
+# ...)``) must decode too.
+AgentDrill = Literal["kill", "freeze", "thaw", "ecc", "xid", "throttle"]
+"""Faults the agent plays on its ranks' processes and (scripted) GPUs."""
+AgentKind = Literal["restart", "isolate", "stop", "hold", "dump", AgentDrill]
+RankDrill = Literal["hang", "slow", "nan", "sdc", "crash"]
+"""Faults a rank plays on itself (:mod:`trainguard.client.drills`)."""
+CollectiveKind = Literal["save_now", "set_interval", "reload"]
+"""Kinds every rank must run at the same step (``at_step`` or the side-group agreement).
+``reload``: load the committed checkpoint ``params.step`` in-process and go on from the
+step after it (a rollback without restarting a process)."""
+RankKind = Literal[CollectiveKind, RankDrill]
+CommandKind = Literal[AgentKind, RankKind]
+AGENT_KINDS: frozenset[str] = frozenset(get_args(AgentKind))
+RANK_KINDS: frozenset[str] = frozenset(get_args(RankKind))
+COLLECTIVE_KINDS: frozenset[str] = frozenset(get_args(CollectiveKind))
+RANK_DRILLS: frozenset[str] = frozenset(get_args(RankDrill))
+AGENT_DRILLS: frozenset[str] = frozenset(get_args(AgentDrill))
+AckOutcome = Literal["done", "failed", "too_late", "unknown_kind", "refused"]
+Issuer = Literal["remediator", "coordinator", "cli"]
+"""Who issues commands: the remediator's leader, the checkpoint coordinator (with the
+remediator's epoch), and an operator's drills (``trainguard inject``, the demo)."""
+ISSUERS: frozenset[str] = frozenset(get_args(Issuer))
+
+
+class Attempt(msgspec.Struct, kw_only=True):
+    """Which incarnation of a rank this is: steps and sequences restart with it."""
+
+    restart_count: int = 0
+    pid: int = 0
+    started_at: float = 0.0
+    generation: int = 0
+    """The job's process-group generation it joined (``TRAINGUARD_GENERATION``)."""
+
+
+class RankHello(Durable, kw_only=True):
+    KIND: ClassVar[str] = "rank_hello"
+    job: str
+    rank: int
+    world_size: int
+    local_rank: int = 0
+    host: str = ""
+    pid: int = 0
+    attempt: Attempt = msgspec.field(default_factory=Attempt)
+    env: dict[str, str] = {}
+    time: float = 0.0
+
+
+class NodeHello(Durable, kw_only=True):
+    KIND: ClassVar[str] = "node_hello"
+    job: str
+    host: str
+    local_ranks: list[int] = []
+    nnodes_min: int = 1
+    nnodes_max: int = 1
+    drills_allowed: bool = False
+    hosts_store: bool = False
+    pid: int = 0
+    time: float = 0.0
+    left: bool = False
+    """The launcher exited (``time``: when): published once on the way out, so the control
+    plane drops the host from the job. Old readers ignore it; old agents never send it."""
+
+
+class WorkerExit(Durable, kw_only=True):
+    KIND: ClassVar[str] = "worker_exit"
+    id: str
+    job: str
+    host: str
+    rank: int
+    local_rank: int = 0
+    pid: int = 0
+    exit_code: int | None = None
+    signal: str | None = None
+    stderr_tail: str = ""
+    error: str = ""
+    initiated_by: str | None = None
+    attempt: int = 0
+    generation: int = 0
+    """The job's process-group generation the rank ran in (0: an older agent). A rank
+    replaced in place keeps its attempt, so its failures are told apart by generation."""
+    time: float = 0.0
+
+
+class FlightRecorderReport(Durable, kw_only=True):
+    """An agent's flight-recorder dumps of its ranks, collected on a ``dump`` command."""
+
+    KIND: ClassVar[str] = "flight_recorder"
+    id: str
+    job: str
+    host: str
+    command_id: str = ""
+    evidence: FlightRecorderEvidence = msgspec.field(default_factory=FlightRecorderEvidence)
+    attempt: int = 0
+    time: float = 0.0
+
+
+class FileDigest(msgspec.Struct, kw_only=True):
+    bytes: int
+    crc32: int | None = None
+
+
+class CheckpointReport(Durable, kw_only=True):
+    KIND: ClassVar[str] = "checkpoint_report"
+    id: str
+    job: str
+    rank: int
+    step: int
+    path: str
+    world_size: int
+    bytes: int = 0
+    seconds_blocked: float = 0.0
+    seconds_total: float = 0.0
+    files: dict[str, FileDigest] = {}
+    attempt: int = 0
+    generation: str = ""
+    """The worker group the save belongs to, the same on every rank of it (the
+    Checkpointer's token); empty from older clients, which are told apart by ``attempt``."""
+    ok: bool = True
+    error: str = ""
+    time: float = 0.0
+    state_since: float = 0.0
+    """When this rank's training state last started over, by its clock: loaded from a
+    checkpoint, or made fresh by a new process. A save at or past a rollback's step is
+    trusted only from state that started over after the rollback: ranks still on the bad
+    state may save again before their reload or restart reaches them. 0 from older clients
+    (the save's start stands in)."""
+
+
+RecoveryPath = Literal["in_place", "restart"]
+"""How a job got back to work: its survivors kept running and re-formed the group with a
+replacement (``in_place``), or every rank restarted from the last committed checkpoint."""
+RecoveryKind = Literal["replace", "rollback", "resize", "grow"]
+"""What the ranks recovered from: a lost rank replaced, a rollback to a committed
+checkpoint, the group shrinking in place (a host left) or growing (a host taken back)."""
+
+
+class RecoveryReport(Durable, kw_only=True):
+    """A rank's account of one recovery, published by the lowest rank of the re-formed
+    group once it runs again (or by a rank that gave in-place up, with ``path="restart"``
+    and the reason), so the incident knows which path ran, what it cost and why."""
+
+    KIND: ClassVar[str] = "recovery"
+    id: str
+    job: str
+    rank: int
+    kind: RecoveryKind = "replace"
+    path: RecoveryPath = "in_place"
+    reason: str = ""
+    """Why in-place did not run (``path="restart"``), or what triggered it."""
+    generation: int = 0
+    """The generation of the re-formed group (``previous_generation`` before it)."""
+    previous_generation: int = 0
+    world_size: int = 0
+    joined: list[int] = []
+    """Ranks that took their state from a peer (the replacements)."""
+    source_rank: int | None = None
+    """The rank whose model and optimizer state the group continued with."""
+    failed_step: int | None = None
+    """The step the failure abandoned (None for a rollback)."""
+    last_completed: int | None = None
+    """The last step the group had completed before the failure."""
+    resumed_step: int = 0
+    """The first step the re-formed group runs."""
+    steps_lost: int = 0
+    """Completed steps the group runs again: ``last_completed - resumed_step + 1``, at
+    least 0 (in place after a lost rank: 0)."""
+    seconds: float = 0.0
+    """From the failure reaching this rank to the group ready to run ``resumed_step``."""
+    attempt: int = 0
+    time: float = 0.0
+
+
+class Anomaly(Durable, kw_only=True):
+    KIND: ClassVar[str] = "anomaly"
+    id: str
+    job: str
+    kind: AnomalyKind
+    ranks: list[int] = []
+    hosts: list[str] = []
+    step: int | None = None
+    onset_at: float
+    detected_at: float
+    severity: Severity = "warning"
+    evidence: EvidenceField = msgspec.field(default_factory=unset_evidence)
+    """The Struct of ``kind`` (:mod:`trainguard.contract.evidence`; why not a tagged union:
+    there)."""
+    status: Literal["open", "resolved"] = "open"
+    rev: int = 1
+    resolved_at: float | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.evidence = typed_evidence(self.kind, self.evidence)
+
+
+class EvidenceItem(msgspec.Struct, kw_only=True):
+    fact: str
+    source: str
+    value: Any = None
+
+
+class Diagnosis(Durable, kw_only=True):
+    KIND: ClassVar[str] = "diagnosis"
+    id: str
+    job: str
+    anomaly_ids: list[str]
+    cause: Cause
+    confidence: float
+    ranks: list[int] = []
+    hosts: list[str] = []
+    evidence: list[EvidenceItem] = []
+    recommended: list[str] = []
+    summary: str = ""
+    onset_at: float | None = None
+    step: int | None = None
+    time: float = 0.0
+    rev: int = 1
+    status: Literal["open", "superseded"] = "open"
+    superseded_by: str | None = None
+    """A later diagnosis that found the root of the same failure (its anomaly ids include
+    this one's)."""
+    collateral: list[str] = []
+    """Anomaly ids joined as consequences of this failure (a throughput drop while a rank
+    straggles, a peer's error after a rank died): never a failure of their own."""
+
+
+class Action(Durable, kw_only=True):
+    KIND: ClassVar[str] = "action"
+    id: str
+    job: str
+    action: str
+    incident_id: str = ""
+    diagnosis_id: str = ""
+    command_ids: list[str] = []
+    status: Literal["sent", "acked", "failed", "skipped"] = "sent"
+    detail: str = ""
+    time: float = 0.0
+    rev: int = 1
+
+
+StepStatus = Literal["pending", "sent", "done", "failed", "skipped"]
+
+
+class HookRun(msgspec.Struct, kw_only=True):
+    """One run of an operator's scheduler hook (the remediator's ``isolate_hook``: cordon
+    a Kubernetes node, drain a Slurm node), kept on the incident step that ran it."""
+
+    argv: list[str]
+    status: Literal["ok", "failed", "timeout", "error"]
+    """``failed``: non-zero exit; ``timeout``: killed after ``hook_timeout``; ``error``: it
+    could not be started (no such program)."""
+    exit_code: int | None = None
+    output: str = ""
+    """The tail of its stdout and stderr together."""
+    elapsed: float = 0.0
+
+
+class IncidentStep(msgspec.Struct, kw_only=True):
+    """One step of an incident's plan, as the remediator runs it.
+
+    A step is persisted as ``sent`` with its command id before the command goes out, so a
+    new leader re-sends it as a retry (``retry_of``) instead of running it twice.
+    """
+
+    action: str
+    """A policy action: save_now, dump, isolate, restart, rollback, alert or escalate."""
+    params: dict[str, Any] = {}
+    status: StepStatus = "pending"
+    command_ids: list[str] = []
+    detail: str = ""
+    at: float | None = None
+    """When the step started."""
+    hook: HookRun | None = None
+    """The scheduler hook this step ran (``isolate``), with its outcome."""
+
+
+class RecoveryNote(msgspec.Struct, kw_only=True):
+    """How an incident's job got back to work, from its ranks' and agents'
+    :class:`RecoveryReport` (the newest that followed the failure)."""
+
+    path: RecoveryPath
+    """``in_place``: the survivors kept running; ``restart``: the group restarted cold."""
+    kind: RecoveryKind = "replace"
+    reason: str = ""
+    """Why in place did not run (``restart``), or what the in-place recovery did."""
+    generation: int = 0
+    """The re-formed group's generation (in place)."""
+    resumed_step: int | None = None
+    steps_lost: int | None = None
+    seconds: float | None = None
+    """The failure reaching the ranks -> the group ready again (in place)."""
+    back_at: float | None = None
+    """When the job was back at work: ready in place, or (cold) training past the failure."""
+    report_id: str = ""
+
+
+class Incident(Durable, kw_only=True):
+    KIND: ClassVar[str] = "incident"
+    id: str
+    job: str
+    cause: Cause
+    status: Literal["open", "mitigating", "resolved", "escalated", "failed"] = "open"
+    """``failed``: the job was held, or every launcher of it exited, before it recovered."""
+    rev: int = 1
+    ranks: list[int] = []
+    hosts: list[str] = []
+    diagnosis_ids: list[str] = []
+    anomaly_ids: list[str] = []
+    onset_at: float | None = None
+    detected_at: float | None = None
+    diagnosed_at: float | None = None
+    first_action_at: float | None = None
+    mitigated_at: float | None = None
+    resolved_at: float | None = None
+    failure_step: int | None = None
+    failure_attempt: int | None = None
+    resume_step: int | None = None
+    steps_lost: int | None = None
+    restarted_attempt: int | None = None
+    """The job's attempt when the remediator restarted it: resolution needs a later one."""
+    recovery: RecoveryNote | None = None
+    """Which recovery path ran, why, what it cost and when the job was back at work."""
+    actions: list[IncidentStep] = []
+    summary: str = ""
+    escalation: str = ""
+    signature: str = ""
+    """The failure as on-call reads it: cause, culprit rank(s) and host(s), and the exit's
+    last stderr line, from the newest diagnosis that had one."""
+
+
+class CheckpointCommitted(Durable, kw_only=True):
+    KIND: ClassVar[str] = "checkpoint"
+    id: str
+    job: str
+    step: int
+    path: str
+    status: Literal["committed", "failed", "suspect"] = "committed"
+    world_size: int = 0
+    bytes: int = 0
+    missing_ranks: list[int] = []
+    reason: str = ""
+    time: float = 0.0
+
+
+class Command(Durable, kw_only=True):
+    KIND: ClassVar[str] = "command"
+    id: str
+    job: str
+    kind: str
+    issuer: str
+    epoch: int = 0
+    target: str = "all"
+    params: dict[str, Any] = {}
+    at_step: int | None = None
+    deadline: float | None = None
+    issued_at: float = 0.0
+    retry_of: str | None = None
+    seq: int = 0
+
+
+class CommandAck(Durable, kw_only=True):
+    KIND: ClassVar[str] = "command_ack"
+    command_id: str
+    job: str
+    responder: str
+    outcome: AckOutcome
+    detail: str = ""
+    kind: str = ""
+    time: float = 0.0
+
+
+class ResumePoint(Durable, kw_only=True):
+    """Reply of ``<prefix>.<job>.rpc.resume``: the newest committed, verified checkpoint."""
+
+    KIND: ClassVar[str] = "resume_point"
+    job: str
+    step: int
+    path: str
+    checkpoint_id: str = ""
+    world_size: int = 0
+
+
+class DeadLetter(Durable, kw_only=True):
+    """A message that could not be processed, with why.
+
+    ``payload`` is the message whole when it is small, else its first bytes
+    (``truncated``): a letter must fit the server's ``max_payload``, and base64 in JSON
+    makes bytes 4/3 as large. ``size`` and ``sha256`` are always those of the whole
+    payload, so a truncated letter still identifies its message. Letters from before these
+    fields read as ``size=0``, ``sha256=""``: unknown, the payload then being whole.
+    """
+
+    KIND: ClassVar[str] = "dead_letter"
+    job: str
+    subject: str
+    reason: str
+    service: str = ""
+    consumer: str = ""
+    payload: bytes = b""
+    truncated: bool = False
+    size: int = 0
+    sha256: str = ""
+    headers: dict[str, str] = {}
+    deliveries: int = 0
+    time: float = 0.0
+
+
+DURABLE_TYPES: tuple[type[Durable], ...] = (
+    RankHello, NodeHello, WorkerExit, FlightRecorderReport, CheckpointReport,
+    RecoveryReport, Anomaly,
+    Diagnosis, Action, Incident, CheckpointCommitted, Command, CommandAck, ResumePoint, DeadLetter,
+)
+BY_CE_TYPE: dict[str, type[Durable]] = {t.ce_type(): t for t in DURABLE_TYPES}

@@ -1,0 +1,453 @@
+"""Diagnosis rules: pure, synchronous, no I/O.
+
+:class:`Diagnoser` keeps short per-job windows of worker exits and per-host windows of GPU
+samples, and turns each anomaly into a :class:`Decision`: a new diagnosis, an update of an
+open one (a symptom joining its root), or a new root that supersedes an earlier guess.
+One failure produces one diagnosis: a GPU drop that crashes one rank and hangs the others
+is named once, by its root, with every symptom's anomaly id attached.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import re
+from dataclasses import dataclass, field
+
+from trainguard.contract.envelope import uuid7
+from trainguard.contract.evidence import (
+    CheckpointSlowEvidence,
+    CrashEvidence,
+    DataStallEvidence,
+    GpuHealthEvidence,
+    GradExplosionEvidence,
+    GradVanishingEvidence,
+    HangEvidence,
+    LossSpikeEvidence,
+    NonfiniteEvidence,
+    SdcMismatchEvidence,
+    StragglerEvidence,
+    ThroughputDropEvidence,
+    UnresponsiveEvidence,
+)
+from trainguard.contract.schemas import (
+    Anomaly,
+    Cause,
+    Diagnosis,
+    EvidenceItem,
+    GpuSample,
+    WorkerExit,
+)
+from trainguard.runtime import xids
+
+from . import signatures
+from .causality import OpenAnomalies
+from .knowledge import HOT_C, PEER_ERROR, POWER_REASONS, RECOMMENDED, THERMAL_REASONS, TRACEBACK
+
+ROOT_CAUSES: frozenset[Cause] = frozenset({"gpu_lost", "hbm_ecc", "oom", "process_crash",
+                                           "sdc_suspect", "numeric"})
+SYMPTOM_KINDS = frozenset({"hang", "unresponsive", "crash", "throughput_drop"})
+SYMPTOM_CAUSES: frozenset[Cause] = frozenset({"network", "rank_hang", "unknown"})
+"""Causes that are often a guess made from a symptom before the root shows up."""
+
+
+@dataclass
+class Verdict:
+    cause: Cause
+    confidence: float
+    ranks: list[int]
+    hosts: list[str]
+    facts: list[EvidenceItem]
+    collateral: bool = False
+    """The anomaly is a consequence of another rank's failure (a peer error)."""
+    signature: str = ""
+    recommended: tuple[str, ...] | None = None
+    """Actions that replace the cause's defaults (an XID's, from NVIDIA's catalog)."""
+
+
+@dataclass
+class Open:
+    diagnosis: Diagnosis
+    at: float
+    root: bool
+    last: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.last = self.last or self.at
+
+
+@dataclass
+class Decision:
+    publish: list[Diagnosis] = field(default_factory=list)
+
+
+@dataclass
+class HostRecord:
+    """What Redis remembers of a host's past diagnoses."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+
+
+class Diagnoser:
+    def __init__(self, *, window: float = 60.0, gpu_window: float = 120.0,
+                 same_cause_window: float = 10.0, symptom_window: float = 20.0) -> None:
+        self.window = window
+        self.symptom_window = symptom_window
+        """A hang or silence joins a root failure this soon after it (a crash's peers hang
+        within a hang limit); later it is a failure of its own."""
+        self.same_cause_window = same_cause_window
+        """A new anomaly of the same cause joins an open diagnosis only this soon after its
+        last anomaly: later, it is a new failure (the last one was dealt with)."""
+        self.gpu_window = gpu_window
+        self.exits: dict[str, collections.deque[WorkerExit]] = collections.defaultdict(
+            lambda: collections.deque(maxlen=512))
+        self.gpu: dict[str, collections.deque[GpuSample]] = collections.defaultdict(
+            lambda: collections.deque(maxlen=64))
+        self.open: dict[str, list[Open]] = collections.defaultdict(list)
+        self.live = OpenAnomalies()
+        """Anomalies still open on the detector's side: the roots symptoms are joined to."""
+
+    # -- observations ---------------------------------------------------------------------
+    def observe_exit(self, ex: WorkerExit) -> None:
+        self.exits[ex.job].append(ex)
+
+    def observe_gpu(self, sample: GpuSample) -> None:
+        self.gpu[sample.host].append(sample)
+
+    # -- decisions ------------------------------------------------------------------------
+    def follow(self, a: Anomaly) -> None:
+        """Note an anomaly's transition (open, widened, resolved) without deciding."""
+        self.live.observe(a)
+
+    def on_anomaly(self, a: Anomaly, now: float,
+                   history: dict[str, HostRecord] | None = None) -> Decision:
+        self.follow(a)
+        if a.status == "resolved":
+            return Decision()
+        history = history or {}
+        v = self.classify(a, now)
+        self._expire(a.job, now)
+        opened = self.open[a.job]
+        for o in opened:
+            if a.id in o.diagnosis.anomaly_ids:
+                return Decision()  # a redelivered anomaly
+        root = self._absorbing(a, opened)
+        if root is not None:
+            return Decision([self._join(root, a, v, now, collateral=True)])
+        for o in opened:
+            if self._joins(v, a, o, now):
+                return Decision([self._join(o, a, v, now, collateral=v.collateral)])
+        diagnosis = self._diagnosis(a, v, now, history)
+        decision = Decision([diagnosis])
+        for o in opened:
+            od = o.diagnosis
+            overlap = bool(set(v.ranks) & set(od.ranks) or set(v.hosts) & set(od.hosts))
+            recent = now - o.last <= 3 * self.same_cause_window
+            # A root explains a recent symptom-like guess; any cause beats "unknown" on the
+            # same ranks.
+            explains = v.cause in ROOT_CAUSES and not v.collateral and recent \
+                and od.cause in SYMPTOM_CAUSES
+            guess = od.cause == "unknown" and v.cause != "unknown" and overlap and recent
+            if (explains or guess) and not o.root and od.status == "open":
+                # An earlier guess (a hang, a peer error) was a symptom of this root.
+                od.status = "superseded"
+                od.superseded_by = diagnosis.id
+                od.rev += 1
+                diagnosis.anomaly_ids.extend(x for x in od.anomaly_ids
+                                             if x not in diagnosis.anomaly_ids)
+                decision.publish.insert(0, od)
+        opened.append(Open(diagnosis, now, root=v.cause in ROOT_CAUSES and not v.collateral))
+        return decision
+
+    def _expire(self, job: str, now: float) -> None:
+        """Forget diagnoses older than the window, except those whose anomalies the detector
+        still holds open (a straggler can last an hour: what follows from it still joins)."""
+        self.open[job] = [o for o in self.open[job] if now - o.at <= self.window
+                          or self.live.any_open(job, o.diagnosis.anomaly_ids)]
+
+    def _absorbing(self, a: Anomaly, opened: list[Open]) -> Open | None:
+        """The open diagnosis of a failure that is still open and explains ``a``
+        (:data:`.causality.ABSORBED_BY`), newest first; None if there is none."""
+        roots = self.live.roots_of(a)
+        if not roots:
+            return None
+        for o in reversed(opened):
+            if o.diagnosis.status == "open" and roots & set(o.diagnosis.anomaly_ids):
+                return o
+        return None
+
+    @staticmethod
+    def _join(o: Open, a: Anomaly, v: Verdict, now: float, *, collateral: bool) -> Diagnosis:
+        """``a`` is a symptom of ``o``'s failure: a new revision of its diagnosis."""
+        d = o.diagnosis
+        o.last = now
+        d.anomaly_ids.append(a.id)
+        if collateral:
+            d.collateral.append(a.id)
+        else:
+            d.ranks = sorted(set(d.ranks) | set(v.ranks))
+        d.evidence.append(EvidenceItem(fact=f"{a.kind} on ranks {a.ranks} follows from "
+                                       "this failure", source=f"anomaly:{a.id}"))
+        d.rev += 1
+        return d
+
+    def _joins(self, v: Verdict, a: Anomaly, o: Open, now: float) -> bool:
+        d = o.diagnosis
+        if d.status != "open":
+            return False
+        if v.collateral or (o.root and a.kind in SYMPTOM_KINDS and v.cause not in ROOT_CAUSES
+                            and now - o.last <= self.symptom_window):
+            return True  # a symptom of an open root failure
+        return v.cause == d.cause and now - o.last <= self.same_cause_window \
+            and (not d.hosts or bool(set(v.hosts) & set(d.hosts)))
+
+    def _diagnosis(self, a: Anomaly, v: Verdict, now: float,
+                   history: dict[str, HostRecord]) -> Diagnosis:
+        confidence = v.confidence
+        recommended = list(RECOMMENDED[v.cause] if v.recommended is None else v.recommended)
+        for host in v.hosts:
+            seen = history.get(host, HostRecord()).counts.get(v.cause, 0)
+            if seen:
+                confidence = min(0.99, confidence + 0.1 * seen)
+                v.facts.append(EvidenceItem(fact=f"{host} had {seen} earlier {v.cause} "
+                                            "diagnosis(es)", source="redis:host_history",
+                                            value=seen))
+                if v.cause in ("network", "oom", "process_crash") and "isolate" not in \
+                        recommended and seen >= 1:
+                    recommended = ["isolate", *recommended] if v.cause == "network" \
+                        else [*recommended, "escalate"]
+        if v.signature:
+            v.facts.append(EvidenceItem(fact="traceback signature", source="exit",
+                                        value=v.signature))
+        return Diagnosis(id=uuid7(), job=a.job, anomaly_ids=[a.id], cause=v.cause,
+                         confidence=round(confidence, 3), ranks=v.ranks, hosts=v.hosts,
+                         evidence=v.facts, recommended=recommended,
+                         summary=summarize(a, v, recommended), onset_at=a.onset_at,
+                         step=a.step, time=now)
+
+    # -- classification -------------------------------------------------------------------
+    def classify(self, a: Anomaly, now: float) -> Verdict:
+        facts = [EvidenceItem(fact=f"{a.kind} anomaly on ranks {a.ranks}", source="detector",
+                              value=a.id)]
+        hw = self._gpu_findings(a.hosts, now)
+        # The evidence Struct is the anomaly kind's (Anomaly.__post_init__ makes sure).
+        match a.evidence:
+            case CrashEvidence() as ev:
+                return self._crash(a, ev, facts, hw, now)
+            case GpuHealthEvidence() as ev:
+                return self._gpu_health(a, ev, facts, hw)
+            case HangEvidence() as ev:
+                return self._hang(a, ev, facts, hw)
+            case UnresponsiveEvidence():
+                if hw:
+                    return Verdict(hw[0][0], 0.8, a.ranks, a.hosts, [*facts, hw[0][1]])
+                facts.append(EvidenceItem(fact="heartbeats stopped with no exit reported",
+                                          source="detector"))
+                return Verdict("unknown", 0.3, a.ranks, a.hosts, facts)
+            case NonfiniteEvidence() as ev:
+                if ev.minority:
+                    facts.append(EvidenceItem(fact="only a minority of data-parallel ranks saw "
+                                              "NaN/Inf before the all-reduce", source="detector",
+                                              value=ev.nonfinite_ranks))
+                    return Verdict("sdc_suspect", 0.7, a.ranks, a.hosts, facts)
+                facts.append(EvidenceItem(fact="NaN/Inf on every rank", source="detector",
+                                          value=ev.loss))
+                return Verdict("numeric", 0.85, a.ranks, a.hosts, facts)
+            case GradExplosionEvidence() | GradVanishingEvidence() | LossSpikeEvidence():
+                return Verdict("numeric", 0.6, a.ranks, a.hosts, facts)
+            case SdcMismatchEvidence() as ev:
+                facts.append(EvidenceItem(fact="replica fingerprints disagree at one step",
+                                          source="detector", value=ev.suspects))
+                return Verdict("sdc_suspect", 0.5 if ev.tie else 0.85, a.ranks, a.hosts, facts)
+            case StragglerEvidence() as ev:
+                return self._straggler(a, ev, facts, now)
+            case DataStallEvidence():
+                return Verdict("data_pipeline", 0.8, a.ranks, a.hosts, facts)
+            case ThroughputDropEvidence():
+                return Verdict("unknown", 0.3, a.ranks, a.hosts, facts)
+            case CheckpointSlowEvidence():
+                return Verdict("storage_io", 0.8, a.ranks, a.hosts, facts)
+        return Verdict("unknown", 0.2, a.ranks, a.hosts, facts)
+
+    def _hang(self, a: Anomaly, ev: HangEvidence, facts: list[EvidenceItem],
+              hw: list[tuple[Cause, EvidenceItem]]) -> Verdict:
+        if hw and (hw[0][0] in ("gpu_lost", "hbm_ecc")):
+            return Verdict(hw[0][0], 0.85, a.ranks, a.hosts, [*facts, hw[0][1]])
+        culprits = ev.culprits
+        if culprits:
+            where = {r: p.phase if (p := ev.phases.get(str(r))) is not None else None
+                     for r in culprits}
+            facts.append(EvidenceItem(fact=f"ranks {culprits} stuck outside the "
+                                      f"collective ({ev.culprit_basis})", source="detector",
+                                      value=where))
+            conf = 0.9 if ev.culprit_basis == "process_state" else 0.8
+            return Verdict("rank_hang", conf, culprits, _hosts_of(a, ev, culprits), facts)
+        if ev.majority_phase == "comm":
+            facts.append(EvidenceItem(fact="every rank waits in the collective",
+                                      source="detector", value=ev.phase_counts))
+            # The flight-recorder dumps a dump collects can still name who stopped short.
+            return Verdict("network", 0.7, a.ranks, a.hosts, facts,
+                           recommended=("dump", "restart"))
+        if ev.majority_phase == "data":
+            return Verdict("data_pipeline", 0.6, a.ranks, a.hosts, facts)
+        return Verdict("unknown", 0.3, a.ranks, a.hosts, facts)
+
+    def _crash(self, a: Anomaly, ev: CrashEvidence, facts: list[EvidenceItem],
+               hw: list[tuple[Cause, EvidenceItem]], now: float) -> Verdict:
+        text = f"{ev.error}\n{ev.stderr_tail}"
+        root = self._root_exit(a.job, now)
+        if PEER_ERROR.search(text) and root is not None and root.rank not in a.ranks:
+            facts.append(EvidenceItem(fact=f"peer error after rank {root.rank} on {root.host} "
+                                      "exited first", source="exit", value=root.id))
+            return Verdict("network", 0.5, [root.rank], [root.host], facts, collateral=True)
+        if hw:
+            cause, item = hw[0]
+            return Verdict(cause, 0.95, a.ranks, a.hosts, [*facts, item])
+        signature = traceback_signature(text)
+        found = signatures.match(text) or signatures.killed(ev.exit_code, ev.signal)
+        if found is not None:
+            facts.append(EvidenceItem(fact=found.fact, source="exit", value=found.matched))
+            ranks, hosts = self._behind(a, found, text, facts, now)
+            return Verdict(found.cause, found.weight, ranks, hosts, facts,
+                           signature=signature, recommended=found.recommended)
+        sig = ev.signal
+        if TRACEBACK.search(text) or sig or ev.exit_code:
+            facts.append(EvidenceItem(
+                fact=f"exited with code {ev.exit_code}"
+                     f"{' (' + sig + ')' if sig else ''}, no hardware or OOM evidence",
+                source="exit", value=last_line(text)))
+            return Verdict("process_crash", 0.75 if TRACEBACK.search(text) else 0.6, a.ranks,
+                           a.hosts, facts, signature=signature)
+        return Verdict("unknown", 0.3, a.ranks, a.hosts, facts)
+
+    def _behind(self, a: Anomaly, found: signatures.Match, text: str,
+                facts: list[EvidenceItem], now: float) -> tuple[list[int], list[str]]:
+        """For a collective timeout, the ranks NCCL's watchdog numbers say are behind
+        (from this exit and the job's other recent exits); else the anomaly's ranks."""
+        if found.name not in signatures.WATCHDOG:
+            return a.ranks, a.hosts
+        recent = [e for e in self.exits.get(a.job, ()) if now - e.time <= self.window]
+        progress = signatures.watchdog_progress(text)
+        for e in recent:
+            progress += signatures.watchdog_progress(f"{e.error}\n{e.stderr_tail}")
+        late = signatures.behind(progress)
+        if not late:
+            return a.ranks, a.hosts
+        facts.append(EvidenceItem(fact=f"ranks {sorted(late)} are behind their group "
+                                  "(NCCL watchdog sequence numbers)", source="exit",
+                                  value={str(r): why for r, why in late.items()}))
+        hosts = sorted({e.host for e in recent if e.rank in late}) or a.hosts
+        return sorted(late), hosts
+
+    def _gpu_health(self, a: Anomaly, ev: GpuHealthEvidence, facts: list[EvidenceItem],
+                    hw: list[tuple[Cause, EvidenceItem]]) -> Verdict:
+        for x in ev.xids:
+            xid = xids.lookup(x.code)
+            if xid is not None:
+                facts.append(EvidenceItem(fact=f"XID {x.code}: {xid.meaning}", source="nvml",
+                                          value=x.code))
+                return Verdict(xid.cause, 0.95 if xid.fatal else 0.7, a.ranks, a.hosts, facts,
+                               recommended=signatures.xid_actions(xid))
+        rises = ev.ecc_rises()
+        if rises:
+            facts.append(EvidenceItem(fact="uncorrectable ECC count rising", source="nvml",
+                                      value=rises))
+            return Verdict("hbm_ecc", 0.9, a.ranks, a.hosts, facts)
+        if hw:
+            return Verdict(hw[0][0], 0.8, a.ranks, a.hosts, [*facts, hw[0][1]])
+        return Verdict("unknown", 0.3, a.ranks, a.hosts, facts)
+
+    def _straggler(self, a: Anomaly, ev: StragglerEvidence, facts: list[EvidenceItem],
+                   now: float) -> Verdict:
+        for host in a.hosts:
+            for sample in reversed(self.gpu.get(host, ())):
+                if now - sample.time > self.gpu_window:
+                    break
+                for g in sample.gpus:
+                    reasons = set(g.throttle_reasons)
+                    if reasons & THERMAL_REASONS or (g.temperature_c or 0) >= HOT_C:
+                        facts.append(EvidenceItem(
+                            fact=f"GPU {g.index} on {host} thermally throttled "
+                                 f"({', '.join(sorted(reasons)) or 'hot'}, "
+                                 f"{g.temperature_c} C)", source="nvml", value=sorted(reasons)))
+                        return Verdict("straggler_thermal", 0.85, a.ranks, a.hosts, facts)
+                    if reasons & POWER_REASONS:
+                        facts.append(EvidenceItem(
+                            fact=f"GPU {g.index} on {host} power throttled "
+                                 f"({', '.join(sorted(reasons))})", source="nvml",
+                            value=sorted(reasons)))
+                        return Verdict("straggler_power", 0.85, a.ranks, a.hosts, facts)
+        facts.append(EvidenceItem(fact="slow compute with no hardware evidence",
+                                  source="detector", value=ev.ratio))
+        return Verdict("straggler", 0.7, a.ranks, a.hosts, facts)
+
+    def _gpu_findings(self, hosts: list[str], now: float) -> list[tuple[Cause, EvidenceItem]]:
+        """Fatal XIDs or rising uncorrectable ECC on these hosts within the GPU window."""
+        found: list[tuple[Cause, EvidenceItem]] = []
+        for host in hosts:
+            samples = [s for s in self.gpu.get(host, ()) if now - s.time <= self.gpu_window]
+            for s in samples:
+                for x in s.xids:
+                    xid = xids.lookup(x.code)
+                    if xid is not None and xid.fatal:
+                        found.append((xid.cause, EvidenceItem(
+                            fact=f"XID {x.code} on {host} GPU {x.gpu}: {xid.meaning}",
+                            source="nvml", value=x.code)))
+            firsts: dict[int, int] = {}
+            for s in samples:
+                for g in s.gpus:
+                    value = g.ecc_uncorrected_volatile
+                    if value is None:
+                        continue
+                    if g.index in firsts and value > firsts[g.index]:
+                        found.append(("hbm_ecc", EvidenceItem(
+                            fact=f"uncorrectable ECC on {host} GPU {g.index} rose "
+                                 f"{firsts[g.index]} -> {value}", source="nvml", value=value)))
+                        break
+                    firsts.setdefault(g.index, value)
+        found.sort(key=lambda f: 0 if f[0] == "gpu_lost" else 1)
+        return found
+
+    def _root_exit(self, job: str, now: float) -> WorkerExit | None:
+        """The first exit no command initiated, within the window."""
+        recent = [e for e in self.exits.get(job, ()) if not e.initiated_by
+                  and e.exit_code not in (0, None) and now - e.time <= self.window]
+        non_peer = [e for e in recent
+                    if not PEER_ERROR.search(f"{e.error}\n{e.stderr_tail}")]
+        pool = non_peer or recent
+        return min(pool, key=lambda e: e.time) if pool else None
+
+
+def _hosts_of(a: Anomaly, ev: HangEvidence, ranks: list[int]) -> list[str]:
+    """The hosts of ``ranks`` as the hang's evidence recorded them, else the anomaly's."""
+    wanted = {str(r) for r in ranks}
+    hosts = sorted({p.host for r, p in ev.phases.items() if r in wanted and p.host})
+    return hosts or a.hosts
+
+
+def last_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else ""
+
+
+_ADDRESSES = re.compile(r"0x[0-9a-f]+|\b\d+\b")
+
+
+def traceback_signature(text: str) -> str:
+    """A short hash of the exception line with numbers stripped: equal for the same error
+    raised again (so the remediator can escalate a repeating traceback)."""
+    line = next((ln for ln in reversed(text.strip().splitlines())
+                 if re.match(r"\s*(\[\w+\]:)?\s*\w+(Error|Exception)", ln)), "")
+    if not line:
+        return ""
+    return hashlib.sha1(_ADDRESSES.sub("#", line.strip()).encode()).hexdigest()[:12]
+
+
+def summarize(a: Anomaly, v: Verdict, recommended: list[str]) -> str:
+    who = f"rank{'s' if len(v.ranks) != 1 else ''} {', '.join(map(str, v.ranks[:6]))}" \
+        if v.ranks else "the job"
+    where = f" on {', '.join(v.hosts[:4])}" if v.hosts else ""
+    reason = next((f.fact for f in reversed(v.facts) if f.source != "detector"
+                   or "stuck" in f.fact or "every rank" in f.fact), a.kind)
+    return (f"{who}{where}: {v.cause.replace('_', ' ')} ({reason}); "
+            f"recommend {' -> '.join(recommended)}")
