@@ -11,14 +11,13 @@ import time
 import uuid
 from typing import Any
 
-from services.remediator.leader import Leadership
-
 from tests.conftest import wait_until
 from tests.ha import SentinelSet
 from trainguard.runtime.bus import connect_nats
 from trainguard.runtime.fencing import Epochs, read_mirror
 from trainguard.runtime.state import Keys
 from trainguard.runtime.store import connect_redis
+from trainguard.services.remediator.leader import Leadership
 
 
 async def _replicated(client: Any) -> None:

@@ -4,7 +4,7 @@ In the demo, the save-now before isolating node-b under XID 79 waited out its 60
 deadline with "ranks [0, 1, 2] did not report (reported: [3])" though every rank had
 saved: each report whose ``attempt`` differed from the record's started the step's round
 over, and node-a's torchrun had counted restarts that node-b's had not. The round now
-belongs to the worker group (``CheckpointReport.generation``). And when the detector
+belongs to the worker group (``CheckpointReport.group_token``). And when the detector
 already says a rank is stopped, dead or hung, the save is abandoned at once.
 """
 
@@ -29,7 +29,7 @@ async def test_ranks_of_nodes_at_different_attempts_commit_one_round(
         node_b = write_shards(tmp_path, job, 100, 4, ranks=[2, 3], attempt=7)
         reports = {**node_a, **node_b}
         for rank in (0, 2, 1, 3):  # interleaved, as they arrive from two nodes
-            await c.report(msgspec.structs.replace(reports[rank], generation="group-1"))
+            await c.report(msgspec.structs.replace(reports[rank], group_token="group-1"))
         event = await c.event(100, "committed")
         assert event.missing_ranks == [] and event.world_size == 4
 
@@ -39,10 +39,10 @@ async def test_a_report_of_another_worker_group_starts_the_round_over(
     async with coordinator(nats_url, redis_url, prefix, job, commit_deadline=60) as c:
         old = write_shards(tmp_path, job, 200, 4, ranks=[0, 1])
         for rep in old.values():
-            await c.report(msgspec.structs.replace(rep, generation="group-1"))
+            await c.report(msgspec.structs.replace(rep, group_token="group-1"))
         await wait_until(lambda: _reported(c, 200, [0, 1]), what="two ranks of group 1")
         (new,) = write_shards(tmp_path, job, 200, 4, ranks=[2]).values()
-        await c.report(msgspec.structs.replace(new, generation="group-2"))
+        await c.report(msgspec.structs.replace(new, group_token="group-2"))
         entry = await wait_until(lambda: _reported(c, 200, [2]), what="group 2's round")
         assert entry["status"] == "pending"
 

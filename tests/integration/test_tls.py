@@ -19,8 +19,6 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
-from services.remediator.service import RemediatorService
-from services.remediator.settings import RemediatorSettings
 
 import trainguard
 from tests.conftest import wait_until
@@ -37,6 +35,8 @@ from trainguard.runtime.fencing import Epochs
 from trainguard.runtime.redisha import MASTER_NAME, HaSecrets
 from trainguard.runtime.state import Keys
 from trainguard.runtime.store import StoreUnavailable, connect_redis
+from trainguard.services.remediator.service import RemediatorService
+from trainguard.services.remediator.settings import RemediatorSettings
 
 
 @dataclass

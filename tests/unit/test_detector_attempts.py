@@ -66,12 +66,12 @@ def test_a_restart_on_the_lower_node_re_forms_the_job() -> None:
     job = Job({"node-a": 10, "node-b": 7})
     job.steps(20)
     state = job.d.jobs["j"]
-    before = state.generation
+    before = state.incarnation
     job.attempts["node-b"] = 8  # node-b counted the restart; node-a's count stayed
     job.step = 10  # resumed from a checkpoint: steps go back
     job.pids = {r: 200 + r for r in HOSTS}
     job.steps(20)
-    assert state.generation > before
+    assert state.incarnation > before
     assert sorted(r.rank for r in state.in_attempt()) == [0, 1, 2, 3]
     assert job.states() == {0: "ok", 1: "ok", 2: "ok", 3: "ok"}
     assert state.max_step == 29  # the new group's steps count, from the resume on
@@ -137,13 +137,13 @@ def test_an_agent_that_restarted_its_group_re_forms_the_job_before_its_ranks_spe
     assert after is not None and after.attempt > before.attempt
     assert state.host_attempt["node-a"] == 4
     # The new ranks' own word at that attempt is the same re-form, not another one.
-    generation = state.generation
+    generation = state.incarnation
     job.attempts["node-a"] = 4
     job.step = 5
     job.steps(5)
-    assert state.generation == generation
+    assert state.incarnation == generation
     assert job.states() == {0: "ok", 1: "ok", 2: "ok", 3: "ok"}
     # An agent's beat at the attempt already known changes nothing.
     job.d.on_telemetry(NodeHeartbeat(job="j", time=job.now, host="node-b",
                                      ranks={2: "S", 3: "S"}, pids={2: 102, 3: 103}, attempt=5))
-    assert state.generation == generation
+    assert state.incarnation == generation

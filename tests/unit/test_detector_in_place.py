@@ -86,13 +86,13 @@ def test_a_crashed_rank_replaced_at_the_same_attempt_ends_its_crash() -> None:
     job = Job({"node-a": 0, "node-b": 0})
     job.steps(30)
     state = job.d.jobs["j"]
-    generation = state.generation
+    generation = state.incarnation
     crash_rank_2(job)
     wait_recovering(job, 2.0, {0, 1, 3})
     job.pids[2] = 999  # the replacement: a warm spare's pid, same attempt
     job.steps(5)
     assert kinds(job) == [("crash", "open"), ("crash", "resolved")]
-    assert state.generation == generation  # the survivors never re-formed their job
+    assert state.incarnation == generation  # the survivors never re-formed their job
     assert sorted(r.rank for r in state.in_attempt()) == [0, 1, 2, 3]
     assert job.states() == {0: "ok", 1: "ok", 2: "ok", 3: "ok"}
 
@@ -116,7 +116,7 @@ def test_a_rollback_in_place_starts_the_steps_and_baselines_over() -> None:
     job = Job({"node-a": 0, "node-b": 0})
     job.steps(80)  # past the numeric warm-up: the baselines are learned
     state, numerics = job.d.jobs["j"], job.d.rules["j"].numerics
-    generation, restarts = state.generation, numerics.restarts
+    generation, restarts = state.incarnation, numerics.restarts
     job.step = 40  # every rank reloaded the checkpoint of step 39, same processes
     for _ in range(10):  # the re-run steps are judged, not dropped as already closed
         job.now += 0.5
@@ -129,7 +129,7 @@ def test_a_rollback_in_place_starts_the_steps_and_baselines_over() -> None:
                                           phases={"compute": 0.45, "comm": 0.05}))
         job.step += 1
         job.d.tick(job.now)
-    assert state.generation == generation + 1  # once, not once per rank
+    assert state.incarnation == generation + 1  # once, not once per rank
     assert numerics.restarts == restarts + 1
     assert state.max_step == 49
     assert kinds(job) == []  # a new baseline: the other loss is no spike, nor a hang

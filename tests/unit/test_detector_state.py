@@ -185,7 +185,7 @@ def test_expected_ranks_stay_right_through_joins_exits_and_restarts() -> None:
         here = [r for r in job.ranks.values() if job.current(r)]
         active = sum(1 for r in here if not r.exited)
         declared = job.world_size - (len(here) - active) \
-            if job.world_generation == job.generation else 0
+            if job.world_incarnation == job.incarnation else 0
         return max(active, declared, 1)
 
     h.sim.steps(3)

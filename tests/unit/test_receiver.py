@@ -14,7 +14,7 @@ from trainguard.agent.executor import CommandExecutor
 from trainguard.contract.schemas import AckOutcome, Command
 from trainguard.contract.subjects import Subjects
 from trainguard.contract.targets import addressed
-from trainguard.core.receiver import RUN, Answer, Drop, Receiver, Verdict, clip
+from trainguard.core.receiver import RUN, Admission, Answer, Drop, Receiver, clip
 from trainguard.runtime.embedded import free_port
 
 
@@ -59,7 +59,7 @@ def command(kind: str, *, ident: str = "c", to: dict[str, object] | None = None,
 History = list[tuple[Command, AckOutcome]]
 
 
-def case(user: User) -> list[tuple[str, History, Command, Verdict]]:
+def case(user: User) -> list[tuple[str, History, Command, Admission]]:
     own, me, peer = user.own, user.me, user.peer
     done = command(own, ident="a")
     return [
@@ -96,7 +96,7 @@ CASES = [pytest.param(user, history, cmd, expected, id=f"{user.name}: {name}")
 
 
 @pytest.mark.parametrize(("user", "history", "cmd", "expected"), CASES)
-def test_admission(user: User, history: History, cmd: Command, expected: Verdict) -> None:
+def test_admission(user: User, history: History, cmd: Command, expected: Admission) -> None:
     r = receiver(user)
     assert r.responder == user.responder
     for earlier, outcome in history:

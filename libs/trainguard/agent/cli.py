@@ -46,6 +46,9 @@ def own_parser() -> argparse.ArgumentParser:
     p.add_argument("--rank-credentials", metavar="FILE",
                    help="the rank role's credentials, handed to the ranks "
                         "(env TRAINGUARD_RANK_CREDENTIALS)")
+    p.add_argument("--log-root", metavar="DIR",
+                   help="where launches keep their logs, one directory per job (default: "
+                        "trainguard-logs in the temporary directory)")
     p.add_argument("--stop-grace", type=float, help="SIGTERM-to-SIGKILL grace (s)")
     p.add_argument("--preempt-grace", type=float, help="save-now deadline on SIGTERM (s)")
     p.add_argument("--warm-spares", type=int, metavar="N",
@@ -83,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         "redis_url": ours.redis, "prefix": ours.prefix, "stop_grace": ours.stop_grace,
         "preempt_grace": ours.preempt_grace, "credentials": ours.credentials,
         "rank_credentials": ours.rank_credentials, "warm_spares": ours.warm_spares,
-        "in_place": ours.in_place,
+        "in_place": ours.in_place, "log_root": ours.log_root,
     })
     from trainguard.contract.subjects import check_token
 

@@ -34,7 +34,6 @@ import logging
 import os
 import signal
 import socket
-import tempfile
 import uuid
 from typing import Any
 
@@ -43,7 +42,7 @@ from trainguard.contract.errors import ConfigError, TrainguardError
 from trainguard.contract.schemas import NodeHello, WorkerExit
 from trainguard.runtime.embedded import free_port, port_taken
 
-from . import flightrec
+from . import flightrec, logdirs
 from .exitcodes import EXIT_HELD, EXIT_ISOLATED
 from .gpu import GpuSource, ScriptedSource, open_source
 from .link import AgentLink
@@ -179,7 +178,13 @@ def launch(settings: AgentSettings, torchrun_argv: list[str]) -> int:
         raise ConfigError(f"warm_spares must be 0 or more, not {settings.warm_spares} "
                           "(--warm-spares N or TRAINGUARD_WARM_SPARES)")
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    log_dir = tempfile.mkdtemp(prefix=f"trainguard-{settings.job}-{settings.host}-")
+    removed = logdirs.prune(settings.log_root, job=settings.job, host=settings.host,
+                            keep=max(0, settings.log_keep - 1),
+                            max_age_s=settings.log_max_age_h * 3600)
+    if removed:
+        print(f"trainguard launch: removed {len(removed)} old log director"
+              f"{'y' if len(removed) == 1 else 'ies'}", flush=True)
+    log_dir = str(logdirs.create(settings.log_root, settings.job, settings.host))
     ns, hosts_store = prepare_torchrun(torchrun_argv, settings, log_dir)
     program = program_of(ns)
     plan, nproc, max_restarts = rendezvous_plan(ns)

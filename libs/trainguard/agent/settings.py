@@ -38,6 +38,13 @@ class AgentSettings(Settings):
     in_place: bool = True
     """Replace a single failed rank in place (its survivors keep running and hand it their
     state) when every rank declared it can; off: every failure restarts the group."""
+    log_root: str = ""
+    """Where launches keep their logs, one directory per job (``<log_root>/<job>/<host>-<UTC
+    time>-<pid>``); empty: ``trainguard-logs`` in the system's temporary directory."""
+    log_keep: int = 10
+    """Launch directories kept per job and host; older ones are removed at the next launch."""
+    log_max_age_h: float = 168.0
+    """Hours after which any job's launch directory (not in use) is removed at a launch."""
     scripted_gpus: int = 0
     """Fake GPUs for drills on machines without one (0: only with --allow-drills, 1 GPU)."""
 
@@ -46,3 +53,9 @@ class AgentSettings(Settings):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"setting {name}={getattr(self, name)}: must be a positive "
                                   "number of seconds")
+        if self.log_keep < 1:
+            raise ConfigError(f"setting log_keep={self.log_keep}: keep at least 1 launch's "
+                              "logs (TRAINGUARD_LOG_KEEP)")
+        if self.log_max_age_h <= 0:
+            raise ConfigError(f"setting log_max_age_h={self.log_max_age_h}: must be a positive "
+                              "number of hours (TRAINGUARD_LOG_MAX_AGE_H)")

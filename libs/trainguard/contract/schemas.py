@@ -316,9 +316,10 @@ class CheckpointReport(Durable, kw_only=True):
     seconds_total: float = 0.0
     files: dict[str, FileDigest] = {}
     attempt: int = 0
-    generation: str = ""
+    group_token: str = msgspec.field(default="", name="generation")
     """The worker group the save belongs to, the same on every rank of it (the
-    Checkpointer's token); empty from older clients, which are told apart by ``attempt``."""
+    Checkpointer's token, new at each re-form; ``generation`` on the wire); empty from older
+    clients, which are told apart by ``attempt``. Not the launcher's group generation."""
     ok: bool = True
     error: str = ""
     time: float = 0.0

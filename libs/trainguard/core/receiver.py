@@ -58,7 +58,7 @@ class Drop:
     reason: str
 
 
-Verdict = Run | Answer | Drop
+Admission = Run | Answer | Drop
 RUN = Run()
 
 
@@ -114,7 +114,7 @@ class Receiver:
         """Kind and target are this receiver's. Reads no state: safe on any thread."""
         return self.owns(cmd.kind) and self.addressed(cmd.target)
 
-    def admit(self, cmd: Command, ceiling: int | None = None) -> Verdict:
+    def admit(self, cmd: Command, ceiling: int | None = None) -> Admission:
         """The verdict on ``cmd``; an admitted epoch becomes the issuer's highest.
 
         ``ceiling``: the issuer's current epoch, where known; a higher one is forged.

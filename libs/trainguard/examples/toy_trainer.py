@@ -103,7 +103,7 @@ def _rank_step(spec: str | None) -> tuple[int, int]:
     return int(rank), int(step)
 
 
-class Progress:
+class ProgressFile:
     """``--progress-file``: one line per completed step (rank 0) or fired fault (any rank),
     appended with O_APPEND so several processes can share the file."""
 
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         else (-1, -1)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     first_attempt = attempt == 0
-    progress = Progress(args.progress_file, rank, attempt)
+    progress = ProgressFile(args.progress_file, rank, attempt)
     hang_rank, hang_step = _rank_step(args.hang_at)
     stop_rank, stop_step = _rank_step(args.stop_at)
     heartbeat = _ft_heartbeat() if args.ft_heartbeat else None

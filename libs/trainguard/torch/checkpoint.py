@@ -150,7 +150,7 @@ class _SaveContext(NamedTuple):
     rank: int
     group_rank: int
     world_size: int
-    generation: str
+    group_token: str
     state_since: float
 
 
@@ -191,9 +191,9 @@ class Checkpointer:
         self.group = process_group
         self.group_rank = dist.get_rank(self.group) if self.distributed else 0
         self.world_size = dist.get_world_size(self.group) if self.distributed else 1
-        self.generation = self._agree_generation()
+        self.group_token = self._agree_group_token()
         """This worker group's id, the same on every rank of it and new at each re-form:
-        the coordinator keeps one round of a step's reports per generation. torchrun's
+        the coordinator keeps one round of a step's reports per group token. torchrun's
         restart count cannot serve: each node's agent keeps its own, and a membership
         change restarts a group without counting, so the nodes' counts drift apart."""
         self.reports: list[CheckpointReport] = []
@@ -239,9 +239,9 @@ class Checkpointer:
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self._timeout))
         self.group_rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
-        self.generation = self._agree_generation()
+        self.group_token = self._agree_group_token()
 
-    def _agree_generation(self) -> str:
+    def _agree_group_token(self) -> str:
         """Group rank 0's fresh token, broadcast on the side group (collective)."""
         token = uuid.uuid4().hex[:16]
         if not self.distributed or self.world_size < 2:
@@ -370,7 +370,7 @@ class Checkpointer:
 
     def _as_of(self) -> _SaveContext:
         """What a save is reported under, taken at its start."""
-        return _SaveContext(self.guard.rank, self.group_rank, self.world_size, self.generation,
+        return _SaveContext(self.guard.rank, self.group_rank, self.world_size, self.group_token,
                             self.state_since)
 
     def _finish(self, step: int, path: Path, upload: Future[Any], t0: float, *,
@@ -416,7 +416,7 @@ class Checkpointer:
             id=uuid7(), job=g.job, rank=as_of.rank, step=step, path=str(path),
             world_size=as_of.world_size, bytes=sum(d.bytes for d in files.values()),
             seconds_blocked=blocked, seconds_total=total, files=files,
-            attempt=g.identity.attempt.restart_count, generation=as_of.generation,
+            attempt=g.identity.attempt.restart_count, group_token=as_of.group_token,
             ok=not error, error=error[:2000], time=time.time(), state_since=as_of.state_since)
 
     def _publish(self, report: CheckpointReport) -> None:

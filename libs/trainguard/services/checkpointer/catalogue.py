@@ -103,7 +103,7 @@ class Catalogue:
             k.base(rep.job), str(rep.step), str(rep.rank), rep.id, encode_durable(rep).decode(),
             str(rep.world_size), str(rep.attempt), rep.path, _s(now), _s(now + deadline),
             uuid7(), "1" if rep.ok else "0", _s(rep.time or now), member(rep.job, rep.step),
-            k.deadlines(), rep.job, _s(started), rep.generation or f"a{rep.attempt}",
+            k.deadlines(), rep.job, _s(started), rep.group_token or f"a{rep.attempt}",
             _s(rep.state_since or started)])
         return ReportOutcome(str(out[0]), str(out[1]), int(out[2]), int(out[3]),
                              PointerChange(str(out[4]), str(out[5])))

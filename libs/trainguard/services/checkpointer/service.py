@@ -62,7 +62,7 @@ from .records import Record
 from .retention import Entry, expire
 from .savenow import SaveNow
 from .settings import CheckpointerSettings
-from .verify import Verdict, verify_checkpoint
+from .verify import Integrity, verify_checkpoint
 
 log = get_logger("trainguard.checkpointer")
 
@@ -208,7 +208,7 @@ class CheckpointerService(Service[CheckpointerSettings]):
         await self._close(rec, status, fields)
 
     async def _write_commit_record(self, rec: Record, reports: dict[int, CheckpointReport],
-                                   verdict: Verdict) -> Verdict:
+                                   verdict: Integrity) -> Integrity:
         """Vouch for the checkpoint on disk before the pointer names it: ranks open a resume
         point only where this record matches. A record that cannot be written fails it."""
         try:

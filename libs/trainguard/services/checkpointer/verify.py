@@ -19,7 +19,7 @@ from trainguard.contract.schemas import CheckpointReport
 
 
 @dataclass(frozen=True)
-class Verdict:
+class Integrity:
     ok: bool
     reason: str = ""
     missing_ranks: list[int] = field(default_factory=list)
@@ -36,7 +36,7 @@ def _safe_name(name: str) -> bool:
 
 
 def verify_checkpoint(reports: Mapping[int, CheckpointReport], world_size: int, *,
-                      mode: str = "size", require_metadata: bool = True) -> Verdict:
+                      mode: str = "size", require_metadata: bool = True) -> Integrity:
     """Judge one checkpoint from its reports (by rank) and the files on disk."""
     missing = [r for r in range(world_size) if r not in reports]
     failed = {r: rep.error or "failed without a reason" for r, rep in reports.items()
@@ -44,12 +44,12 @@ def verify_checkpoint(reports: Mapping[int, CheckpointReport], world_size: int, 
     if failed:
         detail = "; ".join(f"rank {r}: {why}" for r, why in sorted(failed.items()))
         tail = f"; no report from ranks {missing}" if missing else ""
-        return Verdict(False, f"save failed on {detail}{tail}", missing, sorted(failed))
+        return Integrity(False, f"save failed on {detail}{tail}", missing, sorted(failed))
     if missing:
-        return Verdict(False, f"no report from ranks {missing}", missing)
+        return Integrity(False, f"no report from ranks {missing}", missing)
     paths = {rep.path for rep in reports.values()}
     if len(paths) != 1:
-        return Verdict(False, f"ranks reported different paths: {sorted(paths)}", [],
+        return Integrity(False, f"ranks reported different paths: {sorted(paths)}", [],
                        sorted(reports))
     root = Path(paths.pop())
     problems: list[str] = []
@@ -96,5 +96,5 @@ def verify_checkpoint(reports: Mapping[int, CheckpointReport], world_size: int, 
     if problems:
         shown = "; ".join(problems[:10])
         more = f" (+{len(problems) - 10} more)" if len(problems) > 10 else ""
-        return Verdict(False, f"files do not verify: {shown}{more}", [], sorted(bad), total)
-    return Verdict(True, "", [], [], total)
+        return Integrity(False, f"files do not verify: {shown}{more}", [], sorted(bad), total)
+    return Integrity(True, "", [], [], total)

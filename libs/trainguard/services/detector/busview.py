@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal
 
-Verdict = Literal["current", "stale", "recovered"]
+Freshness = Literal["current", "stale", "recovered"]
 """``current``: judge as usual. ``stale``: judge no silence or hang. ``recovered``: the
 first tick current again (the caller starts the grace)."""
 
@@ -56,7 +56,7 @@ class BusView:
         self.confirmed = max(self.confirmed, sent)
         self.rtt = max(0.0, at - sent)
 
-    def observe(self, now: float, connected: bool, reconnects: int) -> Verdict:
+    def observe(self, now: float, connected: bool, reconnects: int) -> Freshness:
         """Once a tick: is the view current now?"""
         reconnected = reconnects != self.reconnects
         self.reconnects = reconnects

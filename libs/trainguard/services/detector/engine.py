@@ -116,8 +116,8 @@ class Detector:
         elif isinstance(msg, Fingerprint):
             if job.admit(msg.rank, msg.attempt, msg.time) is not None:
                 rules = self.rules[msg.job]
-                if rules.fingerprints.attempt != job.generation:
-                    rules.fingerprints.reset(job.generation)
+                if rules.fingerprints.attempt != job.incarnation:
+                    rules.fingerprints.reset(job.incarnation)
                 rules.fingerprints.on_fingerprint(job, msg, self.clock())
         elif isinstance(msg, NodeHeartbeat):
             LIVENESS.on_node(job, msg, self.clock())

@@ -32,7 +32,7 @@ from trainguard.runtime.lease import LeaseHolder
 
 log = logging.getLogger("trainguard.detector")
 
-Verdict = Literal["free", "mine", "predecessor", "twin"]
+ClaimStanding = Literal["free", "mine", "predecessor", "twin"]
 
 _LIVE_HERE: set[str] = set()
 """Tokens of the detectors running in this process (a pid does not tell them apart)."""
@@ -75,7 +75,7 @@ class Claim:
 
 
 def judge_claim(found: Claim | None, me: Claim, *, running: Callable[[int], bool],
-                live_here: Collection[str]) -> Verdict:
+                live_here: Collection[str]) -> ClaimStanding:
     """May ``me`` run under a name that ``found`` claims?"""
     if found is None:
         return "free"

@@ -14,7 +14,7 @@ Attempts are torchrun's restart counts, and each node's agent keeps its own: a n
 group restarts for a membership change does not count it, so after a few faults node-a may
 be at attempt 10 while node-b is at 7, both in one healthy worker group. So attempts are
 compared per host only (:meth:`JobState.current`), and a rise on any host re-forms the job
-(:attr:`JobState.generation`).
+(:attr:`JobState.incarnation`).
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ class JobState:
         self.ranks: dict[int, RankInfo] = {}
         self.step_rules: list[StepRule] = []
         self.world_size = 0
-        self.world_generation = -1
+        self.world_incarnation = -1
         self.world_time = 0.0
         """Sender time of the newest hello that declared the world size."""
         self.recovering_since = 0.0
@@ -143,9 +143,10 @@ class JobState:
         self.host_attempt: dict[str, int] = {}
         """The newest attempt of each host's ranks (attempts of different hosts are not
         comparable: each node's torchrun counts its own restarts)."""
-        self.generation = -1  # the first group, made below, is generation 0
-        """How often the job re-formed (any host's attempt rose): the job-wide attempt that
-        ``progress:<job>`` publishes, kept across detectors by :func:`.progress.seed`."""
+        self.incarnation = -1  # the first group, made below, is incarnation 0
+        """How often the job started over (any host's attempt rose, or a rollback): the
+        job-wide attempt that ``progress:<job>`` publishes, kept across detectors by
+        :func:`.progress.seed`. Not the launcher's process-group generation."""
         self.active_count = 0
         self.exited_count = 0
         self.expected = 1
@@ -189,11 +190,11 @@ class JobState:
 
     def rolled_back(self, t: float) -> None:
         """The ranks went back to an earlier step without a new process (a ``reload``):
-        a new generation of the job, at the same attempt."""
+        a new incarnation of the job, at the same attempt."""
         self._new_attempt(self.attempt, t)
 
     def _new_attempt(self, attempt: int, t: float) -> None:
-        self.generation += 1
+        self.incarnation += 1
         self.attempt = attempt
         self.attempt_start = t
         self.has_stepped = False
@@ -298,7 +299,7 @@ class JobState:
     def _expect(self) -> None:
         """Ranks expected to report each step of the current attempt."""
         declared = (self.world_size - self.exited_count
-                    if self.world_generation == self.generation else 0)
+                    if self.world_incarnation == self.incarnation else 0)
         self.expected = max(self.active_count, declared, 1)
 
     def set_world(self, size: int, at: float | None = None) -> None:
@@ -317,7 +318,7 @@ class JobState:
             self.odd_procs.discard(rank)
             self.closing.pop(rank, None)
         self.world_size = size
-        self.world_generation = self.generation
+        self.world_incarnation = self.incarnation
         if gone:
             self.recount()
         else:
@@ -342,7 +343,7 @@ class JobState:
     def beyond_world(self, rank: int) -> bool:
         """``rank`` is outside the world the current group declared (an agent that has not
         caught up with a shrink yet still names it): not a rank to admit."""
-        return 0 < self.world_size <= rank and self.world_generation == self.generation
+        return 0 < self.world_size <= rank and self.world_incarnation == self.incarnation
 
     def in_attempt(self) -> list[RankInfo]:
         return [r for r in self.ranks.values() if self.current(r) and not r.exited]

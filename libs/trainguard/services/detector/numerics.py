@@ -51,7 +51,7 @@ class Numerics:
         self.normal_run: dict[str, int] = {}
         self.vanishing_run = 0
         self.regime: tuple[int, int, float | None] | None = None
-        """(generation, world size, learning rate) the baselines were learned under."""
+        """(incarnation, world size, learning rate) the baselines were learned under."""
         self.restarts = 0
         """How often the baselines started over (for tests and the log)."""
 
@@ -64,7 +64,7 @@ class Numerics:
         self.vanishing_run = 0
 
     def _regime(self, job: JobState, b: StepBucket) -> None:
-        regime = (job.generation, b.world or job.world_size, b.lr)
+        regime = (job.incarnation, b.world or job.world_size, b.lr)
         if regime != self.regime:
             if self.regime is not None:
                 self.restart()

@@ -52,7 +52,7 @@ SYMPTOM_CAUSES: frozenset[Cause] = frozenset({"network", "rank_hang", "unknown"}
 
 
 @dataclass
-class Verdict:
+class Conclusion:
     cause: Cause
     confidence: float
     ranks: list[int]
@@ -177,7 +177,7 @@ class Diagnoser:
         return None
 
     @staticmethod
-    def _join(o: Open, a: Anomaly, v: Verdict, now: float, *, collateral: bool) -> Diagnosis:
+    def _join(o: Open, a: Anomaly, v: Conclusion, now: float, *, collateral: bool) -> Diagnosis:
         """``a`` is a symptom of ``o``'s failure: a new revision of its diagnosis."""
         d = o.diagnosis
         o.last = now
@@ -191,7 +191,7 @@ class Diagnoser:
         d.rev += 1
         return d
 
-    def _joins(self, v: Verdict, a: Anomaly, o: Open, now: float) -> bool:
+    def _joins(self, v: Conclusion, a: Anomaly, o: Open, now: float) -> bool:
         d = o.diagnosis
         if d.status != "open":
             return False
@@ -201,7 +201,7 @@ class Diagnoser:
         return v.cause == d.cause and now - o.last <= self.same_cause_window \
             and (not d.hosts or bool(set(v.hosts) & set(d.hosts)))
 
-    def _diagnosis(self, a: Anomaly, v: Verdict, now: float,
+    def _diagnosis(self, a: Anomaly, v: Conclusion, now: float,
                    history: dict[str, HostRecord]) -> Diagnosis:
         confidence = v.confidence
         recommended = list(RECOMMENDED[v.cause] if v.recommended is None else v.recommended)
@@ -226,7 +226,7 @@ class Diagnoser:
                          step=a.step, time=now)
 
     # -- classification -------------------------------------------------------------------
-    def classify(self, a: Anomaly, now: float) -> Verdict:
+    def classify(self, a: Anomaly, now: float) -> Conclusion:
         facts = [EvidenceItem(fact=f"{a.kind} anomaly on ranks {a.ranks}", source="detector",
                               value=a.id)]
         hw = self._gpu_findings(a.hosts, now)
@@ -240,39 +240,39 @@ class Diagnoser:
                 return self._hang(a, ev, facts, hw)
             case UnresponsiveEvidence():
                 if hw:
-                    return Verdict(hw[0][0], 0.8, a.ranks, a.hosts, [*facts, hw[0][1]])
+                    return Conclusion(hw[0][0], 0.8, a.ranks, a.hosts, [*facts, hw[0][1]])
                 facts.append(EvidenceItem(fact="heartbeats stopped with no exit reported",
                                           source="detector"))
-                return Verdict("unknown", 0.3, a.ranks, a.hosts, facts)
+                return Conclusion("unknown", 0.3, a.ranks, a.hosts, facts)
             case NonfiniteEvidence() as ev:
                 if ev.minority:
                     facts.append(EvidenceItem(fact="only a minority of data-parallel ranks saw "
                                               "NaN/Inf before the all-reduce", source="detector",
                                               value=ev.nonfinite_ranks))
-                    return Verdict("sdc_suspect", 0.7, a.ranks, a.hosts, facts)
+                    return Conclusion("sdc_suspect", 0.7, a.ranks, a.hosts, facts)
                 facts.append(EvidenceItem(fact="NaN/Inf on every rank", source="detector",
                                           value=ev.loss))
-                return Verdict("numeric", 0.85, a.ranks, a.hosts, facts)
+                return Conclusion("numeric", 0.85, a.ranks, a.hosts, facts)
             case GradExplosionEvidence() | GradVanishingEvidence() | LossSpikeEvidence():
-                return Verdict("numeric", 0.6, a.ranks, a.hosts, facts)
+                return Conclusion("numeric", 0.6, a.ranks, a.hosts, facts)
             case SdcMismatchEvidence() as ev:
                 facts.append(EvidenceItem(fact="replica fingerprints disagree at one step",
                                           source="detector", value=ev.suspects))
-                return Verdict("sdc_suspect", 0.5 if ev.tie else 0.85, a.ranks, a.hosts, facts)
+                return Conclusion("sdc_suspect", 0.5 if ev.tie else 0.85, a.ranks, a.hosts, facts)
             case StragglerEvidence() as ev:
                 return self._straggler(a, ev, facts, now)
             case DataStallEvidence():
-                return Verdict("data_pipeline", 0.8, a.ranks, a.hosts, facts)
+                return Conclusion("data_pipeline", 0.8, a.ranks, a.hosts, facts)
             case ThroughputDropEvidence():
-                return Verdict("unknown", 0.3, a.ranks, a.hosts, facts)
+                return Conclusion("unknown", 0.3, a.ranks, a.hosts, facts)
             case CheckpointSlowEvidence():
-                return Verdict("storage_io", 0.8, a.ranks, a.hosts, facts)
-        return Verdict("unknown", 0.2, a.ranks, a.hosts, facts)
+                return Conclusion("storage_io", 0.8, a.ranks, a.hosts, facts)
+        return Conclusion("unknown", 0.2, a.ranks, a.hosts, facts)
 
     def _hang(self, a: Anomaly, ev: HangEvidence, facts: list[EvidenceItem],
-              hw: list[tuple[Cause, EvidenceItem]]) -> Verdict:
+              hw: list[tuple[Cause, EvidenceItem]]) -> Conclusion:
         if hw and (hw[0][0] in ("gpu_lost", "hbm_ecc")):
-            return Verdict(hw[0][0], 0.85, a.ranks, a.hosts, [*facts, hw[0][1]])
+            return Conclusion(hw[0][0], 0.85, a.ranks, a.hosts, [*facts, hw[0][1]])
         culprits = ev.culprits
         if culprits:
             where = {r: p.phase if (p := ev.phases.get(str(r))) is not None else None
@@ -281,34 +281,34 @@ class Diagnoser:
                                       f"collective ({ev.culprit_basis})", source="detector",
                                       value=where))
             conf = 0.9 if ev.culprit_basis == "process_state" else 0.8
-            return Verdict("rank_hang", conf, culprits, _hosts_of(a, ev, culprits), facts)
+            return Conclusion("rank_hang", conf, culprits, _hosts_of(a, ev, culprits), facts)
         if ev.majority_phase == "comm":
             facts.append(EvidenceItem(fact="every rank waits in the collective",
                                       source="detector", value=ev.phase_counts))
             # The flight-recorder dumps a dump collects can still name who stopped short.
-            return Verdict("network", 0.7, a.ranks, a.hosts, facts,
+            return Conclusion("network", 0.7, a.ranks, a.hosts, facts,
                            recommended=("dump", "restart"))
         if ev.majority_phase == "data":
-            return Verdict("data_pipeline", 0.6, a.ranks, a.hosts, facts)
-        return Verdict("unknown", 0.3, a.ranks, a.hosts, facts)
+            return Conclusion("data_pipeline", 0.6, a.ranks, a.hosts, facts)
+        return Conclusion("unknown", 0.3, a.ranks, a.hosts, facts)
 
     def _crash(self, a: Anomaly, ev: CrashEvidence, facts: list[EvidenceItem],
-               hw: list[tuple[Cause, EvidenceItem]], now: float) -> Verdict:
+               hw: list[tuple[Cause, EvidenceItem]], now: float) -> Conclusion:
         text = f"{ev.error}\n{ev.stderr_tail}"
         root = self._root_exit(a.job, now)
         if PEER_ERROR.search(text) and root is not None and root.rank not in a.ranks:
             facts.append(EvidenceItem(fact=f"peer error after rank {root.rank} on {root.host} "
                                       "exited first", source="exit", value=root.id))
-            return Verdict("network", 0.5, [root.rank], [root.host], facts, collateral=True)
+            return Conclusion("network", 0.5, [root.rank], [root.host], facts, collateral=True)
         if hw:
             cause, item = hw[0]
-            return Verdict(cause, 0.95, a.ranks, a.hosts, [*facts, item])
+            return Conclusion(cause, 0.95, a.ranks, a.hosts, [*facts, item])
         signature = traceback_signature(text)
         found = signatures.match(text) or signatures.killed(ev.exit_code, ev.signal)
         if found is not None:
             facts.append(EvidenceItem(fact=found.fact, source="exit", value=found.matched))
             ranks, hosts = self._behind(a, found, text, facts, now)
-            return Verdict(found.cause, found.weight, ranks, hosts, facts,
+            return Conclusion(found.cause, found.weight, ranks, hosts, facts,
                            signature=signature, recommended=found.recommended)
         sig = ev.signal
         if TRACEBACK.search(text) or sig or ev.exit_code:
@@ -316,9 +316,9 @@ class Diagnoser:
                 fact=f"exited with code {ev.exit_code}"
                      f"{' (' + sig + ')' if sig else ''}, no hardware or OOM evidence",
                 source="exit", value=last_line(text)))
-            return Verdict("process_crash", 0.75 if TRACEBACK.search(text) else 0.6, a.ranks,
+            return Conclusion("process_crash", 0.75 if TRACEBACK.search(text) else 0.6, a.ranks,
                            a.hosts, facts, signature=signature)
-        return Verdict("unknown", 0.3, a.ranks, a.hosts, facts)
+        return Conclusion("unknown", 0.3, a.ranks, a.hosts, facts)
 
     def _behind(self, a: Anomaly, found: signatures.Match, text: str,
                 facts: list[EvidenceItem], now: float) -> tuple[list[int], list[str]]:
@@ -340,25 +340,25 @@ class Diagnoser:
         return sorted(late), hosts
 
     def _gpu_health(self, a: Anomaly, ev: GpuHealthEvidence, facts: list[EvidenceItem],
-                    hw: list[tuple[Cause, EvidenceItem]]) -> Verdict:
+                    hw: list[tuple[Cause, EvidenceItem]]) -> Conclusion:
         for x in ev.xids:
             xid = xids.lookup(x.code)
             if xid is not None:
                 facts.append(EvidenceItem(fact=f"XID {x.code}: {xid.meaning}", source="nvml",
                                           value=x.code))
-                return Verdict(xid.cause, 0.95 if xid.fatal else 0.7, a.ranks, a.hosts, facts,
+                return Conclusion(xid.cause, 0.95 if xid.fatal else 0.7, a.ranks, a.hosts, facts,
                                recommended=signatures.xid_actions(xid))
         rises = ev.ecc_rises()
         if rises:
             facts.append(EvidenceItem(fact="uncorrectable ECC count rising", source="nvml",
                                       value=rises))
-            return Verdict("hbm_ecc", 0.9, a.ranks, a.hosts, facts)
+            return Conclusion("hbm_ecc", 0.9, a.ranks, a.hosts, facts)
         if hw:
-            return Verdict(hw[0][0], 0.8, a.ranks, a.hosts, [*facts, hw[0][1]])
-        return Verdict("unknown", 0.3, a.ranks, a.hosts, facts)
+            return Conclusion(hw[0][0], 0.8, a.ranks, a.hosts, [*facts, hw[0][1]])
+        return Conclusion("unknown", 0.3, a.ranks, a.hosts, facts)
 
     def _straggler(self, a: Anomaly, ev: StragglerEvidence, facts: list[EvidenceItem],
-                   now: float) -> Verdict:
+                   now: float) -> Conclusion:
         for host in a.hosts:
             for sample in reversed(self.gpu.get(host, ())):
                 if now - sample.time > self.gpu_window:
@@ -370,16 +370,16 @@ class Diagnoser:
                             fact=f"GPU {g.index} on {host} thermally throttled "
                                  f"({', '.join(sorted(reasons)) or 'hot'}, "
                                  f"{g.temperature_c} C)", source="nvml", value=sorted(reasons)))
-                        return Verdict("straggler_thermal", 0.85, a.ranks, a.hosts, facts)
+                        return Conclusion("straggler_thermal", 0.85, a.ranks, a.hosts, facts)
                     if reasons & POWER_REASONS:
                         facts.append(EvidenceItem(
                             fact=f"GPU {g.index} on {host} power throttled "
                                  f"({', '.join(sorted(reasons))})", source="nvml",
                             value=sorted(reasons)))
-                        return Verdict("straggler_power", 0.85, a.ranks, a.hosts, facts)
+                        return Conclusion("straggler_power", 0.85, a.ranks, a.hosts, facts)
         facts.append(EvidenceItem(fact="slow compute with no hardware evidence",
                                   source="detector", value=ev.ratio))
-        return Verdict("straggler", 0.7, a.ranks, a.hosts, facts)
+        return Conclusion("straggler", 0.7, a.ranks, a.hosts, facts)
 
     def _gpu_findings(self, hosts: list[str], now: float) -> list[tuple[Cause, EvidenceItem]]:
         """Fatal XIDs or rising uncorrectable ECC on these hosts within the GPU window."""
@@ -443,7 +443,7 @@ def traceback_signature(text: str) -> str:
     return hashlib.sha1(_ADDRESSES.sub("#", line.strip()).encode()).hexdigest()[:12]
 
 
-def summarize(a: Anomaly, v: Verdict, recommended: list[str]) -> str:
+def summarize(a: Anomaly, v: Conclusion, recommended: list[str]) -> str:
     who = f"rank{'s' if len(v.ranks) != 1 else ''} {', '.join(map(str, v.ranks[:6]))}" \
         if v.ranks else "the job"
     where = f" on {', '.join(v.hosts[:4])}" if v.hosts else ""

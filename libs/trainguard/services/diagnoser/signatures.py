@@ -191,24 +191,24 @@ _PROGRESS = re.compile(
 
 
 @dataclass(frozen=True)
-class Progress:
+class WatchdogProgress:
     rank: int
     pg: str
     enqueued: int
     completed: int
 
 
-def watchdog_progress(text: str) -> list[Progress]:
+def watchdog_progress(text: str) -> list[WatchdogProgress]:
     """Every ``[PG p Rank r] ... last enqueued NCCL work: E, last completed NCCL work: C``."""
-    return [Progress(int(m.group("rank")), m.group("pg") or "0", int(m.group("enq")),
+    return [WatchdogProgress(int(m.group("rank")), m.group("pg") or "0", int(m.group("enq")),
                      int(m.group("done"))) for m in _PROGRESS.finditer(text)]
 
 
-def behind(progress: Iterable[Progress]) -> dict[int, str]:
+def behind(progress: Iterable[WatchdogProgress]) -> dict[int, str]:
     """Ranks whose numbers trail their process group's: the lowest enqueued where the
     group's differ (that rank stopped issuing collectives), else the lowest completed (its
     device stopped); rank → the reason. Empty when all agree or one rank alone reported."""
-    by_pg: dict[str, dict[int, Progress]] = defaultdict(dict)
+    by_pg: dict[str, dict[int, WatchdogProgress]] = defaultdict(dict)
     for p in progress:
         by_pg[p.pg][p.rank] = p
     found: dict[int, str] = {}
