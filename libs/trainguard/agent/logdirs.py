@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainguard.runtime.pids import pid_running
+
 log = logging.getLogger("trainguard.agent")
 
 DEFAULT_ROOT = "trainguard-logs"
@@ -81,16 +83,6 @@ def _newest_mtime(path: Path) -> float:
     return newest
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process: in use
-    return True
-
-
 def expired(found: list[LaunchDir], *, job: str, host: str, keep: int, max_age_s: float,
             now: float, running: frozenset[int] = frozenset()) -> list[LaunchDir]:
     """The launch directories to remove (pure): past the newest ``keep`` of ``job`` on
@@ -108,7 +100,7 @@ def prune(log_root: str, *, job: str, host: str, keep: int, max_age_s: float) ->
     """Remove what :func:`expired` names; returns the removed directories. Errors are
     logged, never raised: pruning must not stop a launch."""
     found = launches(root_of(log_root))
-    running = frozenset(d.pid for d in found if d.host == host and _alive(d.pid))
+    running = frozenset(d.pid for d in found if d.host == host and pid_running(d.pid))
     removed: list[Path] = []
     for d in expired(found, job=job, host=host, keep=keep, max_age_s=max_age_s,
                      now=time.time(), running=running):

@@ -29,6 +29,7 @@ from typing import Literal
 import redis.asyncio as aioredis
 
 from trainguard.runtime.lease import LeaseHolder
+from trainguard.runtime.pids import pid_running
 
 log = logging.getLogger("trainguard.detector")
 
@@ -86,22 +87,6 @@ def judge_claim(found: Claim | None, me: Claim, *, running: Callable[[int], bool
     if found.pid == me.pid:
         return "predecessor"  # our pid but not our token: a process before this one
     return "twin" if running(found.pid) else "predecessor"
-
-
-def pid_running(pid: int) -> bool:
-    """Whether ``pid`` is a live process of this host (a zombie is not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process: alive
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
-            stat = fh.read()
-    except OSError:
-        return True  # no /proc: trust kill(0)
-    return stat[stat.rfind(")") + 2: stat.rfind(")") + 3] != "Z"
 
 
 class Identity:
