@@ -165,7 +165,7 @@ def check_variables(env: Mapping[str, str], cls: type[Settings] | None = None) -
     hint = f"; did you mean {near[0]}?" if near else ""
     more = f" (and {len(unknown) - 1} more: {', '.join(unknown[1:])})" if len(unknown) > 1 else ""
     raise ConfigError(f"unknown environment variable {name}{hint}{more}: no trainguard "
-                      f"setting reads it (the settings are in the README, Configuration)")
+                      f"setting reads it (the settings are in docs/configuration.md)")
 
 
 def _coerce(name: str, raw: Any, hint: Any) -> Any:
