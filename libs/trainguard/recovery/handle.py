@@ -7,9 +7,11 @@ what it keeps privately.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any, Final, Protocol
 
+from trainguard.contract.envelope import uuid7
 from trainguard.contract.schemas import CheckpointReport, Command, RecoveryReport, ResumePoint
 from trainguard.core.identity import Identity
 from trainguard.core.rankstate import RankState
@@ -95,3 +97,10 @@ class GuardHandle(Protocol):
         """The group goes on at ``world_size``, this rank as ``rank`` (a host left in
         place)."""
         ...
+
+
+def recovery_report(handle: GuardHandle, **fields: Any) -> RecoveryReport:
+    """A :class:`RecoveryReport` of this rank, stamped with its id, attempt and time."""
+    return RecoveryReport(id=uuid7(), job=handle.job, rank=handle.rank,
+                          attempt=handle.identity.attempt.restart_count, time=time.time(),
+                          **fields)

@@ -32,8 +32,7 @@ from trainguard.contract.errors import TrainguardError
 from trainguard.contract.schemas import RECOVERING_PHASE
 
 from . import groupstore
-from .handle import GuardHandle
-from .loop import recovery_report
+from .handle import GuardHandle, recovery_report
 from .peerloss import is_peer_loss
 from .statesync import agree, share_state
 

@@ -10,16 +10,11 @@ recover, which returns the step to run next. Without a Recovery, ``guard.steps``
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Protocol
 
-from trainguard.contract.envelope import uuid7
-from trainguard.contract.schemas import Command, RecoveryReport
-
-if TYPE_CHECKING:
-    from .handle import GuardHandle
+from trainguard.contract.schemas import Command
 
 
 @dataclass(frozen=True)
@@ -136,10 +131,3 @@ def iterate(loop: Loop, start: int, stop: int, recovery: Recovery | None,
             step, loop.next_step = loop.next_step, None
         else:
             step += 1
-
-
-def recovery_report(handle: GuardHandle, **fields: Any) -> RecoveryReport:
-    """A :class:`RecoveryReport` of this rank, stamped with its id, attempt and time."""
-    return RecoveryReport(id=uuid7(), job=handle.job, rank=handle.rank,
-                          attempt=handle.identity.attempt.restart_count, time=time.time(),
-                          **fields)

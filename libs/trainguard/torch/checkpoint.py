@@ -45,8 +45,7 @@ from trainguard.contract.checksum import METADATA_FILE, file_digest
 from trainguard.contract.codec import decode_durable, encode_durable
 from trainguard.contract.envelope import uuid7
 from trainguard.contract.schemas import CheckpointReport, Command, FileDigest, ResumePoint
-from trainguard.recovery.handle import RESUME_TIMEOUT, GuardHandle
-from trainguard.recovery.loop import recovery_report
+from trainguard.recovery.handle import RESUME_TIMEOUT, GuardHandle, recovery_report
 
 from .trusted import (
     CheckpointRefused,
