@@ -1,7 +1,7 @@
 """The chaos suite: the demo's fault schedule against one real 4-rank job on two agents.
 
 One cluster per module (control plane, node-a and node-b, a small transformer LM with
-checkpoints). A clean stretch first must raise no anomaly; then each fault of DESIGN.md
+checkpoints). A clean stretch first must raise no anomaly; then each fault of docs/design.md
 section 6 plays in turn on the same job, and each test asserts detection (kind and
 culprit), cause, actions and recovery. Node-b's isolation (XID 79) comes last because it
 shrinks the job.

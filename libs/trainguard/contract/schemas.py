@@ -1,6 +1,6 @@
 """Every message on the bus, as msgspec Structs (v1 of each).
 
-Two families, encoded differently (DESIGN.md section 12):
+Two families, encoded differently (docs/design.md, section 3):
 
 * Telemetry (``Heartbeat``, ``StepReport``, ``Fingerprint``, ``GpuSample``,
   ``NodeHeartbeat``) is high-rate and fire-and-forget: MessagePack, with a tag
@@ -199,7 +199,7 @@ Cause = Literal[
     "process_crash", "rank_hang", "unknown",
 ]
 Severity = Literal["info", "warning", "critical"]
-# Who runs which command kind (DESIGN.md section 12). Each receiver ignores the others'.
+# Who runs which command kind (docs/design.md, section 3). Each receiver ignores the others'.
 # The Literals are the vocabulary; the frozensets are derived from them, never listed twice.
 # ``Command.kind`` stays ``str`` on the wire: a trainer's own kinds (``guard.on("note",
 # ...)``) must decode too.

@@ -1,6 +1,6 @@
 """Subject names: the only place in trainguard that spells a subject string.
 
-Layout (DESIGN.md section 3), with the default prefix ``tg``::
+Layout (docs/design.md, section 3), with the default prefix ``tg``::
 
     tg.<job>.hb.<rank>          tg.<job>.step.<rank>        tg.<job>.fp.<rank>
     tg.<job>.gpu.<host>         tg.<job>.node.<host>        tg.<job>.exit.<host>

@@ -1,5 +1,5 @@
 """Where a command goes: the one place that knows which kinds travel to a rank and which
-to its host's agent (DESIGN.md section 12, "Commands")."""
+to its host's agent (docs/design.md, section 3, "Commands")."""
 
 from __future__ import annotations
 

@@ -1,2 +1,2 @@
-"""``trainguard demo``: a real multi-process training job, hit by the failures of DESIGN.md
+"""``trainguard demo``: a real multi-process training job, hit by the failures of docs/design.md
 section 6, recovering by itself while you watch."""

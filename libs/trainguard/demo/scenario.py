@@ -1,7 +1,7 @@
 """The fault schedule of the demo and the chaos suite, with what each fault should produce.
 
 One table serves ``trainguard demo``, ``tests/e2e/test_chaos.py`` and the benchmark, so
-they can never disagree about what "detected, diagnosed and recovered" means (DESIGN.md
+they can never disagree about what "detected, diagnosed and recovered" means (docs/design.md
 section 6, "Expected outcomes of the drills").
 """
 

@@ -1,5 +1,5 @@
 """In-place recovery: survivors keep their processes, the group re-forms, state comes from a
-peer (DESIGN.md section 12, "in-place recovery").
+peer (docs/design.md, section 10).
 
 :func:`init_process_group` replaces the trainer's ``dist.init_process_group(...)``. Under
 ``trainguard launch`` it forms the group on the job store (the rendezvous ``TCPStore`` at

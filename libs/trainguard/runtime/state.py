@@ -1,6 +1,6 @@
 """Redis state shared between parts: key names and the structs stored under them.
 
-Only the owner writes each key (DESIGN.md section 12): the detector writes ``progress``,
+Only the owner writes each key (docs/design.md, section 11): the detector writes ``progress``,
 the remediator the blocklist and incidents, the coordinator checkpoints. Values are JSON
 (msgspec), so any tool can read them with ``redis-cli GET``.
 """

@@ -1,6 +1,6 @@
 """The JetStream topology (streams and consumers) as data, provisioned idempotently.
 
-Why each stream looks the way it does is in CONVENTIONS.md; in short:
+Why each stream looks the way it does is in docs/design.md, section 3; in short:
 
 * ``EVENTS``: anomalies, diagnoses, actions, incidents, checkpoints; kept for days so
   alerting tools can replay; limits retention.

@@ -1,6 +1,6 @@
 """``trainguard.torch.Checkpointer``: sharded checkpoints with DCP, reported to the coordinator.
 
-Why it is built the way it is (DESIGN.md section 12):
+Why it is built the way it is (docs/design.md, section 7):
 
 * Every DCP collective runs on a **side gloo group** created at construction with a short
   timeout, never on the training group: ``dcp.async_save`` on the default group beside

@@ -1,2 +1,2 @@
 """The diagnoser: from anomalies, worker exits and GPU telemetry to one root cause, with
-evidence, a confidence and the recommended actions (DESIGN.md section 6)."""
+evidence, a confidence and the recommended actions (docs/design.md, section 6)."""
