@@ -284,8 +284,8 @@ class LocalNode:
         return f"stopping the workers on {self.host}"
 
     def hold(self, command_id: str) -> str:
-        """Stop the workers and end the launcher with 80 (EXIT_HELD): the control plane gave up on the
-        job (a crash loop past its budget), so torchrun must not restart it again."""
+        """Stop the workers and end the launcher with 80 (EXIT_HELD): the control plane gave
+        up on the job (a crash loop past its budget), so torchrun must not restart it again."""
         self.holding = command_id
         self._end_launcher(command_id)
         return (f"holding the job on {self.host}: stopping the workers, trainguard launch exits "

@@ -1,8 +1,9 @@
 """Collective commands the coordinator sends to ranks: ``save_now`` and ``set_interval``.
 
-Both must run at the same step on every rank (docs/design.md, section 3, "Commands"). With fresh detector
-progress the command carries ``at_step`` = newest step + a margin that covers delivery
-(a rank that is already past it answers ``too_late`` and the sender retries later).
+Both must run at the same step on every rank (docs/design.md, section 3, "Commands"). With
+fresh detector progress the command carries ``at_step`` = newest step + a margin that
+covers delivery (a rank that is already past it answers ``too_late`` and the sender retries
+later).
 Without progress it carries a ``seq`` from the job's shared counter instead, and the ranks
 agree on it through their side-group all-reduce at the next ``sync_every`` boundary.
 """
