@@ -1,4 +1,9 @@
-"""The ``trainguard`` command: one sub-command per module in this package."""
+"""The ``trainguard`` command: one sub-command per module in this package.
+
+The top layer: it may import any other, but loads each sub-command's modules only when
+that sub-command runs (``trainguard launch`` and the services through their entry points),
+so ``trainguard --help`` works on a base install and a missing extra is named
+(:mod:`.extras`)."""
 
 from __future__ import annotations
 

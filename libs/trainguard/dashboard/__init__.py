@@ -4,10 +4,11 @@ One page for on-call: a per-rank heat map of step time and phase (who is slow, w
 stuck), the incident timeline with cause, culprit, actions and times, goodput and the
 checkpoint line, updating live over server-sent events.
 
-It lives in the library, not in ``services/``: it reads the bus only (no Redis, no durable
-consumer, no leader) as the on-call role, like ``trainguard events``, and the CLI runs it
-directly; ``board`` is the pure state, ``feed`` the bus side, ``server`` the HTTP side and
-``static/index.html`` the page (HTML, CSS and JS in one packaged file, no build step).
+It is no service (it imports the contract, core and runtime, never a service): it reads the
+bus only (no Redis, no durable consumer, no leader) as the on-call role, like ``trainguard
+events``, and the CLI runs it directly; ``board`` is the pure state, ``feed`` the bus
+side, ``server`` the HTTP side and ``static/index.html`` the page (HTML, CSS and JS in one
+packaged file, no build step).
 """
 
 from __future__ import annotations
