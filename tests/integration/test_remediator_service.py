@@ -95,7 +95,7 @@ async def seed(redis_url: str, prefix: str, job: str, *, attempt: int, step: int
         await r.set(keys.node(job, host), encode_node_record(NodeRecord(
             host=host, job=job, hosts_store=store, nnodes_min=1)))
     await r.set(keys.progress(job), encode_progress(Progress(
-        job=job, time=time.time(), attempt=attempt, last_step=step)))
+        job=job, time=time.time(), incarnation=attempt, last_step=step)))
     await r.aclose()
 
 

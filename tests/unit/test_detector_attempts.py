@@ -134,7 +134,7 @@ def test_an_agent_that_restarted_its_group_re_forms_the_job_before_its_ranks_spe
     job.d.on_telemetry(NodeHeartbeat(job="j", time=job.now, host="node-a",
                                      ranks={0: "S", 1: "S"}, pids={0: 300, 1: 301}, attempt=4))
     after = job.d.progress("j", job.now)
-    assert after is not None and after.attempt > before.attempt
+    assert after is not None and after.incarnation > before.incarnation
     assert state.host_attempt["node-a"] == 4
     # The new ranks' own word at that attempt is the same re-form, not another one.
     generation = state.incarnation

@@ -264,7 +264,7 @@ def test_new_attempt_resets_windows_and_late_old_messages_are_ignored() -> None:
     h.feed(StepReport(job=h.sim.cfg.job, time=h.clock, rank=0, step=500, attempt=0))
     assert job.max_step == 129 and job.ranks[0].attempt == 1
     progress = h.detector.progress(h.sim.cfg.job, h.clock)
-    assert progress is not None and progress.attempt == 1 and progress.last_step == 129
+    assert progress is not None and progress.incarnation == 1 and progress.last_step == 129
     assert progress.min_step is not None and progress.min_step >= 128
     assert h.events == []
 

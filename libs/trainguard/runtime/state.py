@@ -39,9 +39,11 @@ class Progress(msgspec.Struct, kw_only=True):
     job: str
     time: float
     world_size: int = 0
-    attempt: int = 0
+    incarnation: int = msgspec.field(default=0, name="attempt")
+    """How often the job started over (the detector's ``JobState.incarnation``): job-wide,
+    unlike a rank's attempt (its node's torchrun restart count). ``attempt`` in Redis."""
     last_step: int | None = None
-    """Highest step any rank of the current attempt completed."""
+    """Highest step any rank of the current incarnation completed."""
     min_step: int | None = None
     """Lowest step among live ranks: the job as a whole has passed it."""
     median_step_time: float | None = None

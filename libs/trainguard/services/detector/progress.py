@@ -44,7 +44,7 @@ def summarize(job: JobState, now: float) -> Progress:
             live_steps.append(r.last_step)
     return Progress(job=job.name, time=now,
                     world_size=max(job.world_size, job.active_count),
-                    attempt=job.incarnation, last_step=job.max_step,
+                    incarnation=job.incarnation, last_step=job.max_step,
                     min_step=min(live_steps) if live_steps else None,
                     median_step_time=job.intervals.median(), ranks=ranks)
 
@@ -56,7 +56,7 @@ def seed(job: JobState, progress: Progress, now: float) -> None:
     """
     # The job-wide attempt goes on from the previous owner's, so it never moves backwards
     # for the remediator (a restart is a higher one); ranks bring their own.
-    job.incarnation = max(job.incarnation, progress.attempt)
+    job.incarnation = max(job.incarnation, progress.incarnation)
     job.set_world(max(job.world_size, progress.world_size))
     for rp in progress.ranks.values():
         if rp.rank not in job.ranks:

@@ -202,7 +202,7 @@ class Store:
         if raw:
             with contextlib.suppress(msgspec.ValidationError, msgspec.DecodeError):
                 p = decode_progress(raw)
-                view.attempt, view.last_step = p.attempt, p.last_step
+                view.attempt, view.last_step = p.incarnation, p.last_step
                 view.world_size = p.world_size
         view.recoveries = await self.recoveries(job, now)
         return view
