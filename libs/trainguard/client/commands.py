@@ -15,20 +15,15 @@ or leaves ``guard.step`` (the safe points):
   lowest one any rank holds are skipped: sent before the group's processes listened (a
   group restarted since), no rank will ever get them.
 
-Boundaries come about every ``sync_period`` seconds and at most ``sync_every`` steps
-apart: each agreement also agrees on the number of steps to the next one, from the ranks'
-step times. A fixed step count would make a rollback or a save-now wait ten steps of a
-slow model (tens of seconds); one all-reduce of four integers per period costs nothing
-beside a step.
-
-The same all-reduce carries the newest process-group generation any rank knows of
-(:meth:`CommandDesk.watch_generation`): a group that took a host back in place re-forms
-at that boundary, the same step on every rank.
+When the group agrees and what one agreement settles (the boundaries, about every
+``sync_period`` seconds of steps; the newest group generation, at which a group that took a
+host back in place re-forms) is :mod:`trainguard.recovery.agreement`'s; running what was
+agreed is the desk's.
 
 Every command is acknowledged once (done, failed with the reason, too_late, unknown_kind,
 refused for a stale epoch); a redelivered id, or a retry of a command already run, is not
-run again. Those admission rules are :class:`trainguard.core.receiver.Receiver`'s, shared with
-the node agent; what is a rank's own (scheduling at safe points) is here.
+run again. Those admission rules are :class:`trainguard.core.receiver.Receiver`'s, shared
+with the node agent; what is a rank's own (scheduling at safe points) is here.
 """
 
 from __future__ import annotations
@@ -49,7 +44,7 @@ from trainguard.contract.targets import for_agent
 from trainguard.core import tracing
 from trainguard.core.identity import Identity
 from trainguard.core.receiver import Answer, Drop, Receiver
-from trainguard.recovery.agreement import FIRST_EVERY, NONE_HELD, AgreeFn, find_agreement
+from trainguard.recovery.agreement import NONE_HELD, AgreeFn, Cadence, agree, find_agreement
 from trainguard.recovery.handle import Handler
 
 from .transport import Transport
@@ -94,17 +89,8 @@ class CommandDesk:
         self.identity = identity
         self.subjects = subjects
         self.transport = transport
-        self.sync_every = max(1, sync_every)
-        self.sync_period = sync_period
-        self._next_boundary: int | None = None
-        """The step the ranks agreed to agree at next; None before the first agreement:
-        the next multiple of :data:`FIRST_EVERY` (or of ``sync_every`` if smaller)."""
-        self._agreed_at: int | None = None
-        """The step of the last agreement."""
-        self._step_s: float | None = None
-        """This rank's recent step time (moving average), for the next interval."""
-        self._step_mark: float | None = None
-        self._clock = clock
+        self.cadence = Cadence(sync_every, sync_period, clock)
+        """When the group agrees next (:mod:`trainguard.recovery.agreement`)."""
         self._find = find or find_agreement
         self.collective_timeout = collective_timeout
         self.receiver = Receiver("rank", str(identity.rank), _for_ranks)
@@ -174,13 +160,13 @@ class CommandDesk:
         """Run what is due. ``completed`` is the step this rank just finished, or None
         when entering a step."""
         if completed is not None and not self._agreement_checked \
-                and (self._at_boundary(completed) or self._regrouped):
+                and (self.cadence.due(completed) or self._regrouped):
             # The first boundary, or the first step a re-formed group completes: every
             # rank gets here at the same step (new_group is a collective), and
             # torch.distributed is up by now if the trainer uses it. A re-formed group
             # agrees at once: its boundaries start again from the same step on every rank.
             if self._regrouped:
-                self._next_boundary = self._agreed_at = completed
+                self.cadence.restart_at(completed)
             self._agreement_checked, self._regrouped = True, False
             self.agreement = self._find(self.identity.world_size)
             if self.agreement is None:  # kept for an agreement there is none of
@@ -192,25 +178,8 @@ class CommandDesk:
         if self._at_step:
             self._run_at_step(completed)
         if completed is not None and self.agreement is not None \
-                and self._at_boundary(completed):
+                and self.cadence.due(completed):
             self._agree_and_run(completed)
-
-    def _at_boundary(self, completed: int) -> bool:
-        # At or past (a trainer may number its steps with gaps), or back before the last
-        # agreement (a rollback in place: the same step on every rank), which would
-        # otherwise hold the next one off by all the steps rolled back.
-        if self._next_boundary is None or self._agreed_at is None:
-            return completed % min(self.sync_every, FIRST_EVERY) == 0
-        return completed >= self._next_boundary or completed < self._agreed_at
-
-    def _proposed_interval(self) -> int:
-        """The steps to the next agreement this rank proposes: ``sync_period`` worth (the
-        next step while no step time is known yet)."""
-        if self._step_s is None:
-            return 1
-        if self._step_s <= 0:
-            return self.sync_every
-        return max(1, min(self.sync_every, round(self.sync_period / self._step_s)))
 
     def _admit(self, q: Queued, completed: int | None) -> None:
         cmd = q.command
@@ -260,14 +229,7 @@ class CommandDesk:
         """``timed=False``: the group went on after ``step`` without running it here (a
         re-form, a rollback): the time since the last step is no step time."""
         self._last_completed = step
-        if not timed:
-            self._step_mark = None
-            return
-        now = self._clock()
-        if self._step_mark is not None:
-            dt = now - self._step_mark
-            self._step_s = dt if self._step_s is None else 0.8 * self._step_s + 0.2 * dt
-        self._step_mark = now
+        self.cadence.step_done(timed=timed)
 
     @property
     def scheduled(self) -> list[Command]:
@@ -313,9 +275,9 @@ class CommandDesk:
     def _agree_and_run(self, completed: int) -> None:
         assert self.agreement is not None
         try:
-            agreed, generation, interval, neg_floor = self.agreement(
-                [self._highest_seq, self._generation(), self._proposed_interval(),
-                 -self._lowest_held()])
+            agreed, generation, interval, floor = agree(
+                self.agreement, highest_seq=self._highest_seq, generation=self._generation(),
+                interval=self.cadence.proposed_interval(), lowest_held=self._lowest_held())
         except Exception as exc:
             log.warning("collective command agreement failed (%r); running commands locally",
                         exc)
@@ -323,14 +285,13 @@ class CommandDesk:
             for seq in sorted(self._collective):
                 self._execute(self._collective.pop(seq))
             return
-        self._agreed_at, self._next_boundary = completed, completed + max(1, interval)
+        self.cadence.agreed(completed, interval)
         self._generation_rose(generation)
         if agreed <= self._agreed_seq:
             return
         # Below the lowest sequence any rank holds, no rank will ever get one: it was sent
         # before these processes listened (a group restarted after it). Waiting for it
         # would stall the group for collective_timeout.
-        floor = -neg_floor
         if floor > self._agreed_seq + 1:
             log.info("commands of seq %d..%d reached no rank of this group (sent before it "
                      "started): skipped", self._agreed_seq + 1, min(floor, agreed + 1) - 1)
