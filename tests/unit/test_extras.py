@@ -95,3 +95,13 @@ def test_require_passes_when_the_extra_is_installed() -> None:
     with pytest.raises(MissingExtra, match=r"trainguard\[nosuch\]") as info:
         raise MissingExtra("nosuch", "mod", "x")
     assert info.value.module == "mod"
+
+
+def test_trainguard_launch_names_the_agent_extra_for_what_it_needs() -> None:
+    missing = ModuleNotFoundError("No module named 'redis'", name="redis")
+    err = explain(missing, "trainguard launch", "launch")
+    assert err is not None and err.extra == "agent" and "trainguard[agent]" in str(err)
+    err = explain(missing, "trainguard service", "service")
+    assert err is not None and err.extra == "services"
+    err = explain(ModuleNotFoundError("x", name="torch"), "trainguard launch", "launch")
+    assert err is not None and err.extra == "torch"

@@ -105,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"trainguard {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as exc:  # an install extra's module: say which extra
-        missing = explain(exc, f"trainguard {args.command}")
+        missing = explain(exc, f"trainguard {args.command}", args.command)
         if missing is None:
             raise
         print(f"trainguard {args.command}: error: {missing}", file=sys.stderr)

@@ -26,6 +26,14 @@ EXTRA_OF: Final[dict[str, str]] = {
 }
 """Top-level module (or dotted prefix) -> the extra of ``pyproject.toml`` that installs it."""
 
+AGENT_MODULES: Final = ("redis", "prometheus_client", "opentelemetry.sdk")
+"""What ``trainguard launch`` needs beside the client: the ``agent`` extra installs them
+(the ``services`` extra too), and the smaller one is what a training image should name."""
+COMMAND_EXTRA: Final[dict[str, tuple[str, tuple[str, ...]]]] = {
+    "launch": ("agent", AGENT_MODULES),
+}
+"""Sub-command -> the extra to name for its modules, where it is not the module's own."""
+
 
 class MissingExtra(TrainguardError, ImportError):
     """A module of an install extra that is not installed: names the extra and the fix."""
@@ -46,10 +54,16 @@ def extra_for(module: str) -> str | None:
     return None
 
 
-def explain(exc: ModuleNotFoundError, what: str = "this") -> MissingExtra | None:
-    """``exc`` as a :class:`MissingExtra` when an extra would have brought the module."""
+def explain(exc: ModuleNotFoundError, what: str = "this",
+            command: str = "") -> MissingExtra | None:
+    """``exc`` as a :class:`MissingExtra` when an extra would have brought the module (the
+    extra ``command`` asks for, where :data:`COMMAND_EXTRA` names one)."""
     name = exc.name or ""
     extra = extra_for(name)
+    own, modules = COMMAND_EXTRA.get(command, ("", ()))
+    if extra is not None and own and any(name == m or name.startswith(m + ".")
+                                         for m in modules):
+        extra = own
     return MissingExtra(extra, name, what) if extra else None
 
 
