@@ -2,15 +2,20 @@
 # trainguard images, two targets from one build:
 #
 #   docker build --target services -t trainguard/services:0.1.0 .
-#       the control plane (detector, diagnoser, checkpointer, remediator: `trainguard service
-#       NAME`) and the on-call CLI. No torch. Carries kubectl and the scheduler hooks of
+#       the control plane (detector, diagnoser, checkpointer, remediator, bridge: `trainguard
+#       service NAME`) and the on-call CLI: requirements/services.lock, then the wheel with
+#       its `services` extra. No torch. Carries kubectl and the scheduler hooks of
 #       deploy/hooks/ for the remediator's isolate/release hooks.
 #   docker build --target client -t trainguard/client:0.1.0 .
 #       the training side: the trainguard client, `trainguard launch` (the node agent, which
-#       runs torchrun) and torch. CPU torch by default; for CUDA pass
+#       runs torchrun) and torch: torch from TORCH_INDEX, requirements/client.lock (the
+#       `torch`, `gpu` and `agent` extras, torch left out), then the wheel. CPU torch by
+#       default; for CUDA pass
 #       --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 (or build FROM your
-#       own training image: `pip install trainguard[torch,gpu]` is all it takes).
+#       own training image: `pip install trainguard[torch,gpu,agent]` is all it takes).
 #
+# The locks are `make lock`'s; the wheel goes in with --no-deps, so an image holds exactly
+# what was locked (tests/e2e/test_images.py replays these install lines in fresh venvs).
 # Both run as the unprivileged user 10001 (numeric, so runAsNonRoot can check it) and write
 # nothing outside /tmp: the chart mounts the root file system read-only.
 
@@ -39,8 +44,13 @@ RUN groupadd --system --gid 10001 trainguard \
 
 # -- the control plane --------------------------------------------------------------------
 FROM base AS services
+COPY requirements/services.lock /tmp/requirements/
 COPY --from=wheel /wheels /wheels
-RUN pip install /wheels/trainguard-*.whl && rm -rf /wheels \
+# Exactly the locked stack, then trainguard itself without resolving anything again.
+RUN pip install -r /tmp/requirements/services.lock \
+    && pip install --no-deps "$(ls /wheels/trainguard-*.whl)[services]" \
+    && pip check \
+    && rm -rf /wheels /tmp/requirements \
     && python -m compileall -q "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 COPY --from=kubectl /bin/kubectl /usr/local/bin/kubectl
 COPY --chmod=0755 deploy/hooks/ /opt/trainguard/hooks/
@@ -55,10 +65,16 @@ CMD ["--help"]
 FROM base AS client
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+COPY requirements/client.lock /tmp/requirements/
 COPY --from=wheel /wheels /wheels
+# torch from TORCH_INDEX (the lock leaves it out: CPU or CUDA is the builder's choice), then
+# the locked rest (the agent's store and metrics included), then trainguard without deps.
 RUN pip install --index-url "${TORCH_INDEX}" --extra-index-url https://pypi.org/simple \
         "torch==${TORCH_VERSION}" \
-    && pip install "$(ls /wheels/trainguard-*.whl)[torch,gpu]" && rm -rf /wheels \
+    && pip install -r /tmp/requirements/client.lock \
+    && pip install --no-deps "$(ls /wheels/trainguard-*.whl)[torch,gpu,agent]" \
+    && pip check \
+    && rm -rf /wheels /tmp/requirements \
     && python -m compileall -q "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 USER 10001:10001
 WORKDIR /home/trainguard

@@ -21,6 +21,9 @@ import yaml
 from helm_python import chart as helm
 
 from trainguard.agent.exitcodes import EXIT_HELD, EXIT_ISOLATED
+from trainguard.core.auth import role_of_service
+from trainguard.runtime.config import known_variables
+from trainguard.services.bridge.settings import BridgeSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "trainguard"
@@ -61,25 +64,58 @@ def _stages() -> dict[str, list[Any]]:
     return stages
 
 
+def _pip_lines(stage: list[Any]) -> list[str]:
+    return [" ".join(part.split()) for c in stage if c.cmd == "RUN"
+            for part in c.value[0].split("&&") if part.strip().startswith("pip ")]
+
+
+# What each image's wheel line names, and so what its lock is compiled with (the Makefile's
+# `lock` target): the services image runs `trainguard service`, the client `trainguard
+# launch` (the agent keeps the job's store and serves metrics) and the torch helpers.
+IMAGE_EXTRAS = {"services": ["services"], "client": ["torch", "gpu", "agent"]}
+
+
 def test_two_images_both_non_root_with_extras_that_exist() -> None:
     stages = _stages()
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
         "optional-dependencies"]
-    for target in ("services", "client"):
-        users = [c.value[0] for c in stages[target] if c.cmd == "USER"]
-        assert users and users[-1].split(":")[0] == "10001", target  # numeric: runAsNonRoot
-        assert [c.value for c in stages[target] if c.cmd == "ENTRYPOINT"] == [("trainguard",)]
-    runs = " ".join(c.value[0] for c in stages["client"] if c.cmd == "RUN")
-    wanted = runs.split(".whl)[", 1)[1].split("]", 1)[0].split(",")
-    assert wanted == ["torch", "gpu"] and all(e in extras for e in wanted)
-    services = " ".join(c.value[0] for c in stages["services"] if c.cmd == "RUN")
-    assert "torch" not in services  # the services image stays small
-    copied = [c.value for c in stages["services"] if c.cmd == "COPY"]
-    assert ("deploy/hooks/", "/opt/trainguard/hooks/") in copied
-    assert ("/bin/kubectl", "/usr/local/bin/kubectl") in copied
     ignore = (ROOT / ".dockerignore").read_text().split()
     for needed in ("!pyproject.toml", "!README.md", "!libs/", "!deploy/hooks/"):
         assert needed in ignore
+    for target, wanted in IMAGE_EXTRAS.items():
+        stage = stages[target]
+        users = [c.value[0] for c in stage if c.cmd == "USER"]
+        assert users and users[-1].split(":")[0] == "10001", target  # numeric: runAsNonRoot
+        assert [c.value for c in stage if c.cmd == "ENTRYPOINT"] == [("trainguard",)]
+        lines = _pip_lines(stage)
+        # The lock first, exactly as compiled, then the wheel without resolving again.
+        lock = f"requirements/{target}.lock"
+        (copied,) = [c.value[-1] for c in stage if c.cmd == "COPY" and c.value[0] == lock]
+        in_image = copied + Path(lock).name if copied.endswith("/") else copied
+        installs = [i for i, line in enumerate(lines) if f"-r {in_image}" in line]
+        (wheel,) = [i for i, line in enumerate(lines) if ".whl)" in line]
+        assert installs and installs[-1] < wheel, (target, lines)
+        assert "--no-deps" in lines[wheel].split(), lines[wheel]
+        named = lines[wheel].split(".whl)[", 1)[1].split("]", 1)[0].split(",")
+        assert named == wanted and all(e in extras for e in named), (target, named)
+        assert f"!{lock}" in ignore  # the build context carries it
+        # The lock was compiled for those extras (its header is the command that made it).
+        words = (ROOT / lock).read_text().split("\n", 2)[1].split()
+        assert [words[i + 1] for i, w in enumerate(words) if w == "--extra"] == wanted, words
+        assert words[words.index("-o") + 1] == lock, words
+        assert "pip check" in lines, target
+    services = " ".join(c.value[0] for c in stages["services"] if c.cmd == "RUN")
+    assert "torch" not in services  # the services image stays small
+    assert "\ntorch==" not in (ROOT / "requirements/services.lock").read_text()
+    # The client's torch is the build TORCH_INDEX serves (CPU or CUDA): the lock leaves it
+    # out, so installing the lock after it replaces nothing.
+    assert "\ntorch==" not in (ROOT / "requirements/client.lock").read_text()
+    (torch_line,) = [line for line in _pip_lines(stages["client"]) if "torch==" in line]
+    assert '--index-url "${TORCH_INDEX}"' in torch_line
+    assert '"torch==${TORCH_VERSION}"' in torch_line
+    copied = [c.value for c in stages["services"] if c.cmd == "COPY"]
+    assert ("deploy/hooks/", "/opt/trainguard/hooks/") in copied
+    assert ("/bin/kubectl", "/usr/local/bin/kubectl") in copied
 
 
 # -- the chart --------------------------------------------------------------------------------
@@ -110,43 +146,94 @@ def test_the_chart_lints_without_warnings() -> None:
     assert [m for m in report["messages"] if m["severity"] >= 2] == [], report  # 2: warning
 
 
+def by_component(docs: list[dict[str, Any]], kind: str = "Deployment") -> dict[str, Any]:
+    return {d["metadata"]["labels"]["app.kubernetes.io/component"]: d
+            for d in of(docs, kind).values()
+            if "app.kubernetes.io/component" in d["metadata"].get("labels", {})}
+
+
+def a_locked_down_service(name: str, dep: dict[str, Any]) -> int:
+    """Check ``dep`` runs ``trainguard service NAME`` as its role, probed, scraped and locked
+    down; its health port."""
+    pod = dep["spec"]["template"]
+    (c,) = pod["spec"]["containers"]
+    assert c["args"] == ["service", name]
+    (port,) = c["ports"]
+    env = env_of(c)
+    assert port["name"] == "health"
+    assert str(port["containerPort"]) == env["TRAINGUARD_HEALTH_PORT"]
+    assert env["TRAINGUARD_HEALTH_HOST"] == "0.0.0.0"
+    assert c["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "health"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "health"}
+    assert c["startupProbe"]["httpGet"] == {"path": "/livez", "port": "health"}
+    notes = pod["metadata"]["annotations"]
+    assert notes["prometheus.io/scrape"] == "true"
+    assert notes["prometheus.io/port"] == str(port["containerPort"])
+    assert notes["prometheus.io/path"] == "/metrics"
+    ctx, pod_ctx = c["securityContext"], pod["spec"]["securityContext"]
+    assert pod_ctx["runAsNonRoot"] is True and pod_ctx["runAsUser"] == 10001
+    assert ctx["readOnlyRootFilesystem"] is True
+    assert ctx["allowPrivilegeEscalation"] is False
+    assert ctx["capabilities"]["drop"] == ["ALL"]
+    # Each pod holds its own role's credentials only (a plugin's, the bridge's: `service`).
+    role = role_of_service(name)
+    creds = next(v for v in pod["spec"]["volumes"] if v["name"] == "credentials")
+    assert [i["key"] for i in creds["secret"]["items"]] == [f"{role}.json"]
+    assert env["TRAINGUARD_CREDENTIALS"] == f"/etc/trainguard/creds/{role}.json"
+    assert pod["spec"]["automountServiceAccountToken"] is (name == "remediator")
+    return int(port["containerPort"])
+
+
 def test_services_are_deployments_with_probes_ports_and_a_locked_down_context() -> None:
     docs = render()
-    deployments = {d["metadata"]["labels"]["app.kubernetes.io/component"]: d
-                   for d in of(docs, "Deployment").values()}
+    deployments = by_component(docs)
     assert set(deployments) == SERVICES
     assert deployments["remediator"]["spec"]["replicas"] == 2
     assert deployments["detector"]["spec"]["replicas"] == 2
-    ports = set()
-    for name, dep in deployments.items():
-        pod = dep["spec"]["template"]
-        (c,) = pod["spec"]["containers"]
-        assert c["args"] == ["service", name]
-        (port,) = c["ports"]
-        env = env_of(c)
-        assert port["name"] == "health"
-        assert str(port["containerPort"]) == env["TRAINGUARD_HEALTH_PORT"]
-        assert env["TRAINGUARD_HEALTH_HOST"] == "0.0.0.0"
-        ports.add(port["containerPort"])
-        assert c["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "health"}
-        assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "health"}
-        notes = pod["metadata"]["annotations"]
-        assert notes["prometheus.io/scrape"] == "true"
-        assert notes["prometheus.io/port"] == str(port["containerPort"])
-        assert notes["prometheus.io/path"] == "/metrics"
-        ctx, pod_ctx = c["securityContext"], pod["spec"]["securityContext"]
-        assert pod_ctx["runAsNonRoot"] is True and pod_ctx["runAsUser"] == 10001
-        assert ctx["readOnlyRootFilesystem"] is True
-        assert ctx["allowPrivilegeEscalation"] is False
-        assert ctx["capabilities"]["drop"] == ["ALL"]
-        # Each pod holds its own role's credentials only.
-        creds = next(v for v in pod["spec"]["volumes"] if v["name"] == "credentials")
-        assert [i["key"] for i in creds["secret"]["items"]] == [f"{name}.json"]
-        assert env["TRAINGUARD_CREDENTIALS"] == f"/etc/trainguard/creds/{name}.json"
-        assert pod["spec"]["automountServiceAccountToken"] is (name == "remediator")
+    ports = {a_locked_down_service(name, dep) for name, dep in deployments.items()}
     assert len(ports) == 4  # fixed and distinct
     assert set(of(docs, "PodDisruptionBudget")) >= {"tg-trainguard-remediator",
                                                       "tg-trainguard-detector"}
+
+
+def test_the_bridge_is_deployed_only_with_a_sink() -> None:
+    docs = render()
+    assert not [d for d in docs if "bridge" in d["metadata"]["name"]]
+    rendered = helm.Chart.load(CHART).render({}, name="tg", namespace="trainguard")
+    assert "bridge" not in next(v for k, v in rendered.items() if k.endswith("NOTES.txt"))
+    for sink, variable in (("alertmanagerUrl", "TRAINGUARD_ALERTMANAGER_URL"),
+                           ("webhookUrl", "TRAINGUARD_WEBHOOK_URL")):
+        url = "http://receiver.monitoring:9093"
+        docs = render(services={"bridge": {sink: url}})
+        deployments = by_component(docs)
+        assert set(deployments) == SERVICES | {"bridge"}
+        ports = {a_locked_down_service(name, dep) for name, dep in deployments.items()}
+        assert len(ports) == 5  # its own fixed port beside the four
+        (c,) = deployments["bridge"]["spec"]["template"]["spec"]["containers"]
+        env = env_of(c)
+        assert env[variable] == url
+        others = {"TRAINGUARD_ALERTMANAGER_URL", "TRAINGUARD_WEBHOOK_URL",
+                  "TRAINGUARD_SLACK_WEBHOOK_URL"} - {variable}
+        assert not others & set(env)  # only the sink that was set
+        # Every variable the chart gives it is one a setting reads (a typo would stop it).
+        assert set(env) - {"HOME"} <= known_variables(BridgeSettings)
+        assert "bridge" in by_component(docs, "Service")
+        assert "bridge" in by_component(docs, "ServiceAccount")
+        assert "tg-trainguard-bridge" not in of(docs, "PodDisruptionBudget")  # one replica
+
+
+def test_the_bridge_reads_the_slack_webhook_from_a_secret() -> None:
+    docs = render(services={"bridge": {"slackWebhook": {"secretName": "paging", "key": "slack"},
+                                       "dashboardUrl": "https://tg.example.com"}})
+    (c,) = by_component(docs)["bridge"]["spec"]["template"]["spec"]["containers"]
+    slack = next(e for e in c["env"] if e["name"] == "TRAINGUARD_SLACK_WEBHOOK_URL")
+    assert slack == {"name": "TRAINGUARD_SLACK_WEBHOOK_URL",
+                     "valueFrom": {"secretKeyRef": {"name": "paging", "key": "slack"}}}
+    assert env_of(c)["TRAINGUARD_DASHBOARD_URL"] == "https://tg.example.com"
+    # A sink given through the bridge's env counts too.
+    docs = render(services={"bridge": {"env": {"TRAINGUARD_WEBHOOK_URL": "http://hook:8080"}}})
+    (c,) = by_component(docs)["bridge"]["spec"]["template"]["spec"]["containers"]
+    assert env_of(c)["TRAINGUARD_WEBHOOK_URL"] == "http://hook:8080"
 
 
 def test_every_service_is_told_every_nats_node_and_the_sentinels() -> None:

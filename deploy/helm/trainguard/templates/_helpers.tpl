@@ -61,3 +61,24 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- printf "redis+sentinel://%s/%s/0" (join "," $hosts) .Values.redis.masterSet -}}
 {{- end -}}
 {{- end -}}
+
+{{/* Non-empty when the bridge has a sink to notify (values, or TRAINGUARD_*_URL in its env). */}}
+{{- define "trainguard.bridgeSinks" -}}
+{{- $b := .Values.services.bridge -}}
+{{- $env := $b.env | default dict -}}
+{{- if or $b.alertmanagerUrl $b.webhookUrl $b.slackWebhook.secretName (hasKey $env "TRAINGUARD_ALERTMANAGER_URL") (hasKey $env "TRAINGUARD_WEBHOOK_URL") (hasKey $env "TRAINGUARD_SLACK_WEBHOOK_URL") -}}
+sinks
+{{- end -}}
+{{- end -}}
+
+{{/* Whether the service `name` is deployed: every one, the bridge only with a sink. */}}
+{{- define "trainguard.deployed" -}}
+{{- if or (ne .name "bridge") (include "trainguard.bridgeSinks" .root) -}}
+yes
+{{- end -}}
+{{- end -}}
+
+{{/* The role a service runs as: its own, or `service` (a plugin's, the bridge's). */}}
+{{- define "trainguard.role" -}}
+{{- ternary . "service" (has . (list "detector" "diagnoser" "remediator" "checkpointer")) -}}
+{{- end -}}
