@@ -17,10 +17,10 @@ import pytest
 import pytest_asyncio
 
 from tests.conftest import wait_until
-from trainguard.core.tracing import read_spans
 from trainguard.demo.cluster import Cluster
 from trainguard.demo.runner import Runner
 from trainguard.demo.scenario import DEFAULT_SCHEDULE, FAULTS
+from trainguard.runtime.telemetry import read_spans
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -286,6 +286,29 @@ def _check_locked(image: Image, target: str) -> None:
                          "ask for: the lock and the Dockerfile's wheel line disagree")
 
 
+IMPORT_ALL = """
+import importlib, pkgutil, sys
+failed = []
+for package in sys.argv[1:]:
+    root = importlib.import_module(package)
+    for m in [package, *(i.name for i in pkgutil.walk_packages(root.__path__, package + "."))]:
+        if m.endswith("__main__"):
+            continue
+        try:
+            importlib.import_module(m)
+        except Exception as exc:
+            failed.append(f"{m}: {exc!r}")
+print("\\n".join(failed))
+sys.exit(1 if failed else 0)
+"""
+
+
+def _imports_every_module(image: Image, *packages: str) -> None:
+    """The extras follow the layers: an install imports every module of its layers."""
+    done = image.run(str(image.venv / "bin" / "python"), "-c", IMPORT_ALL, *packages)
+    assert done.returncode == 0, f"{packages}: {done.stdout}{done.stderr[-2000:]}"
+
+
 def _where(image: Image) -> Path:
     done = image.python("import trainguard; print(trainguard.__file__)")
     assert done.returncode == 0, done.stderr
@@ -315,6 +338,9 @@ def test_the_services_image_runs_the_control_plane_and_has_no_torch(
                                           "remediator", "bridge"}
     no_torch = image.python("import torch")
     assert no_torch.returncode != 0 and "No module named 'torch'" in no_torch.stderr
+    _imports_every_module(image, "trainguard.contract", "trainguard.core", "trainguard.runtime",
+                          "trainguard.analysis", "trainguard.services", "trainguard.cli",
+                          "trainguard.dashboard")
 
 
 @pytest.mark.timeout(INSTALL_TIMEOUT)
@@ -331,3 +357,35 @@ def test_the_client_image_launches_and_loads_the_torch_helpers(
                           "print(torch.__version__)")
     assert loaded.returncode == 0, loaded.stderr
     assert loaded.stdout.strip().split("+")[0] == image.args["TORCH_VERSION"]
+    _imports_every_module(image, "trainguard.contract", "trainguard.core",
+                          "trainguard.recovery", "trainguard.client", "trainguard.torch",
+                          "trainguard.agent", "trainguard.examples")
+
+
+@pytest.mark.timeout(INSTALL_TIMEOUT)
+def test_a_base_install_imports_every_module_a_rank_needs(
+        wheel_stage: dict[str, Path], tmp_path: Path) -> None:
+    """``pip install trainguard`` (no extra) is the client a training image needs: every
+    module of the rank's torch-free layers imports with the base requirements alone (at the
+    locked versions), and none of the control plane's stack is there."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    base = {canonicalize_name(Requirement(r).name) for r in project["dependencies"]}
+    pins = {}
+    for line in (ROOT / "requirements" / "dev.lock").read_text().splitlines():
+        if "==" in line and not line.startswith((" ", "#")):
+            name, version = line.split("==")
+            pins[canonicalize_name(name)] = version.strip()
+    venv = tmp_path / "base"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=RUN_TIMEOUT,
+                   env=_base_env(os.environ["PATH"]))
+    env = _base_env(f"{venv / 'bin'}{os.pathsep}/usr/bin{os.pathsep}/bin")
+    wheel = next(wheel_stage["/wheels"].glob("trainguard-*.whl"))
+    _sh(f"pip install -q {wheel} " + " ".join(f"{n}=={pins[n]}" for n in sorted(base)), env,
+        tmp_path)
+    image = Image(venv, set(), {})
+    assert _where(image).is_relative_to(venv)
+    _imports_every_module(image, "trainguard.contract", "trainguard.core", "trainguard.client")
+    for module in ("redis", "prometheus_client", "torch"):
+        assert image.python(f"import {module}").returncode != 0, module

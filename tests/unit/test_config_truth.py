@@ -177,8 +177,9 @@ def test_log_level_after_the_sub_command_and_version() -> None:
 
 # -- OpenTelemetry -----------------------------------------------------------------------
 
-SPANS = ("from trainguard.core import tracing; tracing.setup_tracing('trainguard-detector'); "
-         "tracing.service_tracer('detector').start_span('s').end(); "
+SPANS = ("from trainguard.runtime import telemetry; "
+         "telemetry.setup_tracing('trainguard-detector'); "
+         "telemetry.service_tracer('detector').start_span('s').end(); "
          "from opentelemetry import trace; "
          "getattr(trace.get_tracer_provider(), 'shutdown', lambda: None)()")
 
@@ -202,7 +203,8 @@ def test_otel_service_name_and_traces_exporter_are_honoured() -> None:
 
 def test_otel_propagators_decide_what_goes_into_headers() -> None:
     """Regression: OTEL_PROPAGATORS was ignored (W3C trace context always)."""
-    code = ("from trainguard.core import tracing; tracing.setup_tracing('t', 'none'); "
+    code = ("from trainguard.core import tracing; from trainguard.runtime import telemetry; "
+            "telemetry.setup_tracing('t', 'none'); "
             "span = tracing.tracer().start_span('x'); from opentelemetry import trace; "
             "print(sorted(tracing.inject({}, trace.set_span_in_context(span))))")
     assert run_python(code).stdout.strip() == "['traceparent']"
@@ -220,10 +222,10 @@ def test_otel_propagators_decide_what_goes_into_headers() -> None:
 
 def test_each_service_of_one_process_has_its_own_service_name(tmp_path: Path) -> None:
     spans = tmp_path / "spans.jsonl"
-    code = (f"from trainguard.core import tracing; tracing.setup_tracing('trainguard-up', "
+    code = (f"from trainguard.runtime import telemetry; telemetry.setup_tracing('trainguard-up', "
             f"'file:{spans}', several=True)\n"
             "for name in ('detector', 'diagnoser', 'detector'):\n"
-            "    tracing.service_tracer(name).start_span(name).end()\n")
+            "    telemetry.service_tracer(name).start_span(name).end()\n")
     assert run_python(code).returncode == 0
     names = [(s["name"], s["resource"]["attributes"]["service.name"])
              for s in map(json.loads, spans.read_text().splitlines())]

@@ -95,10 +95,10 @@ def run(args: argparse.Namespace) -> int:
         check_token("host", settings.host)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    from trainguard.core import tracing
+    from trainguard.runtime import telemetry
 
     from .launcher import launch
 
-    tracing.setup_tracing(f"trainguard-agent-{settings.host}", settings.otel_exporter)
+    telemetry.setup_tracing(f"trainguard-agent-{settings.host}", settings.otel_exporter)
     sys.stdout.flush()
     return launch(settings, torchrun_argv)

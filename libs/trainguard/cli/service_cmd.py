@@ -6,8 +6,7 @@ import argparse
 import asyncio
 
 from trainguard.contract.errors import ConfigError
-from trainguard.core import tracing
-from trainguard.runtime import registry
+from trainguard.runtime import registry, telemetry
 
 from . import extras
 from .common import add_connection_flags, settings_from
@@ -34,5 +33,5 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from(args, cls.settings_type, health_port=args.health_port)
     if (why := cls.unconfigured(settings)) is not None:
         raise ConfigError(f"service {cls.name}: {why}")
-    tracing.setup_tracing(f"trainguard-{cls.name}", settings.otel_exporter)
+    telemetry.setup_tracing(f"trainguard-{cls.name}", settings.otel_exporter)
     return asyncio.run(run_service(cls(settings)))

@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING
 
 from trainguard.contract.envnames import setting
 from trainguard.contract.errors import ConfigError
-from trainguard.core import tracing
 from trainguard.core.auth import (
     ensure_credentials,
     nats_authorization,
@@ -41,7 +40,7 @@ from trainguard.core.auth import (
 )
 from trainguard.dashboard import DEFAULT_PORT as DASHBOARD_PORT
 from trainguard.dashboard import run_dashboard
-from trainguard.runtime import registry
+from trainguard.runtime import registry, telemetry
 from trainguard.runtime.config import DEFAULT_NATS_PORT, DEFAULT_REDIS_PORT, Settings
 from trainguard.runtime.embedded import NatsServer, RedisServer, ServerProcess, port_taken
 from trainguard.runtime.ports import DEFAULT_BASE_PORT, health_port
@@ -144,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
                  f"{creds_dir / 'oncall.json'})")
         elif any(embedded):
             _say("auth:  off (--insecure): any local process can command the job")
-        tracing.setup_tracing("trainguard-up", base.otel_exporter, several=True)
+        telemetry.setup_tracing("trainguard-up", base.otel_exporter, several=True)
         dashboard = None if args.no_dashboard else (
             args.dashboard_port if args.dashboard_port is not None
             else health_port("dashboard", base.base_port))

@@ -41,7 +41,7 @@ from typing_extensions import TypeVar
 from trainguard.contract.codec import decode_telemetry
 from trainguard.contract.errors import DecodeError, NotStarted
 from trainguard.contract.schemas import Durable, TelemetryMessage
-from trainguard.core import tracing
+from trainguard.runtime import telemetry
 from trainguard.runtime.topology import ensure_consumer, provision, streams
 
 from .bus import Bus, connect_nats
@@ -85,7 +85,7 @@ class Runtime:
         self.service = service
         self.settings = settings
         self.metrics = Metrics(service.name)
-        self.tracer = tracing.service_tracer(service.name)
+        self.tracer = telemetry.service_tracer(service.name)
         self._bus: Bus | None = None
         self._redis: aioredis.Redis | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
