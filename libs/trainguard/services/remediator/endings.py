@@ -18,6 +18,7 @@ every launcher of the job has exited, the incident gets its last two steps
 from __future__ import annotations
 
 from collections.abc import Collection
+from dataclasses import dataclass
 from typing import Final, Literal
 
 from trainguard.contract.envelope import uuid7
@@ -32,6 +33,7 @@ from .engine import (
     JobView,
     Outcome,
     budget_spent,
+    hold_steps,
     is_open,
     repeating,
 )
@@ -187,6 +189,36 @@ def resolution(inc: Incident, view: JobView, resolved_anomalies: Collection[str]
     if now - (inc.detected_at or now) > policy.resolve_timeout_s:
         return "timeout"
     return None
+
+
+@dataclass(frozen=True)
+class Review:
+    """What the watch of an open incident whose steps have run decides (:func:`review`)."""
+
+    resolution: Resolution | None = None
+    """The incident ends now, so: :func:`settle` it."""
+    resume: bool = False
+    """Ask the coordinator where training resumed first (:func:`needs_resume_step`)."""
+    hold: str | None = None
+    """Why its job must stop: the hold steps were added to it (run them)."""
+    save: bool = False
+    """Save it as a new revision (ended, given the hold steps, or a recovery noted)."""
+
+
+def review(inc: Incident, view: JobView, resolved_anomalies: Collection[str],
+           policy: Policy, now: float) -> Review:
+    """Whether ``inc`` ends now (:func:`resolution`), or its job must be held
+    (:func:`hold_reason`: its last two steps are added); either way the newest recovery
+    report is noted on it (:func:`.recovery.apply`)."""
+    noted = recovery.apply(inc, view.recoveries)
+    why = resolution(inc, view, resolved_anomalies, policy, now)
+    if why is not None:
+        return Review(why, needs_resume_step(inc, why), save=True)
+    reason = hold_reason(inc, view, policy)
+    if reason is None:
+        return Review(save=noted)  # which path ran, and why: a revision of its own
+    inc.actions.extend(hold_steps(inc, reason))
+    return Review(hold=reason, save=True)
 
 
 def needs_resume_step(inc: Incident, why: Resolution) -> bool:

@@ -8,7 +8,8 @@ crash again (a crash loop, see :func:`find_incident`). A new incident gets a
 plan: the policy's actions for its cause, adapted to what the job can take right now; a
 changed root cause re-plans, keeping the steps already done. The steps then run in order
 (:func:`next_step`, :func:`finish_step`) until none is left (:func:`conclude`). How an
-incident ends (resolved, escalated, or failed: held) is :mod:`.endings`.
+incident ends (resolved, escalated, or failed: held) is :mod:`.endings`. The shell asks
+:mod:`.intake` (a diagnosis) and :mod:`.conduct` (the steps), which decide with these.
 """
 
 from __future__ import annotations

@@ -1,11 +1,13 @@
 """The remediator's async shell: diagnoses in; commands, incidents and actions out.
 
-Every decision (which incident a diagnosis joins, its plan, the next step, what the acks
-mean, whether the launcher already restarted) is a pure function in :mod:`.engine`, and
-when an incident ends or its job must be held in :mod:`.endings`; this module counts the
-launcher's attempts from worker exits, keeps the node records from the agents' hellos,
-loads and saves incidents, sends commands (:func:`trainguard.contract.targets.addressed`), calls
-the checkpoint coordinator (:mod:`trainguard.contract.rpc`) and waits.
+The engine decides, the shell carries out. What a diagnosis does to the job's incidents is
+:mod:`.intake` (which incident, opened or joined, re-planned: :mod:`.engine`); what the
+executor does next with an incident and what each step takes and means is :mod:`.conduct`;
+when an incident ends or its job must be held is :mod:`.endings`. This module loads and
+saves incidents, counts the launcher's attempts from worker exits, keeps the node records
+from the agents' hellos, sends commands (:func:`trainguard.contract.targets.addressed`) and
+collects their acks, calls the checkpoint coordinator (:mod:`trainguard.contract.rpc`),
+runs the hooks, publishes and waits.
 
 Only the leader acts (:mod:`.leader`); other replicas ``nak`` diagnoses with a delay.
 Incidents and their plans live in Redis (fenced writes), so a new leader resumes open
@@ -50,10 +52,12 @@ from trainguard.runtime.service import TRANSIENT_ERRORS, Consumer, Delivery, Run
 from trainguard.runtime.state import Keys
 from trainguard.runtime.topology import ConsumerSpec
 
-from . import endings, hooks, recovery
+from . import conduct, endings, hooks, intake
 from . import engine as rules
 from .acks import AckBox
+from .conduct import Send
 from .coordinator import Coordinator
+from .engine import Outcome
 from .hooks import Hook
 from .leader import Leadership, NotLeader
 from .policy import Policy, load_policy
@@ -192,40 +196,36 @@ class RemediatorService(Service[RemediatorSettings]):
         now = time.time()
         found = rules.find_incident(await self.store.of(d.job), d, self.policy.cooldown_s, now)
         if found is None:
-            await self._decide(d, None, now, delivery.ctx)
+            await self._admit(d, None, now, delivery.ctx)
             return
         lock = self._lock(found.id)
         if lock.locked():
             raise Retry(delay=1.0, reason=f"incident {found.id} is running a step")
         async with lock:  # join what its last step saved, if it still takes this diagnosis
-            fresh = await self.store.load(d.job, found.id)
-            joins = rules.find_incident([fresh] if fresh else [], d, self.policy.cooldown_s,
-                                        now)
-            await self._decide(d, joins, now, delivery.ctx)
+            await self._admit(d, await self.store.load(d.job, found.id), now, delivery.ctx)
 
-    async def _decide(self, d: Diagnosis, inc: Incident | None, now: float,
-                      ctx: Context | None) -> None:
-        """Open an incident for ``d``, or join ``d`` to ``inc`` (re-planning it if its root
-        cause changed); then run its steps. ``ctx``: the diagnosis' trace."""
+    async def _admit(self, d: Diagnosis, candidate: Incident | None, now: float,
+                     ctx: Context | None) -> None:
+        """Carry out :func:`.intake.admit`; then run the incident's steps. ``ctx``: the
+        diagnosis' trace."""
         with self.runtime.tracer.start_as_current_span(
             f"decide {d.cause}", context=ctx, attributes={
                 "trainguard.job": d.job, "trainguard.cause": d.cause,
                 "trainguard.hosts": ",".join(d.hosts),
                 "trainguard.ranks": ",".join(map(str, d.ranks))},
         ):
+            admission = intake.admit(d, candidate, self.policy.cooldown_s, now)
+            inc = admission.incident
             if inc is None:
-                if d.status == "superseded":
-                    return  # its successor carries the story
-                inc = rules.open_incident(d, rules.detected_at(d, now), now)
-                inc.failure_attempt = (await self.store.view(d.job, d.cause)).attempt
-                replan = True
-            else:
-                replan = rules.join(inc, d) and rules.is_open(inc)
-            if d.status == "open":
-                await self.store.note_cause(d, now)  # once per diagnosis: a recurrence
-            endings.sign(inc, d)
-            if replan:
-                rules.replan(inc, d, self.policy, await self.store.view(d.job, inc.cause), now)
+                return
+            # A new incident's failure attempt is the job's now; the plan sees the count.
+            failed_in = (await self.store.view(d.job, d.cause)).attempt \
+                if admission.opened else None
+            if admission.counted:
+                await self.store.note_cause(d, now)
+            if admission.replan:
+                intake.plan(admission, d, self.policy,
+                            await self.store.view(d.job, inc.cause), now, failed_in)
             await self._save(inc)
             self._run(inc)
 
@@ -265,7 +265,7 @@ class RemediatorService(Service[RemediatorSettings]):
         try:
             while self.leader.leading:
                 try:
-                    grace, index, inc = await self._step(ident, job)
+                    move, inc = await self._step(ident, job)
                 except TRANSIENT_ERRORS as exc:
                     log.bind(job=job, incident=ident).warning(
                         "incident %s paused %.1fs: %r", ident, pause, exc)
@@ -273,48 +273,38 @@ class RemediatorService(Service[RemediatorSettings]):
                     pause = min(TRANSIENT_PAUSE_MAX_S, pause * 2)
                     continue
                 pause = TRANSIENT_PAUSE_S
-                if inc is None:
+                if move.index is None or inc is None:
                     return
-                if not grace:
+                if not move.grace:
                     continue
                 # Unlocked: a better diagnosis (superseding this guess) may re-plan meanwhile.
-                await asyncio.sleep(grace)
+                await asyncio.sleep(move.grace)
                 async with self._lock(ident):
                     fresh = await self.store.load(job, ident)
-                    if fresh is not None and fresh.actions == inc.actions:
-                        fresh.actions[index].params["waited"] = True
+                    if fresh is not None and conduct.waited(fresh, inc, move.index):
                         await self._save(fresh, publish=False)
                 # re-planned meanwhile, or waited: the loop runs what is planned now
         except NotLeader:
             log.warning("lost leadership during incident %s", ident)
 
-    async def _step(self, ident: str, job: str) -> tuple[float, int, Incident | None]:
-        """Run the incident's next step, or say how long its grace still is.
-
-        Returns ``(grace, index, incident)``: grace 0 after a step ran; the incident None
-        when there is nothing more to run (ended, or concluded now).
-        """
+    async def _step(self, ident: str, job: str) -> tuple[conduct.Move, Incident | None]:
+        """Make the incident's next move (:func:`.conduct.next_move`): run its next step,
+        or conclude it, or say how long its grace still is."""
         async with self._lock(ident):
             inc = await self.store.load(job, ident)
-            if inc is None or not rules.is_open(inc):
-                return 0.0, -1, None
-            index = rules.next_step(inc)
-            if index is None:
-                if rules.conclude(inc, time.time()):
-                    await self._save(inc)
-                return 0.0, -1, None
-            step = inc.actions[index]
-            grace = rules.grace_to_wait(step)
-            if grace:
-                return grace, index, inc
-            rules.start_step(inc, step, time.time())
+            move = conduct.next_move(inc, time.time())
+            if move.save and inc is not None:
+                await self._save(inc)
+            if inc is None or move.index is None or move.grace:
+                return move, inc
+            step = inc.actions[move.index]
             await self._do(inc, step, functools.partial(self._save, inc, publish=False))
             rules.finish_step(inc, step)
             # Saved before it is announced: a publish that fails now cannot run it again.
             await self._save(inc)
             await self.runtime.publish_event(self.settings.subjects.event(inc.job, "action"),
                                              rules.action_event(inc, step, time.time()))
-            return 0.0, index, inc
+            return move, inc
 
     async def _do(self, inc: Incident, step: IncidentStep, persist: Persist) -> None:
         with self.runtime.tracer.start_as_current_span(
@@ -324,7 +314,7 @@ class RemediatorService(Service[RemediatorSettings]):
                                               "trainguard.action": step.action},
         ) as span:
             try:
-                await self._dispatch(inc, step, persist)
+                await self._carry_out(inc, step, conduct.act(inc, step), persist)
             except NotLeader:
                 raise
             except TRANSIENT_ERRORS:
@@ -333,50 +323,82 @@ class RemediatorService(Service[RemediatorSettings]):
                 step.status, step.detail = "failed", f"{type(exc).__name__}: {exc}"
             span.set_attribute("trainguard.outcome", step.status)
 
-    async def _dispatch(self, inc: Incident, step: IncidentStep, persist: Persist) -> None:
-        assert self.leader is not None
-        match step.action:
-            case "alert":
-                step.status, step.detail = "done", f"alert: {inc.summary}"
-            case "escalate":
-                step.status = "done"
-                step.detail = str(step.params.get("reason", "escalated to a human"))
-            case "save_now":
-                step.status, step.detail = await self.coordinator.save(
-                    inc.job, float(step.params.get("deadline", 60)))
-            case "rollback":
+    async def _carry_out(self, inc: Incident, step: IncidentStep, act: conduct.Act,
+                         persist: Persist) -> None:
+        """Do what :func:`.conduct.act` (or a look at the job) decided for ``step``."""
+        match act:
+            case Outcome(status, detail):
+                step.status, step.detail = status, detail
+            case conduct.Save(deadline):
+                step.status, step.detail = await self.coordinator.save(inc.job, deadline)
+            case conduct.Rollback(below_step):
                 reply, (step.status, step.detail) = await self.coordinator.rollback_to(
-                    inc.job, int(step.params.get("below_step", 0)))
-                if step.status == "done" and reply is not None and reply.step is not None:
-                    await self._reload(inc, step, reply.step,
-                                       reply.point.path if reply.point is not None else "")
-            case "dump":
-                host = str(step.params["host"])
-                await self._command(inc, step, "dump", [host], persist, host=host,
-                                    params={"ranks": step.params.get("ranks")})
-            case "isolate":
-                host = str(step.params["host"])
-                await self.store.block(host, rules.blocklist_entry(
-                    inc, time.time(), self.settings.blocklist_ttl))
-                hook = asyncio.ensure_future(self._isolate_hook(inc, host))  # beside the agent
-                try:
-                    await self._command(inc, step, "isolate", [host], persist, host=host)
-                finally:
-                    run = await hook
-                self._note_hook(inc, step, host, run)
-                await self.store.note_attempt(inc.job, None, time.time())
-            case "restart":
-                await self._restart(inc, step, persist)
-            case "hold":
+                    inc.job, below_step)
+                point = conduct.reload_point(step, reply)
+                if point is not None:
+                    await self._reload(inc, step, *point)
+            case Send():
+                await self._send(inc, step, act, persist)
+                if act.counts:
+                    await self.store.note_attempt(inc.job, act.attempt, time.time())
+            case conduct.Isolate(send):
+                await self._isolate(inc, step, send, persist)
+            case conduct.Restart():
                 view = await self.store.view(inc.job, inc.cause)
-                moot = endings.moot(inc, view, "hold")
-                if moot is not None:
-                    step.status, step.detail = moot
-                else:
-                    await self._command(inc, step, "hold", sorted(view.hosts), persist,
-                                        everyone=True)
-            case _:
-                step.status, step.detail = "skipped", f"unknown action {step.action}"
+                for wait in conduct.restart_waits(inc, step, self.policy):
+                    view = await self._wait(inc, view, wait)
+                await self._carry_out(inc, step, conduct.restart(inc, step, view), persist)
+            case conduct.Hold():
+                view = await self.store.view(inc.job, inc.cause)
+                await self._carry_out(inc, step, conduct.hold(inc, step, view), persist)
+
+    async def _wait(self, inc: Incident, view: rules.JobView,
+                    wait: conduct.Wait) -> rules.JobView:
+        """The job's view once ``wait.until`` holds, or when ``wait.seconds`` are over."""
+        deadline = time.monotonic() + wait.seconds
+        while time.monotonic() < deadline and not wait.until(inc, view):
+            await asyncio.sleep(wait.every)
+            view = await self.store.view(inc.job, inc.cause)
+        return view
+
+    async def _send(self, inc: Incident, step: IncidentStep, send: Send,
+                    persist: Persist) -> None:
+        """Send, await acks from ``send.hosts``; send again as a retry while
+        :func:`.conduct.judge` says so, at most :data:`.conduct.SENDS` times in all."""
+        assert self.leader is not None
+        retry_of = send.retry_of
+        for _ in range(conduct.SENDS):
+            subject, cmd = addressed(self.settings.subjects, inc.job, send.kind, send.params,
+                                     issuer="remediator", host=send.host,
+                                     everyone=send.everyone, epoch=self.leader.epoch,
+                                     deadline=self.policy.ack_timeout_s, retry_of=retry_of)
+            conduct.sent(step, cmd.id)
+            await persist()
+            await self.runtime.publish_event(subject, cmd)
+            acks = await self._acks.collect(cmd.id, send.hosts, self.policy.ack_timeout_s)
+            if not conduct.judge(step, acks, send):
+                return
+            retry_of = cmd.id
+
+    async def _isolate(self, inc: Incident, step: IncidentStep, send: Send,
+                       persist: Persist) -> None:
+        """Block the host, take it out of the scheduler too (the hook runs beside the
+        agent's ``isolate``), then count the attempt the isolation ends."""
+        host = str(send.host)
+        await self.store.block(host, rules.blocklist_entry(
+            inc, time.time(), self.settings.blocklist_ttl))
+        hook = asyncio.ensure_future(self._isolate_hook(inc, host))
+        try:
+            await self._send(inc, step, send, persist)
+        finally:
+            run = await hook
+        if run is not None:
+            line = conduct.note_hook(step, run)
+            logger = log.bind(job=inc.job, incident=inc.id, host=host)
+            (logger.info if run.status == "ok" else logger.error)(
+                "isolate hook for %s: %s", host, line)
+        if send.counts:
+            await self.store.note_attempt(inc.job, send.attempt, time.time())
 
     async def _isolate_hook(self, inc: Incident, host: str) -> HookRun | None:
         """Take ``host`` out of the scheduler too (None: no hook configured)."""
@@ -386,21 +408,22 @@ class RemediatorService(Service[RemediatorSettings]):
             {"host": host, "job": inc.job, "incident": inc.id, "cause": inc.cause,
              "reason": inc.summary or inc.cause}, self.settings.hook_timeout)
 
-    def _note_hook(self, inc: Incident, step: IncidentStep, host: str,
-                   run: HookRun | None) -> None:
-        """Keep the hook's outcome on the step. A failed hook does not fail the isolation
-        (the blocklist and the agent already keep the host out of trainguard jobs); it is
-        logged as an error for the operator."""
-        if run is None:
+    async def _reload(self, inc: Incident, step: IncidentStep, at: int, path: str) -> None:
+        """Roll back in place: every rank loads checkpoint ``at`` in-process at one agreed
+        step (:func:`.conduct.reload`); :func:`.conduct.reloaded` says what came of it."""
+        assert self.leader is not None
+        view = await self.store.view(inc.job, inc.cause)
+        reload = conduct.reload(step, view, at, path)
+        if reload is None:
             return
-        step.hook = run
-        line = hooks.summary(run)
-        step.detail = f"{step.detail}; {line}" if step.detail else line
-        logger = log.bind(job=inc.job, incident=inc.id, host=host)
-        if run.status == "ok":
-            logger.info("isolate hook for %s: %s", host, line)
-        else:
-            logger.error("isolate hook for %s: %s", host, line)
+        subject, cmd = addressed(self.settings.subjects, inc.job, "reload", reload.params,
+                                 issuer="remediator", everyone=True, epoch=self.leader.epoch,
+                                 seq=await self.store.next_seq(inc.job),
+                                 deadline=self.policy.ack_timeout_s)
+        step.command_ids.append(cmd.id)
+        await self.runtime.publish_event(subject, cmd)
+        acks = await self._acks.collect(cmd.id, reload.responders, self.policy.ack_timeout_s)
+        conduct.reloaded(step, acks, view.world_size)
 
     async def _sweep_blocklist(self) -> None:
         """Remove ended blocklist entries (their TTL, or ``trainguard unblock``), then give
@@ -429,116 +452,10 @@ class RemediatorService(Service[RemediatorSettings]):
                 (logger.info if run.status == "ok" else logger.error)(
                     "release hook for %s: %s", host, hooks.summary(run))
 
-    async def _reload(self, inc: Incident, step: IncidentStep, at: int, path: str) -> None:
-        """Roll back in place: every rank loads checkpoint ``at`` in-process at one agreed
-        step (``reload``, collective, to ``cmd.all``). All of them done: no process
-        restarts (the plan's restart is skipped); otherwise the restart of today runs."""
-        assert self.leader is not None
-        view = await self.store.view(inc.job, inc.cause)
-        if view.world_size <= 0:
-            step.detail += "; no reload in place: the job's world size is unknown"
-            return
-        subject, cmd = addressed(self.settings.subjects, inc.job, "reload",
-                                 {"step": at, "path": path}, issuer="remediator",
-                                 everyone=True, epoch=self.leader.epoch,
-                                 seq=await self.store.next_seq(inc.job),
-                                 deadline=self.policy.ack_timeout_s)
-        step.command_ids.append(cmd.id)
-        await self.runtime.publish_event(subject, cmd)
-        acks = await self._acks.collect(cmd.id, recovery.reload_responders(view.world_size),
-                                        self.policy.ack_timeout_s)
-        done, detail = recovery.reload_verdict(acks, view.world_size)
-        step.params[recovery.RELOADED] = done
-        step.detail = f"{step.detail}; {detail}"
-        # Not done: the plan's restart follows, from the pointer as it stands. What the job
-        # saved of its bad state meanwhile is suspect by its state_since, so no second
-        # rollback: one after another incident restarted the group would mark the fresh
-        # group's saves suspect.
-
-    async def _restart(self, inc: Incident, step: IncidentStep, persist: Persist) -> None:
-        if recovery.rolled_back_in_place(inc):
-            step.status = "skipped"
-            step.detail = "rolled back in place on every rank: no process restarted"
-            return
-        view = await self.store.view(inc.job, inc.cause)
-        if "rank" in step.params:
-            await self._restart_culprit(inc, step, view, persist)
-            return
-        if recovery.isolated(inc):
-            deadline = time.monotonic() + recovery.RESIZE_WAIT_S
-            while time.monotonic() < deadline and not self._in_place(inc, view):
-                await asyncio.sleep(0.5)
-                view = await self.store.view(inc.job, inc.cause)
-        if rules.waits_for_launcher(inc):
-            deadline = time.monotonic() + self.policy.launcher_grace_s
-            while time.monotonic() < deadline and not rules.launcher_restarted(inc, view) \
-                    and not self._in_place(inc, view):
-                await asyncio.sleep(1.0)
-                view = await self.store.view(inc.job, inc.cause)
-        if self._in_place(inc, view):
-            step.status, step.detail = "skipped", recovery.skip_detail(inc)
-            return
-        if rules.launcher_restarted(inc, view):
-            rules.skip_restart(inc, step, view)
-            return
-        moot = endings.moot(inc, view, "restart")
-        if moot is not None:
-            step.status, step.detail = moot
-            return
-        inc.restarted_attempt = view.attempt
-        await self._command(inc, step, "restart", sorted(view.hosts), persist, everyone=True)
-        await self.store.note_attempt(inc.job, view.attempt, time.time())  # the one it ends
-
-    @staticmethod
-    def _in_place(inc: Incident, view: rules.JobView) -> bool:
-        """The agent replaced ``inc``'s rank in place (its report came): that is the
-        launcher's restart, and the survivors' attempt does not rise to say so."""
-        recovery.apply(inc, view.recoveries)
-        return recovery.recovered_in_place(inc)
-
-    async def _restart_culprit(self, inc: Incident, step: IncidentStep, view: rules.JobView,
-                               persist: Persist) -> None:
-        """Restart the one culprit rank: in place when its group can take it (the agent
-        kills it at once and starts a replacement), else the agent restarts the group."""
-        moot = endings.moot(inc, view, "restart")
-        if moot is not None:
-            step.status, step.detail = moot
-            return
-        host = str(step.params["host"])
-        inc.restarted_attempt = view.attempt
-        await self._command(inc, step, "restart", [host], persist, host=host,
-                            params={"rank": step.params["rank"],
-                                    "fallback": step.params.get("fallback", "group")})
-        await self.store.note_attempt(inc.job, None, time.time())  # each one counts
-
-    async def _command(self, inc: Incident, step: IncidentStep, kind: str, hosts: list[str],
-                       persist: Persist, *, params: dict[str, Any] | None = None,
-                       host: str | None = None, everyone: bool = False) -> None:
-        """Send, await acks from ``hosts``; send again once as a retry (the verdict says
-        when), then the step has failed."""
-        assert self.leader is not None
-        retry_of = step.command_ids[-1] if step.command_ids else None
-        given = {k: v for k, v in (params or {}).items() if v is not None}
-        for _ in range(2):
-            subject, cmd = addressed(self.settings.subjects, inc.job, kind, given,
-                                     issuer="remediator", host=host, everyone=everyone,
-                                     epoch=self.leader.epoch,
-                                     deadline=self.policy.ack_timeout_s, retry_of=retry_of)
-            step.command_ids.append(cmd.id)
-            step.status = "sent"
-            await persist()
-            await self.runtime.publish_event(subject, cmd)
-            acks = await self._acks.collect(cmd.id, hosts, self.policy.ack_timeout_s)
-            verdict = rules.ack_verdict(acks, hosts, kind, step.detail)
-            step.status, step.detail = verdict.status, verdict.detail
-            if not verdict.retry:
-                return
-            retry_of = cmd.id
-
     # -- resolution ------------------------------------------------------------------------
     async def _watch(self) -> None:
-        """End the incidents whose steps have run, as :func:`.endings.resolution` decides,
-        and hold the jobs that cannot recover (:func:`.endings.hold_reason`)."""
+        """End the incidents whose steps have run, and hold the jobs that cannot recover,
+        as :func:`.endings.review` decides."""
         assert self.leader is not None
         if not self.leader.leading:
             if self._metrics is not None:
@@ -563,23 +480,14 @@ class RemediatorService(Service[RemediatorSettings]):
     async def _end(self, inc: Incident, now: float) -> bool:
         """Settle ``inc`` if it is over, or give it the steps that hold its job (True: run
         them)."""
-        view = await self.store.view(inc.job, inc.cause)
-        noted = recovery.apply(inc, view.recoveries)
-        why = endings.resolution(inc, view, self._resolved_anomalies, self.policy, now)
-        if why is not None:
-            resume = await self.coordinator.resume_step(inc.job) \
-                if endings.needs_resume_step(inc, why) else None
-            endings.settle(inc, why, self.policy, now, resume)
+        review = endings.review(inc, await self.store.view(inc.job, inc.cause),
+                                self._resolved_anomalies, self.policy, now)
+        if review.resolution is not None:
+            resume = await self.coordinator.resume_step(inc.job) if review.resume else None
+            endings.settle(inc, review.resolution, self.policy, now, resume)
+        elif review.hold is not None:
+            log.bind(job=inc.job, incident=inc.id).warning(
+                "holding job %s (incident %s): %s", inc.job, inc.id, review.hold)
+        if review.save:
             await self._save(inc)
-            return False
-        reason = endings.hold_reason(inc, view, self.policy)
-        if reason is None:
-            if noted:
-                await self._save(inc)  # which path ran, and why: a revision of its own
-            return False
-        log.bind(job=inc.job, incident=inc.id).warning("holding job %s (incident %s): %s",
-                                                       inc.job, inc.id, reason)
-        inc.actions.extend(rules.hold_steps(inc, reason))
-        await self._save(inc)
-        return True
-
+        return review.hold is not None
