@@ -3,7 +3,7 @@
 
 The shell finds the incident a diagnosis belongs to (:func:`.engine.find_incident`), locks
 it and loads what its last step saved; :func:`admit` then decides: the incident the
-diagnosis opens or joins (:class:`Admission`). The shell carries that out in this order:
+diagnosis opens or joins (:class:`Intake`). The shell carries that out in this order:
 for a new incident, read the job's attempt (the one that failed); count the diagnosis as an
 occurrence of its cause, so that the plan sees it; when the incident's (new) root cause
 needs a plan, read the job's view and :func:`plan`; then save the incident as a new
@@ -22,7 +22,7 @@ from .policy import Policy
 
 
 @dataclass(frozen=True)
-class Admission:
+class Intake:
     """The decision on one diagnosis."""
 
     incident: Incident | None
@@ -38,23 +38,23 @@ class Admission:
 
 
 def admit(d: Diagnosis, candidate: Incident | None, cooldown_s: float,
-          now: float) -> Admission:
+          now: float) -> Intake:
     """Open an incident for ``d``, or join it to ``candidate`` (the incident found for it,
     as saved now) if that still takes it; a changed root cause of an open incident is
     re-planned. Either way the incident keeps ``d``'s signature of its cause."""
     inc = find_incident([candidate] if candidate is not None else [], d, cooldown_s, now)
     if inc is None:
         if d.status == "superseded":
-            return Admission(None)
+            return Intake(None)
         inc = open_incident(d, detected_at(d, now), now)
         opened = again = True
     else:
         opened, again = False, join(inc, d) and is_open(inc)
     sign(inc, d)
-    return Admission(inc, opened, d.status == "open", again)
+    return Intake(inc, opened, d.status == "open", again)
 
 
-def plan(admission: Admission, d: Diagnosis, policy: Policy, view: JobView, now: float,
+def plan(admission: Intake, d: Diagnosis, policy: Policy, view: JobView, now: float,
          failed_in: int | None = None) -> None:
     """Give the admitted incident the plan for its cause, as the job is (``view``, read
     after the count); ``failed_in``: a new incident's failure attempt."""
