@@ -36,7 +36,7 @@ async def test_oncall_views(nats_url: str, redis_url: str, prefix: str, job: str
     keys, s, now = Keys(prefix), Subjects(prefix), time.time()
     r = aioredis.Redis.from_url(redis_url)
     await r.set(keys.progress(job), encode_progress(Progress(
-        job=job, time=now, world_size=2, attempt=1, last_step=42, median_step_time=0.1,
+        job=job, time=now, world_size=2, incarnation=1, last_step=42, median_step_time=0.1,
         ranks={0: RankProgress(rank=0, step=42), 1: RankProgress(rank=1, step=40,
                                                                   state="hung")})))
     inc = Incident(id="inc-1", job=job, cause="rank_hang", status="resolved", hosts=["node-b"],

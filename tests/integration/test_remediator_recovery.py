@@ -141,7 +141,7 @@ async def ranks_answering_reload(nc: Any, s: Subjects, job: str,
 async def world(redis_url: str, prefix: str, job: str, size: int) -> None:
     r = aioredis.Redis.from_url(redis_url)
     await r.set(Keys(prefix).progress(job), encode_progress(Progress(
-        job=job, time=time.time(), attempt=0, last_step=120, world_size=size)))
+        job=job, time=time.time(), incarnation=0, last_step=120, world_size=size)))
     await r.aclose()
 
 
