@@ -21,11 +21,12 @@ $(STAMP): pyproject.toml $(LOCK)
 	touch $(STAMP)
 
 # The locks: dev.lock for `make setup` and CI, services.lock and client.lock for the images
-# (client.lock leaves torch out: the image installs the build its TORCH_INDEX serves). The
+# (client.lock leaves torch out: the image installs the build its TORCH_INDEX serves), each
+# moved to the newest releases the ranges allow (--upgrade). The
 # library's own ranges in pyproject.toml stay open for users. A local wheel directory
 # (PIP_FIND_LINKS) or the CPU index supplies torch's CPU build.
 TORCH_SOURCE ?= $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS),--extra-index-url https://download.pytorch.org/whl/cpu --index-strategy unsafe-best-match)
-COMPILE = $(BIN)/uv pip compile pyproject.toml -q --python-version 3.11 \
+COMPILE = $(BIN)/uv pip compile pyproject.toml -q --upgrade --python-version 3.11 \
 	--python-platform x86_64-manylinux_2_28 -c requirements/constraints.txt $(TORCH_SOURCE)
 
 lock: setup

@@ -42,6 +42,8 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from tests.locks import LOCKS, pins
+
 ROOT = Path(__file__).resolve().parents[2]
 INSTALL_TIMEOUT = 900  # a cold pip cache downloads torch's dependencies
 RUN_TIMEOUT = 120
@@ -372,17 +374,13 @@ def test_a_base_install_imports_every_module_a_rank_needs(
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     base = {canonicalize_name(Requirement(r).name) for r in project["dependencies"]}
-    pins = {}
-    for line in (ROOT / "requirements" / "dev.lock").read_text().splitlines():
-        if "==" in line and not line.startswith((" ", "#")):
-            name, version = line.split("==")
-            pins[canonicalize_name(name)] = version.strip()
+    locked = pins(LOCKS / "dev.lock")
     venv = tmp_path / "base"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=RUN_TIMEOUT,
                    env=_base_env(os.environ["PATH"]))
     env = _base_env(f"{venv / 'bin'}{os.pathsep}/usr/bin{os.pathsep}/bin")
     wheel = next(wheel_stage["/wheels"].glob("trainguard-*.whl"))
-    _sh(f"pip install -q {wheel} " + " ".join(f"{n}=={pins[n]}" for n in sorted(base)), env,
+    _sh(f"pip install -q {wheel} " + " ".join(f"{n}=={locked[n]}" for n in sorted(base)), env,
         tmp_path)
     image = Image(venv, set(), {})
     assert _where(image).is_relative_to(venv)

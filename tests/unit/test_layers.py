@@ -43,3 +43,17 @@ def test_the_guard_is_still_one_attribute_away() -> None:
     assert "trainguard.client.guard" in loaded
     assert not {m for m in loaded if m.startswith(("trainguard.runtime", "trainguard.analysis",
                                                    "torch"))}
+
+
+def test_the_stub_types_what_the_package_loads_on_first_use() -> None:
+    """``__init__.pyi`` is what type checkers see of the lazy ``trainguard`` names."""
+    import ast
+    from pathlib import Path
+
+    import trainguard
+
+    stub = ast.parse((Path(trainguard.__file__).parent / "__init__.pyi").read_text())
+    declared = next(ast.literal_eval(n.value) for n in stub.body if isinstance(n, ast.Assign)
+                    and any(getattr(t, "id", "") == "__all__" for t in n.targets))
+    assert declared == trainguard.__all__
+    assert all(getattr(trainguard, name) is not None for name in declared)

@@ -4,39 +4,28 @@ library's own requirements stay ranges a user's resolver can satisfy."""
 from __future__ import annotations
 
 import importlib.metadata
-import re
 import tomllib
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+from tests.locks import LOCKS, pins
 
 ROOT = Path(__file__).resolve().parents[2]
-LOCKS = ROOT / "requirements"
-PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)$")
-
-
-def _norm(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def _pins(lock: Path) -> dict[str, str]:
-    pins: dict[str, str] = {}
-    for line in lock.read_text().splitlines():
-        m = PIN.match(line.strip())
-        if m:
-            pins[_norm(m[1])] = m[2]
-    return pins
 
 
 def _requirement_names(specs: list[str]) -> set[str]:
-    return {_norm(re.split(r"[<>=!~;\[ ]", s, maxsplit=1)[0]) for s in specs}
+    return {canonicalize_name(Requirement(s).name) for s in specs}
 
 
 def test_this_environment_has_exactly_the_locked_versions() -> None:
-    pins = _pins(LOCKS / "dev.lock")
-    assert len(pins) > 40, "the lock lists the whole environment, not only direct needs"
-    installed = {_norm(d.metadata["Name"]): d.version for d in importlib.metadata.distributions()}
-    wrong = {name: (want, installed.get(name)) for name, want in pins.items()
+    locked = pins(LOCKS / "dev.lock")
+    assert len(locked) > 40, "the lock lists the whole environment, not only direct needs"
+    installed = {canonicalize_name(d.metadata["Name"]): d.version
+                 for d in importlib.metadata.distributions()}
+    wrong = {name: (want, installed.get(name)) for name, want in locked.items()
              if installed.get(name) != want}
     assert wrong == {}, "run `make setup` (or `make lock` to move the lock on purpose)"
 
@@ -53,10 +42,7 @@ def test_every_lock_pins_what_its_extras_need(lock: str, extras: tuple[str, ...]
         wanted |= _requirement_names(project["optional-dependencies"][extra])
     if lock == "client.lock":
         wanted.discard("torch")  # the image installs the torch build its index serves
-    path = LOCKS / lock
-    if not path.exists():
-        pytest.skip(f"{lock} is made by `make lock`")
-    assert sorted(wanted - set(_pins(path))) == []
+    assert sorted(wanted - set(pins(LOCKS / lock))) == []
 
 
 def test_the_library_keeps_open_ranges_for_its_users() -> None:
