@@ -2,23 +2,9 @@
 
 Every process (a rank too) uses only this; a process that wants its spans exported calls
 :func:`trainguard.runtime.telemetry.setup_tracing` once (the SDK is the ``services`` and
-``agent`` extras'). The standard ``OTEL_*`` variables work as the SDK defines them,
-read by the SDK's own classes where it has them:
-
-* ``OTEL_SERVICE_NAME`` / ``OTEL_RESOURCE_ATTRIBUTES`` (``Resource.create``): the process's
-  ``service.name`` (default ``trainguard-<service>``). ``trainguard up`` runs several
-  services in one process, each with its own tracer provider and so its own
-  ``service.name`` (:func:`service_tracer`): ``<OTEL_SERVICE_NAME or trainguard>-<name>``.
-* ``OTEL_TRACES_EXPORTER``: ``otlp``, ``console``, ``none`` (comma-separated), unless
-  ``TRAINGUARD_OTEL_EXPORTER`` says otherwise: ``none``, ``console``, ``file:<path>`` (JSON
-  lines, so tests can join the spans that several processes wrote into one trace), ``otlp``.
-  Neither set: OTLP when ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or ``..._TRACES_ENDPOINT``) is,
-  else no export. ``OTEL_SDK_DISABLED=true``: no SDK at all.
-* ``OTEL_EXPORTER_OTLP_*`` (endpoint, headers, timeout, certificate, compression,
-  ``..._PROTOCOL`` ``http/protobuf`` or ``grpc``): read by the OTLP exporter itself (extra
-  ``otlp``); ``OTEL_BSP_*`` by the batch processor.
-* ``OTEL_PROPAGATORS`` (``opentelemetry.propagate``, default ``tracecontext,baggage``): what
-  :func:`inject` writes into and :func:`extract` reads from NATS headers.
+``agent`` extras'; what the other ``OTEL_*`` variables do is said there). This module reads
+``OTEL_PROPAGATORS`` (``opentelemetry.propagate``, default ``tracecontext,baggage``): what
+:func:`inject` writes into and :func:`extract` reads from NATS headers.
 """
 
 from __future__ import annotations

@@ -1,8 +1,22 @@
 """Where a process's spans go: the OpenTelemetry SDK's provider and exporters.
 
 A service, the agent or ``trainguard up`` calls :func:`setup_tracing` once; ranks and
-libraries only use the API (:mod:`trainguard.core.tracing`). What the ``OTEL_*`` variables
-and ``TRAINGUARD_OTEL_EXPORTER`` do is said there.
+libraries only use the API (:mod:`trainguard.core.tracing`, which also reads
+``OTEL_PROPAGATORS``). The standard ``OTEL_*`` variables work as the SDK defines them, read
+by the SDK's own classes where it has them:
+
+* ``OTEL_SERVICE_NAME`` / ``OTEL_RESOURCE_ATTRIBUTES`` (``Resource.create``): the process's
+  ``service.name`` (default ``trainguard-<service>``). ``trainguard up`` runs several
+  services in one process, each with its own tracer provider and so its own
+  ``service.name`` (:func:`service_tracer`): ``<OTEL_SERVICE_NAME or trainguard>-<name>``.
+* ``OTEL_TRACES_EXPORTER``: ``otlp``, ``console``, ``none`` (comma-separated), unless
+  ``TRAINGUARD_OTEL_EXPORTER`` says otherwise: ``none``, ``console``, ``file:<path>`` (JSON
+  lines, so tests can join the spans that several processes wrote into one trace), ``otlp``.
+  Neither set: OTLP when ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or ``..._TRACES_ENDPOINT``) is,
+  else no export. ``OTEL_SDK_DISABLED=true``: no SDK at all.
+* ``OTEL_EXPORTER_OTLP_*`` (endpoint, headers, timeout, certificate, compression,
+  ``..._PROTOCOL`` ``http/protobuf`` or ``grpc``): read by the OTLP exporter itself (extra
+  ``otlp``); ``OTEL_BSP_*`` by the batch processor.
 """
 
 from __future__ import annotations
