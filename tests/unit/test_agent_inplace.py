@@ -4,12 +4,13 @@ group cold, and the reason says why."""
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import pytest
 
 from trainguard.recovery import groupstore
-from trainguard.recovery.path import decide, missing_keys
+from trainguard.recovery.path import decide, missing_keys, read_keys, resize_blocker
 
 OK: dict[str, Any] = {"enabled": True, "failed": [2], "initiated": [], "restarts_left": 5,
                       "generation": 4, "missing": []}
@@ -33,26 +34,67 @@ def test_in_place_or_why_not(change: dict[str, Any], in_place: bool, said: str) 
     assert said in d.reason if said else d.reason == ""
 
 
-class DictStore:
-    """The two calls of torch's Store the rule makes, over a dict (the real TCPStore is
-    exercised end to end; this pins which keys are asked for)."""
+def job_store(declared: dict[int, str]) -> Any:
+    """A real TCPStore (as the agent's job store is) holding these ranks' in-place keys."""
+    from torch.distributed import TCPStore
 
-    def __init__(self, keys: set[str], broken: bool = False) -> None:
-        self.keys, self.broken = keys, broken
-
-    def check(self, keys: list[str]) -> bool:
-        if self.broken:
-            raise RuntimeError("store gone")
-        return all(k in self.keys for k in keys)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    for rank, value in declared.items():
+        store.set(groupstore.in_place_key(7, rank), value)
+    return store
 
 
 def test_missing_keys_names_the_ranks_that_did_not_declare() -> None:
-    store = DictStore({groupstore.in_place_key(7, r) for r in (0, 1, 3)})
+    store = job_store({0: "1", 1: "1", 3: "1"})
     assert missing_keys(store, 7, 4) == [2]
     assert missing_keys(store, 8, 2) == [0, 1]
-    every = DictStore({groupstore.in_place_key(7, r) for r in range(4)})
+    every = job_store({r: "1" for r in range(4)})
     assert missing_keys(every, 7, 4) == []
-    assert missing_keys(DictStore(set(), broken=True), 7, 4) is None
+
+
+class Gone:
+    """A store whose host left: every call raises, as a TCPStore client's does then."""
+
+    def check(self, keys: list[str]) -> bool:
+        raise RuntimeError("Connection reset by peer")
+
+
+def test_a_store_that_is_gone_reads_as_unknown() -> None:
+    assert read_keys(Gone(), 7, 4) is None
+    assert missing_keys(Gone(), 7, 4) is None
+
+
+FSDP4 = {r: f"sharded 1 shard={r}" for r in range(4)}
+HSDP4 = {r: f"hybrid 2 shard={r % 2}" for r in range(4)}
+
+
+@pytest.mark.parametrize(("declared", "in_place", "said"), [
+    ({r: "1" for r in range(4)}, True, ""),                       # an older rank: replicated
+    ({r: "replicated 4 dp" for r in range(4)}, True, ""),
+    (FSDP4, False, "no other rank holds rank 2's state (sharded, shard shard=2)"),
+    (HSDP4, False, "also held by rank(s) 0); re-forming sharded modules in place is not "
+                   "built yet"),
+    ({**{r: "1" for r in range(4)}, 2: "garbage"}, False, "no other rank holds rank 2's"),
+])
+def test_a_replacement_goes_in_place_only_where_a_peer_holds_its_state(
+        declared: dict[int, str], in_place: bool, said: str) -> None:
+    keys = read_keys(job_store(declared), 7, 4)
+    assert keys is not None and keys[0] == []
+    d = decide(**{**OK, "generation": 7, "declared": keys[1]})
+    assert d.in_place is in_place
+    assert said in d.reason if said else d.reason == ""
+
+
+@pytest.mark.parametrize(("declared", "why"), [
+    ({r: "replicated 4 dp" for r in range(4)}, None),
+    ({0: "1", 1: "1", 3: "1"}, "rank(s) 2 did not declare"),
+    (HSDP4, "the job's state is hybrid: resizing in place hands replicated state over"),
+])
+def test_resizing_in_place_needs_every_rank_and_replicated_state(
+        declared: dict[int, str], why: str | None) -> None:
+    blocker = resize_blocker(read_keys(job_store(declared), 7, 4))
+    assert blocker is None if why is None else why in (blocker or "")
+    assert resize_blocker(None) == "the in-place keys cannot be read"
 
 
 # -- shrinking in place: the pure rule ------------------------------------------------------
@@ -100,7 +142,6 @@ def test_a_resize_record_round_trips_and_a_bad_one_is_refused() -> None:
 
 def test_resize_records_of_a_store_that_went_away_are_unknown_not_none() -> None:
     """Only a store that answered says "no record": a lost one must be read again."""
-    from datetime import timedelta
 
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 

@@ -86,9 +86,10 @@ def test_loss_spike_against_the_rolling_baseline() -> None:
     assert spike.evidence.loss > 1.3 * spike.evidence.baseline_median
 
 
-def fp(rank: int, step: int, checksum: int, time: float, group: str = "dp") -> Fingerprint:
+def fp(rank: int, step: int, checksum: int, time: float, group: str = "dp",
+       group_size: int = 0) -> Fingerprint:
     return Fingerprint(job="sim", time=time, rank=rank, step=step, checksum=checksum,
-                       group=group)
+                       group=group, group_size=group_size)
 
 
 def test_fingerprint_minority_is_the_sdc_suspect_and_agreement_resolves() -> None:
@@ -123,6 +124,21 @@ def test_fingerprints_of_separate_groups_are_compared_within_each_group() -> Non
         h.feed(fp(rank, 10, checksum, t, group))
     h.tick(t + 10.0)
     assert h.opened("sdc_mismatch") == []
+
+
+def test_a_shard_s_replicas_are_judged_as_soon_as_both_reported() -> None:
+    """HSDP, 2 replicas x 2 shards: the shards hold different parameters (no anomaly), and
+    a flip in one replica is seen once its two holders reported, not at the job's size."""
+    h = harness(ranks=4)
+    h.sim.steps(5)
+    t = h.clock
+    for rank, checksum in ((0, 5), (2, 5), (1, 7), (3, 7)):
+        h.feed(fp(rank, 10, checksum, t, f"shard={rank % 2}", group_size=2))
+    assert h.opened("sdc_mismatch") == []
+    h.feed(fp(1, 20, 7, t + 1.0, "shard=1", group_size=2))
+    h.feed(fp(3, 20, 8, t + 1.0, "shard=1", group_size=2))  # no tick: the round is complete
+    [sdc] = h.opened("sdc_mismatch")
+    assert sdc.ranks == [1, 3] and sdc.evidence.group == "shard=1" and sdc.evidence.tie
 
 
 def test_fatal_xid_is_gpu_health_naming_host_and_the_rank_on_that_gpu() -> None:

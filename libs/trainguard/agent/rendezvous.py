@@ -46,6 +46,7 @@ from typing import Any
 from trainguard.contract.errors import TrainguardError
 from trainguard.recovery import groupstore
 from trainguard.recovery import path as inplace
+from trainguard.recovery.sharding import Declared
 
 log = logging.getLogger("trainguard.agent")
 
@@ -222,14 +223,14 @@ class JobRendezvous:
             return {"cold": "the running nodes disagree on the generation"}
         try:
             generation = int(self._group().add(groupstore.GENERATION, 0))
-            missing = self.in_place_missing(generation, int(lead["world"]))
+            blocker = inplace.resize_blocker(self.in_place_keys(generation,
+                                                                int(lead["world"])))
         except Exception as exc:
             return {"cold": f"the group store does not answer ({exc!r})"}
         if generation != int(lead["generation"]):
             return {"cold": f"the generation moved to {generation} meanwhile"}
-        if missing is None or missing:
-            return {"cold": f"rank(s) {(missing or [])[:8]} did not declare in-place recovery"
-                            if missing else "the in-place keys cannot be read"}
+        if blocker is not None:
+            return {"cold": blocker}
         grown = groupstore.plan_growth(int(lead["world"]), int(lead["nodes"]),
                                        [(str(members[i].get("host") or f"#{i}"), sizes[i])
                                         for i in new])
@@ -335,12 +336,14 @@ class JobRendezvous:
         store did not answer)."""
         return groupstore.read_resizes(self._group_store, after, upto)
 
-    def in_place_missing(self, generation: int, world_size: int) -> list[int] | None:
-        """Ranks of ``generation`` that have not declared in-place recovery (None: the
-        store does not answer, or no round yet): :func:`.inplace.missing_keys`."""
+    def in_place_keys(self, generation: int,
+                      world_size: int) -> tuple[list[int], dict[int, Declared]] | None:
+        """Ranks of ``generation`` that have not declared in-place recovery, and what the
+        others declared of their state (None: the store does not answer, or no round yet):
+        :func:`.inplace.read_keys`."""
         if self._group_store is None:
             return None
-        return inplace.missing_keys(self._group_store, generation, world_size)
+        return inplace.read_keys(self._group_store, generation, world_size)
 
     def _store(self) -> Any:
         if self._job_store is None:

@@ -236,10 +236,8 @@ class Supervisor:
             return "a local rank has exited"
         # Ranks still starting (a round that formed before every node came) have nothing
         # to hand on: they restart with the new node, as torchrun's do.
-        missing = self.rdzv.in_place_missing(self.node.generation, self.round.world_size)
-        if missing is None or missing:
-            return "not every rank has declared in-place recovery yet"
-        return None
+        return inplace.resize_blocker(self.rdzv.in_place_keys(self.node.generation,
+                                                              self.round.world_size))
 
     def _carry_on(self, rnd: Round) -> None:
         """The round took new nodes into the running group: the local ranks go on (they
@@ -488,10 +486,9 @@ class Supervisor:
         self._follow(generation)  # an earlier change of the group first
         rnd = self.round
         assert rnd is not None
-        missing = self.rdzv.in_place_missing(generation, rnd.world_size)
-        if missing is None or missing:
-            return (f"rank(s) {missing[:8]} did not declare in-place recovery" if missing
-                    else "the in-place keys cannot be read")
+        blocker = inplace.resize_blocker(self.rdzv.in_place_keys(generation, rnd.world_size))
+        if blocker is not None:
+            return blocker
         return groupstore.plan_shrink(
             rnd.world_size, rnd.group_world_size, [p.rank for p in self.group.values()],
             min_nodes=self.rdzv.plan.min_nodes, serves_store=rnd.group_rank == 0,
@@ -504,12 +501,13 @@ class Supervisor:
             self._follow(generation)
         single = self.in_place and len(failed) == 1 and not initiated \
             and self.remaining > 0 and generation is not None
-        missing = self.rdzv.in_place_missing(generation, self.round.world_size) \
+        keys = self.rdzv.in_place_keys(generation, self.round.world_size) \
             if single and generation is not None else None
         return inplace.decide(enabled=self.in_place, failed=[p.rank for p in failed],
                               initiated=[p.rank for p in initiated],
                               restarts_left=self.remaining, generation=generation,
-                              missing=missing)
+                              missing=keys[0] if keys is not None else None,
+                              declared=keys[1] if keys is not None else None)
 
     def _recover_in_place(self, failed: list[RankProc]) -> bool:
         """A rank failed by itself: replace it in place if the group can take it (True),

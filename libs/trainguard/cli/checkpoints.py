@@ -139,6 +139,16 @@ def _size(n: Any) -> str:
     return f"{value:.1f}TB"
 
 
+def _layout(topology: Any) -> str:
+    """``sharded over shard (mesh shard=4)``: what a load at another size reshards from."""
+    if not isinstance(topology, dict) or not topology.get("mesh_shape"):
+        return ""
+    mesh = " x ".join(f"{n}={s}" for n, s in zip(topology.get("mesh_dims") or [],
+                                                 topology["mesh_shape"], strict=False))
+    return f"{topology.get('kind', '')} over {','.join(topology.get('sharded_dims') or [])} " \
+           f"(mesh {mesh})"
+
+
 def format_catalogue(data: dict[str, Any]) -> str:
     """The catalogue as a table a person reads on a terminal."""
     lines = [f"job {data.get('job')}"]
@@ -159,7 +169,7 @@ def format_catalogue(data: dict[str, Any]) -> str:
     rows = [("STEP", "STATUS", "RANKS", "SIZE", "BLOCKED", "TOTAL", "CLOSED", "NOTE")]
     for c in data.get("checkpoints") or []:
         reported = len(c.get("reported") or [])
-        note = c.get("suspect") or c.get("reason") or ""
+        note = c.get("suspect") or c.get("reason") or _layout(c.get("topology"))
         if c.get("missing_ranks") and c.get("status") in ("failed", "pending"):
             note = f"missing {c['missing_ranks']}" + (f"; {note}" if note else "")
         rows.append((str(c.get("step")), str(c.get("status")),

@@ -350,20 +350,25 @@ class Guard:
         """``(every_steps, from_step)``; every_steps 0 means no periodic checkpoints."""
         return self._interval
 
-    def resume_point(self, root: str | None = None,
-                     timeout: float = RESUME_TIMEOUT) -> ResumePoint | None:
+    def resume_point(self, root: str | None = None, timeout: float = RESUME_TIMEOUT, *,
+                     below_step: int | None = None) -> ResumePoint | None:
         """The newest committed checkpoint: asks the coordinator, else reads
         ``<root>/<job>/LATEST``. None only when neither has one, so a restart while the
         bus is down never silently starts from step 0. Asking costs at most ``timeout``
-        (connecting included), and nothing once a connect attempt has failed."""
+        (connecting included), and nothing once a connect attempt has failed.
+
+        ``below_step``: the newest committed one below that step instead (a rank that
+        could not load the newest falls back); only the coordinator knows those."""
         self.start()
         if self.enabled:
-            reply = self._transport_request(timeout)
+            reply = self._transport_request(timeout, below_step)
             if reply:
                 try:
                     return decode_resume(reply)
                 except DecodeError as exc:
                     log.warning("bad resume-point reply: %s", exc.reason)
+        if below_step is not None:
+            return None
         root = root or self.checkpoint_root
         if root:
             latest = Path(root) / self.job / "LATEST"
@@ -375,7 +380,7 @@ class Guard:
                 log.warning("unreadable %s: %s", latest, exc)
         return None
 
-    def _transport_request(self, timeout: float) -> bytes | None:
+    def _transport_request(self, timeout: float, below_step: int | None = None) -> bytes | None:
         deadline = time.monotonic() + timeout
         # Right after start the connection may still be coming up: wait for it, bounded,
         # and not at all once an attempt failed (a refused connect is a bus that is down).
@@ -383,7 +388,8 @@ class Guard:
             return None
         remaining = max(0.05, deadline - time.monotonic())
         payload = RESUME.encode_request(ResumeRequest(rank=self.rank,
-                                                      requester=self.identity.responder))
+                                                      requester=self.identity.responder,
+                                                      below_step=below_step))
         return self.transport.request(RESUME.subject(self.subjects, self.job), payload,
                                        remaining)
 

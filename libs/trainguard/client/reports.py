@@ -10,6 +10,7 @@ steps, except that a non-finite value goes out at once.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -18,6 +19,8 @@ from typing import Any, Protocol
 from trainguard.contract.schemas import Fingerprint, StepReport
 
 from .values import Deferred, is_tensor, read_number
+
+log = logging.getLogger("trainguard.client")
 
 PENDING_LIMIT = 64
 """Messages waiting for a device far behind: beyond this the oldest are dropped."""
@@ -110,6 +113,8 @@ class Reports:
         self.seq = 0
         self.pending: list[Pending] = []
         self.aggregated: list[StepReport] = []
+        self._layout: tuple[int, str, int] | None = None
+        """(id of the model, replica group, group size) of the last fingerprinted model."""
 
     def record(self, step: FinishedStep, duration: float, *, nan_loss: bool = False) -> bool:
         """Report ``step``; ``nan_loss`` (the ``nan`` drill) reports its loss as NaN.
@@ -191,12 +196,33 @@ class Reports:
         if len(self.aggregated) >= self.report_every or bad:
             self.flush()
 
+    def _replica_group(self, model: Any) -> tuple[str, int] | None:
+        """This rank's replica group and its size, read once per model (None: no other
+        rank holds this rank's state, so there is nothing to compare it with)."""
+        if self._layout is None or self._layout[0] != id(model):
+            from trainguard.torch.stats import state_layout
+
+            layout = state_layout(model)
+            self._layout = (id(model), layout.group, layout.group_size)
+            if layout.topology.kind == "sharded":
+                log.warning(
+                    "trainguard: parameter fingerprints off: no two ranks hold the same "
+                    "state (%s), so there is nothing to compare across ranks; silent data "
+                    "corruption then shows only in numerics (NaN, spikes) or needs "
+                    "redundant computation", layout.topology.describe())
+                self._layout = (id(model), "", 0)
+        return (self._layout[1], self._layout[2]) if self._layout[1] else None
+
     def _fingerprint(self, n: int, model: Any) -> None:
         from trainguard.torch.stats import fingerprint
 
+        replicas = self._replica_group(model)
+        if replicas is None:
+            return
+        group, size = replicas
         value = fingerprint(model)
         fp = Fingerprint(job=self.job, time=time.time(), seq=self.seq, rank=self.rank, step=n,
-                         checksum=0, attempt=self.attempt)
+                         checksum=0, attempt=self.attempt, group=group, group_size=size)
         if is_tensor(value):
             if value.device.type == "cpu":
                 fp.checksum = int(value.item())

@@ -13,7 +13,7 @@ from typing import Final
 import msgspec
 
 from .errors import DecodeError
-from .schemas import FileDigest
+from .schemas import FileDigest, Topology
 
 COMMIT_FILE: Final = "COMMITTED"
 
@@ -27,6 +27,8 @@ class CommitRecord(msgspec.Struct, kw_only=True):
     files: dict[str, FileDigest] = {}
     """File name -> digest, merged from every rank's report."""
     time: float = 0.0
+    topology: Topology | None = None
+    """How the saving job laid its state out, as its ranks reported it."""
 
 
 _decoder = msgspec.json.Decoder(CommitRecord)

@@ -32,6 +32,9 @@ class ResumeRequest(msgspec.Struct, kw_only=True):
 
     rank: int | None = None
     requester: str = ""
+    below_step: int | None = None
+    """Ask for the newest committed, trusted checkpoint below this step instead of the
+    pointer (a rank that could not load the pointer's falls back; the pointer stays)."""
 
 
 class SaveRequest(msgspec.Struct, kw_only=True):

@@ -79,11 +79,18 @@ class StepReport(Telemetry, tag="step.v1"):
 
 
 class Fingerprint(Telemetry, tag="fp.v1"):
+    """A checksum of the state this rank holds at ``step``, compared only among the ranks
+    that hold the same state (``group``)."""
+
     rank: int
     step: int
     checksum: int
     attempt: int = 0
     group: str = "dp"
+    """The replica group: ranks with equal ``group`` hold bit-equal state. ``dp`` is the
+    whole job (plain data parallelism); a sharded job names the shard (``shard=1``)."""
+    group_size: int = 0
+    """How many ranks hold that state (0: an older client; the whole job is assumed)."""
 
 
 class GpuStats(msgspec.Struct, kw_only=True):
@@ -329,14 +336,50 @@ class CheckpointReport(Durable, kw_only=True):
     trusted only from state that started over after the rollback: ranks still on the bad
     state may save again before their reload or restart reaches them. 0 from older clients
     (the save's start stands in)."""
+    topology: Topology | None = None
+    """How the saving job laid its state out (None from older clients)."""
+
+
+StateKind = Literal["replicated", "sharded", "hybrid"]
+"""How a job holds its training state: every rank a full copy (DDP), each rank its own part
+(FSDP, tensor parallel), or parts that are themselves replicated (HSDP, TP x DDP)."""
+
+
+class Topology(msgspec.Struct, kw_only=True):
+    """How the ranks that saved (or run) a job lay out its state: what a load at another
+    size or mesh reshards from, and which ranks can stand in for which."""
+
+    world_size: int
+    kind: StateKind = "replicated"
+    mesh_shape: list[int] = []
+    """The device mesh the state is laid out on (empty: none, plain replicas)."""
+    mesh_dims: list[str] = []
+    """Its dimension names, in order (``dim<i>`` where the mesh names none)."""
+    sharded_dims: list[str] = []
+    """The dimensions along which ranks hold different parts of the state."""
+    replicas: int = 1
+    """How many ranks hold each part: the world size over the product of the sharded
+    dimensions' sizes (1: no rank can give a lost rank's state back)."""
+
+    def describe(self) -> str:
+        """One line for logs, the catalogue and incidents."""
+        if not self.mesh_shape:
+            return f"{self.kind}, {self.world_size} ranks"
+        mesh = " x ".join(f"{n}={s}" for n, s in zip(self.mesh_dims, self.mesh_shape,
+                                                     strict=False))
+        return (f"{self.kind}, {self.world_size} ranks, mesh {mesh}, sharded over "
+                f"{','.join(self.sharded_dims) or 'nothing'}, {self.replicas} "
+                f"replica{'s' if self.replicas != 1 else ''}")
 
 
 RecoveryPath = Literal["in_place", "restart"]
 """How a job got back to work: its survivors kept running and re-formed the group with a
 replacement (``in_place``), or every rank restarted from the last committed checkpoint."""
-RecoveryKind = Literal["replace", "rollback", "resize", "grow"]
+RecoveryKind = Literal["replace", "rollback", "resize", "grow", "resume"]
 """What the ranks recovered from: a lost rank replaced, a rollback to a committed
-checkpoint, the group shrinking in place (a host left) or growing (a host taken back)."""
+checkpoint, the group shrinking in place (a host left) or growing (a host taken back); or
+how a restarted group came back (``resume``: the checkpoint it loaded, and any newer one it
+could not load)."""
 
 
 class RecoveryReport(Durable, kw_only=True):
@@ -583,6 +626,8 @@ class ResumePoint(Durable, kw_only=True):
     path: str
     checkpoint_id: str = ""
     world_size: int = 0
+    topology: Topology | None = None
+    """How the saving job laid its state out (a load at another layout reshards)."""
 
 
 class DeadLetter(Durable, kw_only=True):

@@ -12,8 +12,9 @@ reach at ``MASTER_ADDR:MASTER_PORT`` (``services/agent/rendezvous.py``). Under
   group never reads the keys of the group it replaces.
 - :func:`in_place_key`: set by a rank whose trainer recovers in place (it formed its
   process group through ``trainguard.torch.init_process_group`` and iterates
-  ``guard.steps``); the agent replaces a failed rank alone only when every rank of the
-  current group has set it, else it restarts the group.
+  ``guard.steps``), to its state layout (:func:`.sharding.declaration`); the agent
+  replaces a failed rank alone only when every rank of the current group has set it and a
+  peer holds the failed rank's state, else it restarts the group.
 - :func:`arrivals_key` / :func:`all_here_key`: the ranks of a generation formed in place
   count in before forming it, so a missing one ends their wait at their rejoin deadline
   (or when a host says it left) instead of at the process group's timeout.
@@ -59,7 +60,8 @@ def pg_prefix(generation: int) -> str:
 
 
 def in_place_key(generation: int, rank: int) -> str:
-    """Set (to ``"1"``) by ``rank`` once it can recover in place in ``generation``."""
+    """Set by ``rank`` once it can recover in place in ``generation``, to its state's layout
+    (``"1"`` from older ranks: replicated)."""
     return f"in_place/{generation}/{rank}"
 
 

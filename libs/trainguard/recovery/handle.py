@@ -65,8 +65,8 @@ class GuardHandle(Protocol):
 
     def publish_checkpoint_report(self, report: CheckpointReport) -> None: ...
 
-    def resume_point(self, root: str | None = None,
-                     timeout: float = RESUME_TIMEOUT) -> ResumePoint | None: ...
+    def resume_point(self, root: str | None = None, timeout: float = RESUME_TIMEOUT, *,
+                     below_step: int | None = None) -> ResumePoint | None: ...
 
     # -- in-place recovery (trainguard.recovery.inplace, the Checkpointer's reload) ---------
     @property

@@ -34,6 +34,7 @@ from trainguard.contract.schemas import RECOVERING_PHASE
 from . import groupstore
 from .handle import GuardHandle, recovery_report
 from .peerloss import is_peer_loss
+from .sharding import declaration, layout_of
 from .statesync import agree, share_state
 
 log = logging.getLogger("trainguard.inplace")
@@ -200,7 +201,11 @@ class InPlace:
             log.warning("in-place recovery off: guard.attach(model, optimizer) was not "
                         "called before the loop")
             return
-        self.job_store.set(groupstore.in_place_key(self._generation, self.guard.rank), "1")
+        # What the key says of this rank's state decides whether a replacement can take it
+        # from a peer (the agent restarts the group at once where none holds it).
+        layout = layout_of(self.guard.model, self.guard.world_size)
+        self.job_store.set(groupstore.in_place_key(self._generation, self.guard.rank),
+                           declaration(layout))
 
     # -- Recovery ---------------------------------------------------------------------
     def on_regroup(self, fn: Callable[[], None], *, after_sync: bool = False) -> None:

@@ -6,6 +6,10 @@ with a replacement that takes its state from them. The agent may only go that wa
 every rank of the current generation said it can (``groupstore.in_place_key``, set by
 ``trainguard.torch`` once ``guard.steps`` runs); a trainer that did not say so would see
 its peers' errors and die, so it gets today's group restart from the committed checkpoint.
+The key's value says how the rank's state is laid out (:mod:`.sharding`): a replacement
+takes its state from a peer, which only a replicated state has; for sharded state the
+agent chooses the group restart at once instead of waiting for a transfer that cannot
+come.
 
 :func:`decide` is the rule, pure and tested as a table; :func:`missing_keys` reads the
 job store (``TCPStore.check``, public torch API) for it. The reason of a "no" is what the
@@ -15,11 +19,12 @@ agent reports (a ``RecoveryReport`` with ``path="restart"``), so the incident sa
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from . import groupstore
+from .sharding import Declared, holders, read_declaration
 
 log = logging.getLogger("trainguard.agent")
 
@@ -42,13 +47,15 @@ def _ranks(ranks: Collection[int]) -> str:
 
 def decide(*, enabled: bool, failed: Sequence[int], initiated: Collection[int],
            restarts_left: int, generation: int | None,
-           missing: Collection[int] | None) -> Decision:
+           missing: Collection[int] | None,
+           declared: Mapping[int, Declared] | None = None) -> Decision:
     """In place, or why not.
 
     ``failed``: the ranks that just exited non-zero; ``initiated``: those among them a
     command or the launcher stopped (a group restart under way, never a fault to repair);
     ``generation``: the job's current one (None: the store does not answer); ``missing``:
-    the ranks of that generation without their in-place key (None: not read)."""
+    the ranks of that generation without their in-place key (None: not read);
+    ``declared``: what the others said of their state (None: replicated, as before)."""
     if not enabled:
         return Decision(False, "in-place recovery is off for this agent (--no-in-place)")
     if initiated:
@@ -67,17 +74,56 @@ def decide(*, enabled: bool, failed: Sequence[int], initiated: Collection[int],
             f"rank(s) {_ranks(missing)} did not declare in-place recovery in generation "
             f"{generation} (a trainer without trainguard.torch.init_process_group and "
             "guard.steps, or a group still re-forming after an earlier failure)"))
+    lost = failed[0]
+    state = (declared or {}).get(lost)
+    if state is not None and state.kind != "replicated":
+        others = holders(declared or {}, lost)
+        if not others:
+            return Decision(False, (
+                f"no other rank holds rank {lost}'s state ({state.kind}, shard {state.group}):"
+                " a replacement cannot get it from a peer, so the group restarts from the "
+                "committed checkpoint at once"))
+        return Decision(False, (
+            f"rank {lost}'s state is {state.kind} (shard {state.group}, also held by rank(s) "
+            f"{_ranks(others)}); re-forming sharded modules in place is not built yet, so "
+            "the group restarts from the committed checkpoint"))
     return Decision(True, "")
+
+
+def read_keys(store: Any, generation: int,
+              world_size: int) -> tuple[list[int], dict[int, Declared]] | None:
+    """The ranks of ``generation`` that have not set their in-place key, and what the others
+    declared (None: the store did not answer). One ``check`` of every key first: the common
+    case is two round trips."""
+    keys = [groupstore.in_place_key(generation, r) for r in range(world_size)]
+    try:
+        if not store.check(keys):
+            return [r for r, k in enumerate(keys) if not store.check([k])], {}
+        values = store.multi_get(keys)
+    except Exception as exc:  # the store host left: no in-place recovery without it
+        log.debug("in-place keys unreadable: %r", exc)
+        return None
+    return [], {r: read_declaration(bytes(v)) for r, v in enumerate(values)}
 
 
 def missing_keys(store: Any, generation: int, world_size: int) -> list[int] | None:
     """The ranks of ``generation`` that have not set their in-place key (None: the store
-    did not answer). One ``check`` of every key first: the common case is one round trip."""
-    keys = [groupstore.in_place_key(generation, r) for r in range(world_size)]
-    try:
-        if store.check(keys):
-            return []
-        return [r for r, k in enumerate(keys) if not store.check([k])]
-    except Exception as exc:  # the store host left: no in-place recovery without it
-        log.debug("in-place keys unreadable: %r", exc)
-        return None
+    did not answer)."""
+    keys = read_keys(store, generation, world_size)
+    return keys[0] if keys is not None else None
+
+
+def resize_blocker(keys: tuple[list[int], dict[int, Declared]] | None) -> str | None:
+    """Why the group cannot shrink or grow in place, given :func:`read_keys`' answer (None:
+    it can): every rank must have declared, and the state must be replicated (a sharded
+    state would have to be resharded across the new group, not handed over)."""
+    if keys is None:
+        return "the in-place keys cannot be read"
+    missing, declared = keys
+    if missing:
+        return f"rank(s) {_ranks(missing)} did not declare in-place recovery"
+    sharded = sorted(r for r, d in declared.items() if d.kind != "replicated")
+    if sharded:
+        return (f"the job's state is {declared[sharded[0]].kind}: resizing in place hands "
+                "replicated state over and does not reshard yet")
+    return None

@@ -44,9 +44,17 @@ if TYPE_CHECKING:
 from trainguard.contract.checksum import METADATA_FILE, file_digest
 from trainguard.contract.codec import decode_durable, encode_durable
 from trainguard.contract.envelope import uuid7
-from trainguard.contract.schemas import CheckpointReport, Command, FileDigest, ResumePoint
+from trainguard.contract.errors import TrainguardError
+from trainguard.contract.schemas import (
+    CheckpointReport,
+    Command,
+    FileDigest,
+    ResumePoint,
+    Topology,
+)
 from trainguard.recovery.handle import RESUME_TIMEOUT, GuardHandle, recovery_report
 
+from .stats import state_layout
 from .trusted import (
     CheckpointRefused,
     confine,
@@ -151,6 +159,12 @@ class _SaveContext(NamedTuple):
     world_size: int
     group_token: str
     state_since: float
+    topology: Topology | None
+
+
+class NoCheckpointLoads(TrainguardError):
+    """Committed checkpoints exist and none of them loads: starting from step 0 instead
+    would throw the job's progress away silently, so the rank stops and says why."""
 
 
 class Checkpointer:
@@ -205,6 +219,7 @@ class Checkpointer:
         """This rank's ``extra`` from the last :meth:`load`, or None."""
         self._model: Any = None
         self._optimizer: Any = None
+        self._layout: tuple[Any, Topology | None] | None = None
         self._last_step: int | None = None
         self._pending: Future[CheckpointReport] | None = None
         self._broken = ""
@@ -370,7 +385,21 @@ class Checkpointer:
     def _as_of(self) -> _SaveContext:
         """What a save is reported under, taken at its start."""
         return _SaveContext(self.guard.rank, self.group_rank, self.world_size, self.group_token,
-                            self.state_since)
+                            self.state_since, self._topology())
+
+    def _topology(self) -> Topology | None:
+        """The layout of the model being saved (read once per model: its placements do not
+        change while it trains)."""
+        model = self._model
+        if model is None:
+            return None
+        if self._layout is None or self._layout[0] is not model:
+            try:
+                self._layout = (model, state_layout(model).topology)
+            except Exception as exc:  # a layout nobody can read must not cost the save
+                log.debug("state layout unreadable: %r", exc)
+                self._layout = (model, None)
+        return self._layout[1]
 
     def _finish(self, step: int, path: Path, upload: Future[Any], t0: float, *,
                 blocking: bool, blocked: float = 0.0,
@@ -416,7 +445,8 @@ class Checkpointer:
             world_size=as_of.world_size, bytes=sum(d.bytes for d in files.values()),
             seconds_blocked=blocked, seconds_total=total, files=files,
             attempt=g.identity.attempt.restart_count, group_token=as_of.group_token,
-            ok=not error, error=error[:2000], time=time.time(), state_since=as_of.state_since)
+            ok=not error, error=error[:2000], time=time.time(), state_since=as_of.state_since,
+            topology=as_of.topology)
 
     def _publish(self, report: CheckpointReport) -> None:
         with self._lock:
@@ -424,16 +454,71 @@ class Checkpointer:
         self.guard.publish_checkpoint_report(report)
 
     # -- loading --------------------------------------------------------------------------
-    def resume_point(self, timeout: float = RESUME_TIMEOUT) -> ResumePoint | None:
+    def resume(self, model: Any, optimizer: Any, *,
+               timeout: float = RESUME_TIMEOUT) -> int:
+        """Load the newest committed checkpoint that loads; returns the first step to run.
+
+        Collective. The newest committed checkpoint comes first; one that cannot be loaded
+        (a file gone, a digest that no longer matches, a layout DCP cannot reshard) is
+        skipped for the newest committed one below it, and the job is told (a ``resume``
+        recovery report the incident carries). 0 when the job has no committed checkpoint,
+        or for a replacement joining in place (its state comes from its peers). Committed
+        checkpoints that all fail to load raise :class:`NoCheckpointLoads`: a start from
+        step 0 is a failure, never a recovery.
+        """
+        t0 = time.perf_counter()
+        point = self.resume_point(timeout)
+        newest = point.step if point is not None else None
+        failures: list[str] = []
+        while point is not None:
+            try:
+                step = self.load(point, model, optimizer)
+            except _save_errors() as exc:
+                why = _describe(exc)
+                log.error("checkpoint at step %d (%s) does not load: %s", point.step,
+                          point.path, why)
+                failures.append(f"step {point.step}: {why}")
+                point = self.resume_point(timeout, below_step=point.step)
+                continue
+            self._report_resume(point, newest, failures, time.perf_counter() - t0)
+            return step + 1
+        if failures:
+            raise NoCheckpointLoads(
+                f"no committed checkpoint of job {self.guard.job} loads ("
+                f"{'; '.join(failures)}): refusing to start from step 0; restore the files "
+                "or roll back explicitly (trainguard rollback)")
+        return 0
+
+    def _report_resume(self, point: ResumePoint, newest: int | None, failures: list[str],
+                       seconds: float) -> None:
+        """Group rank 0 tells the incident where the restarted job came back, and what it
+        could not load."""
+        if self.group_rank != 0:
+            return
+        saved = point.topology.describe() if point.topology is not None else "layout unknown"
+        reason = f"loaded step {point.step} ({saved}) at world size {self.world_size}"
+        if failures:
+            reason = f"{reason}, not the newer {'; '.join(failures)}"
+        attempt = self.guard.identity.attempt
+        self.guard.publish_recovery(recovery_report(
+            self.guard, kind="resume", path="restart", reason=reason[:2000],
+            generation=attempt.generation, previous_generation=attempt.generation,
+            world_size=self.world_size, resumed_step=point.step + 1,
+            steps_lost=max(0, (newest or point.step) - point.step), seconds=seconds))
+
+    def resume_point(self, timeout: float = RESUME_TIMEOUT, *,
+                     below_step: int | None = None) -> ResumePoint | None:
         """``guard.resume_point()`` asked once, on group rank 0, and shared with every rank.
 
         Collective. Ranks asking on their own could straddle a commit and load different
         steps; this way they load the same one. A replacement rank (``TRAINGUARD_JOIN=peers``)
-        gets None without asking: its state comes from its peers.
+        gets None without asking: its state comes from its peers. ``below_step``: the
+        newest committed checkpoint below that step instead.
         """
         if self.guard.joining:
             return None
-        point = self.guard.resume_point(timeout=timeout) if self.group_rank == 0 else None
+        point = self.guard.resume_point(timeout=timeout, below_step=below_step) \
+            if self.group_rank == 0 else None
         if not self.distributed or self.world_size < 2:
             return point
         box: list[Any] = [encode_durable(point) if point is not None else None]
@@ -444,18 +529,25 @@ class Checkpointer:
         """Restore model, optimizer, RNG states and ``extra`` from a checkpoint; returns its
         step. Collective: every rank calls it with the same point.
 
-        The RNG states of a rank that was not part of the saving world (the job shrank or
-        grew) are left as they are, with a warning: the model and optimizer still load,
-        since DCP reshards them.
+        Sharded state (FSDP2, tensor parallel, HSDP) loads at any world size or mesh: DCP
+        reshards it from the saved layout. The RNG states of a rank that was not part of
+        the saving world are left as they are, with a warning. A checkpoint one rank
+        refuses is refused by all, before any of them reads (the ranks agree first), so a
+        failure leaves every rank able to try an older one.
         """
-        from_bus = isinstance(point, ResumePoint)
-        path = confine(point.path if isinstance(point, ResumePoint) else point, self.root,
-                       self.guard.job)
-        metadata = read_metadata(path, self.guard.job, required=from_bus)
-        keys = set(metadata.state_dict_metadata)
         self._model, self._optimizer = model, optimizer
         self.wait()
         started = time.time()  # as early as load knows of the point: errs old, not new
+        from_bus = isinstance(point, ResumePoint)
+        found: BaseException | None = None
+        try:
+            path = confine(point.path if isinstance(point, ResumePoint) else point, self.root,
+                           self.guard.job)
+            metadata = read_metadata(path, self.guard.job, required=from_bus)
+        except Exception as exc:
+            found = exc
+        self._agree_loadable(found)
+        keys = set(metadata.state_dict_metadata)
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
         from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
@@ -482,7 +574,12 @@ class Checkpointer:
                 raise refused[0] from None
             raise
         # What may still be refused comes first: a refusal leaves the model untouched.
-        extra = from_blob(state["extra"][me]) if "extra" in state else None
+        extra = None
+        try:
+            extra = from_blob(state["extra"][me]) if "extra" in state else None
+        except Exception as exc:
+            found = exc
+        self._agree_loadable(found)
         if "rng" in state and not _set_rng_state(state["rng"][me]):
             log.warning("checkpoint %s holds a pickled RNG state (an older trainguard): not "
                         "unpickled; the RNG streams stay as they are", path)
@@ -493,6 +590,22 @@ class Checkpointer:
         step = int(state[STEP_KEY]["step"])
         self._last_step = step
         return step
+
+    def _agree_loadable(self, found: BaseException | None) -> None:
+        """Every rank raises if any rank found the checkpoint unloadable (its own error, or
+        the first failing rank's as :class:`CheckpointRefused`); else returns on all."""
+        if not self.distributed or self.world_size < 2:
+            if found is not None:
+                raise found
+            return
+        verdicts: list[Any] = [None] * self.world_size
+        dist.all_gather_object(verdicts, _describe(found) if found is not None else "",
+                               group=self.group)
+        if found is not None:
+            raise found
+        for rank, why in enumerate(verdicts):
+            if why:
+                raise CheckpointRefused(f"rank {rank} cannot load this checkpoint: {why}")
 
     # -- the coordinator's save_now -------------------------------------------------------
     def _on_save_now(self, cmd: Command) -> str:

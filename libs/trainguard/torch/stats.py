@@ -15,7 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+
+from trainguard.recovery.sharding import Layout, layout_of
 
 ParamsLike = nn.Module | Iterable[torch.Tensor]
 
@@ -24,6 +27,19 @@ def _params(model_or_params: ParamsLike) -> Iterator[torch.Tensor]:
     if isinstance(model_or_params, nn.Module):
         return iter(model_or_params.parameters())
     return iter(model_or_params)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (FSDP2, tensor parallel); a plain tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def state_layout(model_or_params: ParamsLike) -> Layout:
+    """Which ranks hold the same state as this one (:mod:`trainguard.recovery.sharding`)."""
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return layout_of(list(_params(model_or_params)), world)
 
 
 def grad_norm(model_or_params: ParamsLike, norm_type: float = 2.0) -> torch.Tensor:
@@ -77,12 +93,12 @@ def fingerprint(model_or_params: ParamsLike) -> torch.Tensor:
     """Integer checksum of parameters: each viewed as integers of its element size and
     summed in int64, on the device. Bit-exact replicas agree; one flipped bit changes it.
 
-    Pass only the parameters that are replicated across the data-parallel group (the
-    default, all of a model's parameters, fits plain data parallelism).
+    A sharded parameter (DTensor) contributes this rank's part: compare the result only
+    among ranks that hold the same parts (:func:`state_layout`'s group).
     """
     total: torch.Tensor | None = None
     for p in _params(model_or_params):
-        t = p.detach()
+        t = _local(p.detach())
         if not t.is_contiguous():
             t = t.contiguous()
         part = t.view(_INT_VIEW[t.element_size()]).sum(dtype=torch.int64)
@@ -140,7 +156,7 @@ def poison_with_nan(model: nn.Module) -> str:
     for name, p in model.named_parameters():
         if p.is_floating_point():
             with torch.no_grad():
-                p.fill_(float("nan"))
+                _local(p.data).fill_(float("nan"))
             return name
     raise RuntimeError("the model has no floating-point parameter to poison")
 
@@ -148,12 +164,13 @@ def poison_with_nan(model: nn.Module) -> str:
 def flip_bit(model: nn.Module, bit: int = 20) -> str:
     """The ``sdc`` drill: flip one bit of the first element of the first parameter."""
     for name, p in model.named_parameters():
-        if p.element_size() in _INT_VIEW and p.numel():
-            bits = p.element_size() * 8
+        local = _local(p.data)  # a sharded parameter: this rank's part
+        if local.element_size() in _INT_VIEW and local.numel():
+            bits = local.element_size() * 8
             if not 0 <= bit < bits - 1:
                 raise ValueError(f"bit {bit} out of range for {bits}-bit values")
             with torch.no_grad():
-                view = p.data.view(-1).view(_INT_VIEW[p.element_size()])
+                view = local.view(-1).view(_INT_VIEW[local.element_size()])
                 view[0] ^= 1 << bit
             return f"flipped bit {bit} of {name}[0]"
     raise RuntimeError("the model has no parameter to flip a bit in")

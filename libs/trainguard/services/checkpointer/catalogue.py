@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 from trainguard.contract.codec import encode_durable
 from trainguard.contract.envelope import uuid7
 from trainguard.contract.errors import DecodeError
-from trainguard.contract.schemas import CheckpointReport, ResumePoint
+from trainguard.contract.schemas import CheckpointReport, ResumePoint, Topology
 from trainguard.runtime.state import Keys, Progress, decode_progress
 
 from . import scripts
@@ -126,6 +126,13 @@ class Catalogue:
                                                           list[str]]:
         raw = await self.redis.hgetall(self.keys.rec(job, step))
         return parse_reports(_strmap(raw))
+
+    async def newest_good_below(self, job: str, below: int) -> Record | None:
+        """The newest committed, trusted and retained checkpoint below step ``below``."""
+        for rec in await self.records(job):
+            if rec.step < below and rec.good and rec.retained and rec.point:
+                return rec
+        return None
 
     async def records(self, job: str, limit: int = 0) -> list[Record]:
         """Records of ``job``, newest step first (``limit`` 0: all)."""
@@ -257,7 +264,16 @@ class Catalogue:
         return int(value) if value else 0
 
 
-def point_json(rec: Record) -> str:
+def point_json(rec: Record, topology: Topology | None = None) -> str:
     """The ResumePoint of a record, encoded exactly as LATEST and rpc ``resume`` carry it."""
     return encode_durable(ResumePoint(job=rec.job, step=rec.step, path=rec.path,
-                                      checkpoint_id=rec.id, world_size=rec.world_size)).decode()
+                                      checkpoint_id=rec.id, world_size=rec.world_size,
+                                      topology=topology)).decode()
+
+
+def saved_topology(reports: Mapping[int, CheckpointReport]) -> Topology | None:
+    """The layout the ranks saved from, as the lowest rank that says reported it."""
+    for rank in sorted(reports):
+        if reports[rank].topology is not None:
+            return reports[rank].topology
+    return None

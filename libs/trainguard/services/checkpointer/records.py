@@ -12,6 +12,9 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
 
 from trainguard.contract.codec import decode_durable
 from trainguard.contract.errors import DecodeError
@@ -89,8 +92,21 @@ class Record:
             "bytes": self.bytes, "seconds_blocked": self.seconds_blocked,
             "seconds_total": self.seconds_total, "suspect": self.suspect,
             "reason": self.reason, "first_at": self.first_at, "closed_at": self.closed_at,
-            "attempt": self.attempt,
+            "attempt": self.attempt, "topology": self.topology,
         }
+
+    @property
+    def topology(self) -> dict[str, Any] | None:
+        """The layout the checkpoint was saved from (in its resume point), if the ranks
+        said."""
+        if not self.point:
+            return None
+        try:
+            point = msgspec.json.decode(self.point.encode())
+        except msgspec.DecodeError:
+            return None
+        topology = point.get("topology") if isinstance(point, dict) else None
+        return topology if isinstance(topology, dict) else None
 
 
 def _ranks(raw: Mapping[str, str], name: str) -> list[int]:

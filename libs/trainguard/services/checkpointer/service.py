@@ -37,6 +37,7 @@ from trainguard.contract.rpc import (
     SAVE,
     CatalogueReply,
     CatalogueRequest,
+    ResumeRequest,
     RollbackReply,
     SaveReply,
     error_reply,
@@ -54,7 +55,7 @@ from trainguard.runtime.logs import get_logger
 from trainguard.runtime.service import Consumer, Delivery, Runtime, Service
 from trainguard.runtime.topology import ConsumerSpec
 
-from .catalogue import Catalogue, PointerChange, point_json
+from .catalogue import Catalogue, PointerChange, point_json, saved_topology
 from .commands import CommandFactory
 from .interval import IntervalPolicy
 from .latest import remove_latest, write_commit, write_latest
@@ -73,7 +74,8 @@ def commit_record(rec: Record, reports: dict[int, CheckpointReport]) -> CommitRe
     """The coordinator's commit record of ``rec``: the digests every rank reported."""
     files = {name: digest for r in reports.values() for name, digest in r.files.items()}
     return CommitRecord(job=rec.job, step=rec.step, path=rec.path, checkpoint_id=rec.id,
-                        world_size=rec.world_size, files=files, time=time.time())
+                        world_size=rec.world_size, files=files, time=time.time(),
+                        topology=saved_topology(reports))
 
 
 class CheckpointerService(Service[CheckpointerSettings]):
@@ -199,7 +201,7 @@ class CheckpointerService(Service[CheckpointerSettings]):
                 "bytes": str(verdict.bytes),
                 "blocked": repr(max((r.seconds_blocked for r in reports.values()), default=0.0)),
                 "total": repr(max((r.seconds_total for r in reports.values()), default=0.0)),
-                "point": point_json(rec),
+                "point": point_json(rec, saved_topology(reports)),
             }
         else:
             status = "failed"
@@ -409,6 +411,19 @@ class CheckpointerService(Service[CheckpointerSettings]):
         return self.runtime.isolate(_cb, consumer)
 
     async def _rpc_resume(self, job: str, msg: Msg) -> bytes:
+        try:
+            req = RESUME.decode_request(msg.data) if msg.data else ResumeRequest()
+        except DecodeError:
+            req = ResumeRequest()
+        if req.below_step is not None:  # a rank could not load the pointer's checkpoint
+            rec = await self.catalogue.newest_good_below(job, req.below_step)
+            log.bind(job=job).warning(
+                "rank %s could not load the checkpoint at step %d or later: offering %s",
+                req.rank, req.below_step, f"step {rec.step}" if rec else "nothing older")
+            if rec is None:
+                return b""
+            await self._backfill_commit(job, decode_durable(rec.point.encode(), ResumePoint))
+            return rec.point.encode()
         point = await self.catalogue.pointer(job)
         if point:
             await self._backfill_commit(job, decode_durable(point.encode(), ResumePoint))

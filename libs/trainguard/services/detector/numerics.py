@@ -12,9 +12,11 @@
   resume or rollback), another world size, another learning rate, a rank's new process
   (its hello). A job that shrank from 4 ranks to 2 has another loss curve; judged against
   the old one it would look "numeric" and be rolled back for nothing.
-* ``sdc_mismatch``: replicas of one data-parallel group disagree on the parameter
-  checksum at the same step. The minority ranks are the suspects; a tie names no one and
-  says so.
+* ``sdc_mismatch``: replicas of one group disagree on the parameter checksum at the same
+  step. A group is the ranks that hold the same state (the client names it: the whole job
+  under plain data parallelism, one shard's replicas under HSDP; a job whose state has no
+  replicas sends none). The minority ranks are the suspects; a tie names no one and says
+  so.
 
 Each anomaly resolves after ``numeric_resolve_steps`` normal steps (fingerprints: at the
 next round that agrees).
@@ -201,7 +203,9 @@ class Fingerprints:
                 self._judge(job, fp.group, self.rounds.pop(old), now)
             rnd = self.rounds[key] = _Round(fp.step, fp.time)
         rnd.checksums[fp.rank] = fp.checksum
-        if len(rnd.checksums) >= self.members.get(fp.group, job.expected):
+        # A sharded job's group is a shard's replicas, not the job (older clients: the job).
+        size = fp.group_size if fp.group_size >= 2 else self.members.get(fp.group, job.expected)
+        if len(rnd.checksums) >= size:
             self._judge(job, fp.group, self.rounds.pop(key), now)
 
     def tick(self, job: JobState, now: float) -> None:

@@ -44,13 +44,19 @@ REGROUPED: Final = frozenset({"replace", "resize"})
 """Report kinds of a group that re-formed in place (a rank replaced, or a host gone)."""
 
 
+RESUMED: Final = "resume"
+"""The report of a restarted group that loaded a committed checkpoint: whatever the
+incident, it says where the job came back (and what it could not load)."""
+
+
 def _wanted_kinds(inc: Incident) -> frozenset[str]:
     rollback = inc.cause in ROLLBACK_CAUSES or any(s.action == "rollback" for s in inc.actions)
     if rollback:
-        return frozenset({"rollback"})
+        return frozenset({"rollback", RESUMED})
     if any(s.action == "isolate" for s in inc.actions):
-        return REGROUPED  # the survivors go on without the host, or a rank was replaced
-    return frozenset({"replace"})
+        # the survivors go on without the host, or a rank was replaced
+        return REGROUPED | {RESUMED}
+    return frozenset({"replace", RESUMED})
 
 
 def matching(inc: Incident, reports: Iterable[RecoveryReport]) -> RecoveryReport | None:
@@ -73,14 +79,17 @@ def under_way(report: RecoveryReport) -> bool:
 
 
 def note_of(report: RecoveryReport) -> RecoveryNote:
-    in_place = report.path == "in_place" and not under_way(report)
+    """The incident's account of ``report``: steps and seconds once the job is back (a
+    group re-formed in place, or a restarted one that loaded its checkpoint)."""
+    back = (report.path == "in_place" and not under_way(report)) \
+        or report.kind == RESUMED
     return RecoveryNote(
         path=report.path, kind=report.kind, reason=report.reason,
         generation=report.generation,
-        resumed_step=report.resumed_step if in_place else None,
-        steps_lost=report.steps_lost if in_place else None,
-        seconds=report.seconds if in_place else None,
-        back_at=report.time if in_place else None, report_id=report.id)
+        resumed_step=report.resumed_step if back else None,
+        steps_lost=report.steps_lost if back else None,
+        seconds=report.seconds if back else None,
+        back_at=report.time if back else None, report_id=report.id)
 
 
 def apply(inc: Incident, reports: Iterable[RecoveryReport]) -> bool:
@@ -89,7 +98,12 @@ def apply(inc: Incident, reports: Iterable[RecoveryReport]) -> bool:
     report = matching(inc, reports)
     if report is None or (inc.recovery is not None and inc.recovery.report_id == report.id):
         return False
-    inc.recovery = note_of(report)
+    note = note_of(report)
+    earlier = inc.recovery
+    if report.kind == RESUMED and earlier is not None and earlier.kind != RESUMED \
+            and earlier.path == "restart" and earlier.reason:
+        note.reason = f"{earlier.reason}; {note.reason}"  # why it restarted, then how it came back
+    inc.recovery = note
     return True
 
 

@@ -1,0 +1,141 @@
+"""Which ranks hold the same training state: read from the model's DTensor placements.
+
+Everything that compares or moves state between ranks asks this first. Parameter
+fingerprints are compared only within a replica group (ranks holding bit-equal state), a
+replacement takes its state only from a rank of its own group, and a checkpoint records the
+layout it was saved from (:class:`~trainguard.contract.schemas.Topology`).
+
+A parameter that is a DTensor names its mesh and one placement per mesh dimension: along a
+``Shard``/``Partial`` dimension ranks hold different parts, along a ``Replicate`` dimension
+the same. Plain tensors are full replicas. Ranks outside a parameter's mesh dimensions (TP
+on a sub-mesh with plain DDP around it) are replicas too, which is why a group's size is
+the world over the sharded dimensions' sizes, not the mesh's replicate dimensions.
+
+:func:`group_of` is the rule, pure and tested as a table; :func:`layout_of` reads a model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from trainguard.contract.schemas import StateKind, Topology
+
+WHOLE_JOB = "dp"
+"""The replica group of a job whose state is not sharded: every rank (the fingerprint's
+default, so older clients and replicated jobs compare the same way)."""
+
+
+@dataclass(frozen=True)
+class MeshDim:
+    """One named dimension of the meshes a model's parameters live on, seen from a rank."""
+
+    name: str
+    size: int
+    coordinate: int | None
+    """This rank's index along it (None: the rank is not on that mesh)."""
+    sharded: bool
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A rank's view of the job's state layout."""
+
+    topology: Topology
+    group: str
+    """This rank's replica group: ranks with the same group hold bit-equal state."""
+
+    @property
+    def group_size(self) -> int:
+        return self.topology.replicas
+
+    @property
+    def has_replicas(self) -> bool:
+        """Another rank holds this rank's state (cross-rank checks and peer transfer work)."""
+        return self.topology.replicas > 1
+
+
+def group_of(dims: Iterable[MeshDim], world_size: int) -> Layout:
+    """The layout ``dims`` describe, for the rank whose coordinates they carry."""
+    dims = list(dims)
+    sharded = [d for d in dims if d.sharded]
+    parts = math.prod(d.size for d in sharded) if sharded else 1
+    replicas = max(1, world_size // parts) if world_size > 0 else 1
+    kind: StateKind = "replicated" if not sharded else "sharded" if replicas == 1 else "hybrid"
+    group = ",".join(f"{d.name}={d.coordinate if d.coordinate is not None else '-'}"
+                     for d in sharded) or WHOLE_JOB
+    topology = Topology(world_size=world_size, kind=kind, mesh_shape=[d.size for d in dims],
+                        mesh_dims=[d.name for d in dims], sharded_dims=[d.name for d in sharded],
+                        replicas=replicas if sharded else max(1, world_size))
+    return Layout(topology=topology, group=group)
+
+
+def mesh_dims(params: Iterable[Any]) -> list[MeshDim]:
+    """The named mesh dimensions of the DTensor ``params``, merged by name (FSDP with TP puts
+    some parameters on the 2-D mesh and the rest on its ``dp`` sub-mesh); a dimension is
+    sharded if any parameter is sharded (or partial) along it."""
+    from torch.distributed.tensor import DTensor
+
+    seen: dict[str, MeshDim] = {}
+    for p in params:
+        if not isinstance(p, DTensor):
+            continue
+        mesh = p.device_mesh
+        names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+        coordinate = mesh.get_coordinate()
+        for i, (name, placement) in enumerate(zip(names, p.placements, strict=True)):
+            split = placement.is_shard() or placement.is_partial()
+            old = seen.get(name)
+            seen[name] = MeshDim(name=name, size=int(mesh.size(i)),
+                                 coordinate=coordinate[i] if coordinate is not None else None,
+                                 sharded=split or (old is not None and old.sharded))
+    return list(seen.values())
+
+
+def layout_of(model: Any, world_size: int) -> Layout:
+    """The layout of ``model``'s parameters (a module, or an iterable of tensors)."""
+    params = model.parameters() if hasattr(model, "parameters") else model
+    return group_of(mesh_dims(params), world_size)
+
+
+def declaration(layout: Layout) -> str:
+    """What a rank writes as its in-place key: how its state is laid out and which ranks
+    hold the same, so an agent can tell whether a lost rank's state survives elsewhere."""
+    return f"{layout.topology.kind} {layout.group_size} {layout.group}"
+
+
+@dataclass(frozen=True)
+class Declared:
+    """A rank's in-place key, read back."""
+
+    kind: StateKind
+    group: str
+    group_size: int
+
+
+_KINDS: dict[str, StateKind] = {"replicated": "replicated", "sharded": "sharded",
+                                "hybrid": "hybrid"}
+
+
+def read_declaration(raw: bytes | str) -> Declared:
+    """``"1"`` (a trainguard before this, replicated by construction) reads as the whole
+    job; anything unreadable as sharded state held by no one else (the safe answer)."""
+    text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+    parts = text.split(maxsplit=2)
+    if parts == ["1"]:
+        return Declared(kind="replicated", group=WHOLE_JOB, group_size=0)
+    try:
+        kind, size, group = parts
+        return Declared(kind=_KINDS[kind], group=group, group_size=int(size))
+    except (KeyError, ValueError):
+        return Declared(kind="sharded", group=f"unreadable:{text[:40]}", group_size=1)
+
+
+def holders(declared: Mapping[int, Declared], lost: int) -> list[int]:
+    """The other ranks that hold ``lost``'s state: the ones that declared its group."""
+    mine = declared.get(lost)
+    if mine is None:
+        return []
+    return sorted(r for r, d in declared.items() if r != lost and d.group == mine.group)
