@@ -66,7 +66,7 @@ async def tapped(url: str, prefix: str, job: str,
 
     for kind in ("hb", "step", "fp", "node", "gpu"):
         await nc.subscribe(s.pattern(kind, job=job), cb=on_tel)
-    for kind in ("ack", "reg", "exit"):
+    for kind in ("ack", "reg", "exit", "recovery"):
         await nc.subscribe(s.pattern(kind, job=job), cb=on_durable)
     await nc.flush()
     try:

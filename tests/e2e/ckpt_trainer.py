@@ -89,9 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed + 1000 + rank)  # each rank's own data and dropout stream
     start = 0
     if args.resume:
-        point = ckpt.resume_point()
-        if point is not None:
-            start = ckpt.load(point, model, optimizer) + 1
+        start = ckpt.resume(model, optimizer)  # the newest committed checkpoint that loads
+        if start > 0:
             torch.save(snapshot(model, optimizer, start - 1), out / f"loaded-rank{rank}.pt")
     losses = open(out / f"losses-rank{rank}.txt", "a")  # noqa: SIM115 - kept open all run
     for step in range(start, args.steps):

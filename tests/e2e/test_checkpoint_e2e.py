@@ -3,6 +3,8 @@
 * A job killed mid-run resumes from the coordinator's resume point with parameters,
   optimizer state, step and RNG exactly as saved, and its losses from there on equal those
   of a run that was never interrupted.
+* A committed checkpoint that no longer loads (a file gone) is skipped for the previous
+  committed one, and the job is told; when none loads the rank refuses to start from 0.
 * save-now returns the committed step within its deadline; when one rank ignores it, the
   other's save times out on the side group and the answer names the rank that did not
   report.
@@ -28,7 +30,7 @@ from tests.conftest import wait_until
 from tests.e2e.conftest import job_env
 from tests.integration.test_checkpointer import coordinator
 from tests.tap import tapped
-from trainguard.contract.schemas import StepReport
+from trainguard.contract.schemas import RecoveryReport, StepReport
 from trainguard.runtime.embedded import free_port
 
 TRAINER = "tests.e2e.ckpt_trainer"
@@ -134,6 +136,48 @@ async def test_killed_job_resumes_bit_for_bit(nats_url: str, redis_url: str, pre
             {s: v for s, v in first_run.items() if s < 30}
         assert after == {s: reference[rank][s] for s in after}
     assert reference[0] != reference[1]  # ranks draw different data: per-rank RNG mattered
+
+
+async def test_a_checkpoint_that_does_not_load_falls_back_and_none_loading_is_no_start(
+        nats_url: str, redis_url: str, prefix: str, job: str, tmp_path: Path,
+        jobs: list[Job]) -> None:
+    root = tmp_path / "ckpt"
+    env = job_env(nats_url, prefix)
+    common = ["--root", str(root), "--every", "5", "--step-time", "0.02", "--job", job]
+    async with coordinator(nats_url, redis_url, prefix, job) as c, \
+            tapped(nats_url, prefix, job) as (tap, _):
+        first = start(jobs, ["--steps", "100000", *common], env, tmp_path / "a",
+                      tmp_path / "a.log")
+        await c.event(14, "committed", timeout=90)
+        await wait_until(lambda: len(list((tmp_path / "a").glob("pid-rank*"))) == 2,
+                         what="worker pids")
+        kill(first)
+        point = await c.resume()
+        assert point is not None and point.step >= 14
+        committed = sorted(s for d in (root / job).glob("step-*")
+                           if (d / "COMMITTED").exists() and (s := int(d.name[5:])) < point.step)
+        (root / job / f"step-{point.step}" / "__1_0.distcp").unlink()  # rank 1's shard gone
+        b = start(jobs, ["--steps", str(point.step + 3), "--resume", *common], env,
+                  tmp_path / "b", tmp_path / "b.log")
+        await finish(b, tmp_path / "b.log")
+        loaded = torch.load(tmp_path / "b" / "loaded-rank0.pt", weights_only=False)
+        assert loaded["step"] == committed[-1]  # the previous committed one, not step 0
+        await wait_until(lambda: tap.of(RecoveryReport), what="the resume report")
+        [report] = tap.of(RecoveryReport)
+        assert report.kind == "resume" and report.resumed_step == committed[-1] + 1
+        assert f"not the newer step {point.step}" in report.reason
+        assert report.steps_lost == point.step - committed[-1]
+        for shard in (root / job).glob("step-*/__0_0.distcp"):  # nothing loads any more
+            shard.unlink()
+        log = tmp_path / "c.log"
+        proc, _ = start(jobs, ["--steps", "1000", "--resume", *common], env, tmp_path / "c",
+                        log)
+        code = await asyncio.to_thread(proc.wait, 120)
+    assert code != 0
+    text = log.read_text()
+    assert "NoCheckpointLoads" in text and "refusing to start from step 0" in text
+    assert not (tmp_path / "c" / "losses-rank0.txt").exists() or \
+        not (tmp_path / "c" / "losses-rank0.txt").read_text().strip()
 
 
 async def test_save_now_within_deadline_and_a_rank_that_ignores_it(
