@@ -29,7 +29,7 @@ from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined
 
 from trainguard.contract import envnames
 from trainguard.contract.errors import TrainguardError
-from trainguard.contract.schemas import RECOVERING_PHASE
+from trainguard.contract.schemas import RECOVERING_PHASE, StateKind
 
 from . import groupstore
 from .handle import GuardHandle, recovery_report
@@ -148,6 +148,9 @@ class InPlace:
         self._collected = True
         """Whether this re-form ran its full collection (:meth:`collect_waiting`)."""
         self.off_reason = off_reason
+        self.kind: StateKind = "replicated"
+        """How this rank's state is laid out (read when it declares in-place recovery): a
+        sharded one is not waited for, the agents restart the group."""
         self.init_kwargs = dict(init_kwargs or {})
         self.seen_at: float | None = None
         """When the last absorbed failure reached the step boundary (monotonic)."""
@@ -204,6 +207,7 @@ class InPlace:
         # What the key says of this rank's state decides whether a replacement can take it
         # from a peer (the agent restarts the group at once where none holds it).
         layout = layout_of(self.guard.model, self.guard.world_size)
+        self.kind = layout.topology.kind
         self.job_store.set(groupstore.in_place_key(self._generation, self.guard.rank),
                            declaration(layout))
 
@@ -219,6 +223,11 @@ class InPlace:
             return False
         if not self.enabled:
             self._report_restart(f"in-place recovery off: {self.off_reason}", error)
+            return False
+        if self.kind != "replicated":
+            # Nothing to wait for: the agents restart the group (section 10).
+            self._report_restart(f"this rank's state is {self.kind}: the group restarts from "
+                                 "the committed checkpoint", error)
             return False
         self.seen_at, self._seen_wall = time.monotonic(), time.time()
         log.warning("trainguard: lost a peer (%s); recovering in place",
