@@ -2,7 +2,12 @@
 
 The job is the demo's: ``trainguard.examples.toy_trainer`` (a small character-level
 transformer LM, gloo on CPU), 4 ranks on two agents ``node-a`` / ``node-b`` with 2 ranks
-each, a checkpoint every 10 steps. The faults strike rank 1 (rank 0 for NaN): a crash (an
+each, a checkpoint every 10 steps. ``--parallel`` picks how it is spread over the ranks,
+the same for every setup: ``dp`` (default) replicates it and all-reduces the gradients,
+``fsdp`` shards it with FSDP2 (``fully_shard`` per transformer block and on the root, a
+1-D mesh over the 4 ranks), ``hsdp`` with HSDP (a 2x2 ``(replicate, shard)`` mesh);
+``--optimizer`` (SGD for ``dp``, AdamW and its sharded state for the sharded modes unless
+given) goes to the trainer as it is. The faults strike rank 1 (rank 0 for NaN): a crash (an
 exception), a hang (blocked in the data phase), SIGSTOP, and NaN written into the
 parameters (a straggler, compute 2x slower, on request). Each runs under
 
@@ -21,8 +26,11 @@ parameters (a straggler, compute 2x slower, on request). Each runs under
 
 The baselines run the same trainer with ``TRAINGUARD_DISABLED=1``, its own fault flags
 (``--raise-at``, ``--hang-at``, ``--stop-at``, ``--nan-at``, ``--slow``) and plain
-``torch.save`` checkpoints (``--plain-ckpt``); ``--setups`` adds the stock rendezvous or
-torch's default 30 min timeout.
+checkpoints (``--plain-ckpt``): ``torch.save`` on rank 0 for ``dp``; for a sharded model DCP,
+as a user of FSDP would checkpoint it (every rank saves its shards of model and optimizer to
+``step-<S>/``, rank 0 then names the step in ``latest``, and a restart loads from there).
+trainguard's trainer saves through ``trainguard.torch.Checkpointer`` (DCP too) whatever the
+mode. ``--setups`` adds the stock rendezvous or torch's default 30 min timeout.
 
 Every number comes from rank 0's progress file (``--progress-file``: one line per step with
 time and pid), the agents' logs (baselines) or the anomalies on the bus (trainguard):
@@ -430,9 +438,29 @@ def base_env() -> dict[str, str]:
     return env
 
 
+PARALLEL = ("dp", "fsdp", "hsdp")
+
+
+@dataclass(frozen=True)
+class Spread:
+    """How the trainer spreads the model and what optimizes it: the same in every setup."""
+
+    parallel: str = "dp"
+    optimizer: str = "sgd"
+
+    @property
+    def flags(self) -> list[str]:
+        return ["--parallel", self.parallel, "--optimizer", self.optimizer]
+
+    @property
+    def suffix(self) -> str:
+        """Of a work directory: "" for dp (the names stay as they were), else the mode."""
+        return "" if self.parallel == "dp" else f"-{self.parallel}"
+
+
 def run_baseline(fault: str, setup: Setup, window: float, root: Path,
-                 tracker: Tracker) -> dict[str, Any]:
-    work = root / f"{fault}-{setup.key}"
+                 tracker: Tracker, spread: Spread = Spread()) -> dict[str, Any]:
+    work = root / f"{fault}-{setup.key}{spread.suffix}"
     if work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True)
@@ -445,7 +473,7 @@ def run_baseline(fault: str, setup: Setup, window: float, root: Path,
                "--steps", "1000000", "--step-time", str(STEP_TIME),
                "--ckpt-every", str(CKPT_EVERY), "--plain-ckpt", str(work / "ckpt"),
                "--progress-file", str(progress), "--pg-timeout", str(setup.pg_timeout),
-               *fault_flags(fault)]
+               *spread.flags, *fault_flags(fault)]
     agents: list[Agent] = []
     started = time.time()
     result: dict[str, Any] = {"fault": fault, "setup": setup.key, "label": setup.label,
@@ -554,22 +582,23 @@ committed checkpoint, through warm spares)."""
 
 
 async def run_trainguard(faults: list[str], windows: dict[str, float], root: Path,
-                         tracker: Tracker, variant: str = "in-place"
-                         ) -> dict[str, dict[str, Any]]:
+                         tracker: Tracker, variant: str = "in-place",
+                         spread: Spread = Spread()) -> dict[str, dict[str, Any]]:
     from trainguard.demo.cluster import Cluster
     from trainguard.demo.runner import Outcome, Runner
 
     class ProgressCluster(Cluster):
-        """The demo's cluster, with rank 0 writing the same progress file as the baselines."""
+        """The demo's cluster, with rank 0 writing the same progress file as the baselines
+        and the trainer spread and optimized as theirs (its flags close the command line)."""
 
         progress_file: Path
 
         def launch_argv(self, host: str) -> list[str]:
             return [*super().launch_argv(host), "--progress-file", str(self.progress_file),
-                    *(["--in-place"] if variant == "in-place" else [])]
+                    *(["--in-place"] if variant == "in-place" else []), *spread.flags]
 
     label = TRAINGUARD_VARIANTS[variant]
-    work = root / f"trainguard-{variant}"
+    work = root / f"trainguard-{variant}{spread.suffix}"
     if work.exists():
         shutil.rmtree(work)
     cluster = ProgressCluster(work, "bench", steps=1_000_000, step_time=STEP_TIME,
@@ -819,8 +848,16 @@ def main() -> int:
     p.add_argument("--trainguard", default=",".join(TRAINGUARD_VARIANTS),
                    help=f"trainguard's runs, comma list of {', '.join(TRAINGUARD_VARIANTS)} "
                         f"(default: both)")
+    p.add_argument("--parallel", choices=PARALLEL, default="dp",
+                   help="how the trainer spreads the model, in every setup: dp (replicated, "
+                        "default), fsdp (FSDP2 over the 4 ranks) or hsdp (2x2 HSDP)")
+    p.add_argument("--optimizer", choices=("sgd", "adamw"), default=None,
+                   help="the trainer's optimizer, in every setup (default: sgd for dp, "
+                        "adamw for fsdp and hsdp)")
     p.add_argument("--workdir", help="keep logs and progress files here (default: a temp dir)")
     args = p.parse_args()
+    spread = Spread(args.parallel, args.optimizer or ("sgd" if args.parallel == "dp"
+                                                      else "adamw"))
     asked = [f.strip() for f in args.faults.split(",") if f.strip()]
     unknown = [f for f in asked if f not in FAULT_NAMES]
     if unknown:
@@ -850,7 +887,8 @@ def main() -> int:
             if not args.no_baselines:
                 for fault, key, label, covers in plan(faults, setups):
                     print(f"running {fault} under {label} ...", file=sys.stderr, flush=True)
-                    r = run_baseline(fault, SETUPS[key], windows[fault], root, tracker)
+                    r = run_baseline(fault, SETUPS[key], windows[fault], root, tracker,
+                                     spread)
                     r["label"], r["covers"] = label, covers
                     rows.append(r)
             tg: list[dict[str, Any]] = []
@@ -858,7 +896,7 @@ def main() -> int:
                 print(f"running {TRAINGUARD_VARIANTS[variant]} ({', '.join(faults)}) ...",
                       file=sys.stderr, flush=True)
                 tg.extend(asyncio.run(run_trainguard(faults, windows, root, tracker,
-                                                     variant)).values())
+                                                     variant, spread)).values())
         finally:
             tracker.close()
     for r in tg:
@@ -872,13 +910,15 @@ def main() -> int:
     ratios = versus_best_baseline(ordered)
     for key, ratio in ratios.items():
         print(f"\n{key}: back where it was in {ratio:.2f}x the best baseline's time")
-    print(f"\njob: 4 ranks (2 agents x 2), toy_trainer --model lm --step-time {STEP_TIME}, "
+    print(f"\njob: 4 ranks (2 agents x 2), toy_trainer --model lm --step-time {STEP_TIME} "
+          f"--parallel {spread.parallel} --optimizer {spread.optimizer}, "
           f"checkpoint every {CKPT_EVERY} steps; faults at step {FAULT_STEP} (baselines), "
           f"on rank {FAULT_RANK} (NaN: rank {NAN_RANK}); goodput = new steps in the window x "
           f"clean step time / window; {'quick' if args.quick else 'full'} run took "
           f"{total / 60:.1f} min\nmachine: {machine()}")
     result = {"mode": "quick" if args.quick else "full", "windows_s": windows,
               "job": {"ranks": 4, "agents": list(HOSTS), "model": "lm", "step_time": STEP_TIME,
+                      "parallel": spread.parallel, "optimizer": spread.optimizer,
                       "ckpt_every": CKPT_EVERY, "fault_step": FAULT_STEP,
                       "fault_rank": FAULT_RANK, "nan_rank": NAN_RANK,
                       "slow_factor": SLOW_FACTOR, "max_restarts": MAX_RESTARTS,

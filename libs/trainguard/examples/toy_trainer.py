@@ -5,14 +5,19 @@ Each step is mostly a fixed sleep (``--step-time``) plus a small model's forward
 so two busy cores do not turn a clean run into stragglers. ``--model lm`` trains a small
 character-level transformer language model on a generated corpus; ``--model tiny`` an MLP.
 Gradients are averaged with an explicit all-reduce in a ``comm`` phase, or by DDP with
-``--ddp`` (timed by ``trainguard.torch.instrument_ddp``). With ``--ckpt-root`` it saves
+``--ddp`` (timed by ``trainguard.torch.instrument_ddp``). ``--parallel fsdp`` shards the
+model with FSDP2 (``fully_shard`` on each transformer block or layer, then on the root) on
+a 1-D mesh over every rank, ``--parallel hsdp`` on a 2-D ``(replicate, shard)`` mesh of
+shape (world/2, 2); FSDP reduces the gradients itself (no ``comm`` phase) and
+``--optimizer adamw`` keeps sharded optimizer state. With ``--ckpt-root`` it saves
 through ``trainguard.torch.Checkpointer`` and resumes from ``ckpt.resume_point()``.
 Batches depend only on (seed, rank, step), so a resumed run sees the same data.
 For baselines without trainguard (``TRAINGUARD_DISABLED=1``): ``--raise-at``, ``--hang-at``,
 ``--nan-at`` and ``--slow`` inject faults, ``--progress-file`` records progress and
-``--plain-ckpt`` checkpoints with plain ``torch.save``. ``--in-place`` forms the group with
-``trainguard.torch.init_process_group`` and iterates ``guard.steps``, so a lost peer is
-recovered in place; ``--final-params`` keeps rank 0's final parameters for comparisons.
+``--plain-ckpt`` checkpoints with plain ``torch.save`` (sharded: DCP, as a user of FSDP
+would). ``--in-place`` forms the group with ``trainguard.torch.init_process_group`` and
+iterates ``guard.steps``, so a lost peer is recovered in place; ``--final-params`` keeps the
+final parameters (sharded: the gathered full state dict) for comparisons.
 
     python -m torch.distributed.run --nproc-per-node 2 -m trainguard.examples.toy_trainer \
         --job demo --steps 200
@@ -22,11 +27,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,6 +44,8 @@ import trainguard
 import trainguard.torch as tgt
 from trainguard.contract import envnames
 
+PARALLEL = ("dp", "fsdp", "hsdp")
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -44,6 +54,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--step-time", type=float, default=0.02,
                    help="seconds of simulated compute per step (default 0.02)")
     p.add_argument("--ddp", action="store_true", help="average gradients with DDP")
+    p.add_argument("--parallel", choices=PARALLEL, default="dp",
+                   help="dp: replicated model, gradients all-reduced (default); fsdp: FSDP2 "
+                        "fully_shard on a 1-D mesh over every rank; hsdp: FSDP2 on a 2-D "
+                        "(replicate, shard) mesh of shape (world/2, 2), an even world size")
+    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
+                   help="sgd (lr 0.05, default) or adamw (lr 1e-3; sharded state under FSDP)")
     p.add_argument("--model", choices=("tiny", "lm"), default="tiny")
     p.add_argument("--ckpt-root", help="save checkpoints here and resume from them")
     p.add_argument("--ckpt-every", type=int, default=20,
@@ -84,15 +100,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plain-ckpt", default=None, metavar="DIR",
                    help="without trainguard: rank 0 saves model and optimizer with torch.save "
                         "every --ckpt-every steps to DIR/latest.pt, and every rank resumes "
-                        "from it at start")
+                        "from it at start; sharded (--parallel fsdp/hsdp): every rank saves "
+                        "with DCP to DIR/step-<S>/, rank 0 then names it in DIR/latest, and "
+                        "every rank resumes from the step named there")
     p.add_argument("--in-place", action="store_true",
                    help="recover in place: trainguard.torch.init_process_group and "
                         "guard.steps (DDP through trainguard.torch.ddp)")
     p.add_argument("--rejoin-timeout", type=float, default=60.0,
                    help="with --in-place: seconds a survivor waits for the replacement")
     p.add_argument("--final-params", default=None, metavar="PATH",
-                   help="rank 0 writes the final state_dict here with torch.save")
-    return p.parse_args(argv)
+                   help="rank 0 writes the final state_dict here with torch.save (sharded: "
+                        "the full state dict, gathered by every rank)")
+    args = p.parse_args(argv)
+    if args.ddp and args.parallel != "dp":
+        p.error(f"--ddp replicates the model: it does not go with --parallel {args.parallel}")
+    return args
 
 
 def _rank_step(spec: str | None) -> tuple[int, int]:
@@ -162,6 +184,103 @@ def _plain_load(root: str, model: nn.Module, optimizer: torch.optim.Optimizer) -
     return int(state["step"])
 
 
+LATEST = "latest"
+"""``--plain-ckpt`` with a sharded model: the file in DIR that names the last complete
+``step-<S>`` directory (written by rank 0 once DCP's save returned on it)."""
+
+
+def _dcp_save(root: str, step: int, model: nn.Module,
+              optimizer: torch.optim.Optimizer) -> None:
+    """Collective: every rank writes its shards of model and optimizer to
+    ``root/step-<step>/``; rank 0 then names that directory in ``root/latest`` (atomically)
+    and drops the directories before the previous one."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    name = f"step-{step}"
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    save({"model": model_sd, "optim": optim_sd, "meta": {"step": step}},
+         checkpoint_id=os.path.join(root, name))
+    if dist.get_rank() != 0:
+        return
+    # DCP's save returns on rank 0 only after every rank wrote and the metadata is in place.
+    previous = _latest(root)
+    tmp = os.path.join(root, f".{LATEST}.{os.getpid()}.tmp")
+    with open(tmp, "w") as fh:
+        fh.write(name + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, os.path.join(root, LATEST))
+    keep = {name, previous}
+    for entry in os.listdir(root):
+        if entry.startswith("step-") and entry not in keep:
+            shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
+
+
+def _latest(root: str) -> str | None:
+    try:
+        with open(os.path.join(root, LATEST)) as fh:
+            return fh.read().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def _dcp_load(root: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> int | None:
+    """Collective: the step directory named in ``root/latest`` into model and optimizer
+    (DCP reshards); returns its step, None when there is none yet. Rank 0 reads the name
+    and every rank loads that one."""
+    box: list[Any] = [_latest(root) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    name: str | None = box[0]
+    if name is None:
+        return None
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd, "meta": {"step": -1}}
+    load(state, checkpoint_id=os.path.join(root, name))  # the step comes back in its place
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    return int(state["meta"]["step"])
+
+
+def shard(model: nn.Module, parallel: str, world: int) -> nn.Module:
+    """FSDP2: ``fully_shard`` on each transformer block (each layer of the tiny model), then
+    on the root. ``fsdp``: a 1-D mesh over every rank; ``hsdp``: a 2-D ``(replicate,
+    shard)`` mesh of shape (world/2, 2), replicas of 2-rank shard groups."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if parallel == "hsdp":
+        if world % 2:
+            raise SystemExit(f"--parallel hsdp shards over pairs of ranks: the world size "
+                             f"must be even, not {world}")
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    # The tiny model's layers return views (3-D inputs); nothing here changes one in place.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view")
+    if isinstance(model, CharLM):
+        layers: list[nn.Module] = list(model.blocks.layers)
+    else:
+        layers = [m for m in model.modules()
+                  if m is not model and isinstance(m, nn.Linear | nn.Embedding)]
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def full_params(model: nn.Module) -> dict[str, Any]:
+    """A sharded model's full state dict, gathered to rank 0's CPU (empty on the others).
+    Collective: every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                cpu_offload=True))
+
+
 VOCAB = 64
 SEQ = 32
 _WORDS = ("the", "gpu", "rank", "step", "loss", "fell", "rose", "node", "saved", "a", "of",
@@ -227,7 +346,12 @@ def main(argv: list[str] | None = None) -> int:
     elif args.ddp:
         model = nn.parallel.DistributedDataParallel(model)
         tgt.instrument_ddp(model, guard)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    sharded = args.parallel != "dp"
+    if sharded:
+        model = shard(model, args.parallel, dist.get_world_size())
+    # After sharding: the optimizer holds (and AdamW's state is) the DTensor shards.
+    optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3) \
+        if args.optimizer == "adamw" else torch.optim.SGD(model.parameters(), lr=0.05)
     guard.attach(model, optimizer)
     ckpt = tgt.Checkpointer(guard, args.ckpt_root) if args.ckpt_root else None
     start = 0
@@ -237,7 +361,8 @@ def main(argv: list[str] | None = None) -> int:
             start = ckpt.load(point, model, optimizer) + 1
             print(f"rank {rank}: resumed from step {point.step}", file=sys.stderr, flush=True)
     elif args.plain_ckpt:
-        saved = _plain_load(args.plain_ckpt, model, optimizer)
+        saved = _dcp_load(args.plain_ckpt, model, optimizer) if sharded \
+            else _plain_load(args.plain_ckpt, model, optimizer)
         if saved is not None:
             start = saved + 1
             print(f"rank {rank}: resumed from step {saved} ({args.plain_ckpt})",
@@ -292,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
                 loss.backward()  # type: ignore[no-untyped-call]
                 if slow > 1.0 and step >= args.slow_from:
                     time.sleep((time.monotonic() - t_compute) * (slow - 1.0))
-            if not args.ddp:
+            if not args.ddp and not sharded:  # FSDP reduced the gradients in backward
                 with s.phase("comm"):
                     world = dist.get_world_size()  # smaller once a host left in place
                     for p in model.parameters():
@@ -308,10 +433,17 @@ def main(argv: list[str] | None = None) -> int:
             heartbeat()
         if ckpt is not None and guard.should_checkpoint(step):
             ckpt.save(step, model, optimizer)
-        elif args.plain_ckpt and rank == 0 and (step + 1) % args.ckpt_every == 0:
-            _plain_save(args.plain_ckpt, step, model, optimizer)
+        elif args.plain_ckpt and (step + 1) % args.ckpt_every == 0:
+            if sharded:  # collective
+                _dcp_save(args.plain_ckpt, step, model, optimizer)
+            elif rank == 0:
+                _plain_save(args.plain_ckpt, step, model, optimizer)
     progress.close()
-    if args.final_params and rank == 0:
+    if args.final_params and sharded:
+        full = full_params(model)  # collective
+        if dist.get_rank() == 0:
+            torch.save(full, args.final_params)
+    elif args.final_params and rank == 0:
         torch.save(model.state_dict(), args.final_params)
     if ckpt is not None:
         ckpt.close()
