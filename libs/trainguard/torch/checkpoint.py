@@ -563,6 +563,11 @@ class Checkpointer:
                         path, me)
         if f"extra.{me}" in keys:
             state["extra"] = {me: b""}
+        left = _saved_ranks(keys) - set(range(self.world_size))
+        if left and self.group_rank == 0:
+            log.warning("checkpoint %s was saved by %d more ranks than load it: the RNG "
+                        "streams and extra of ranks %s are not restored anywhere", path,
+                        len(left), sorted(left)[:8])
         from torch.distributed.checkpoint.api import CheckpointException
 
         try:
@@ -661,6 +666,17 @@ class Checkpointer:
     def _completed_step(self) -> int | None:
         # The Guard has no public accessor for the last completed step yet.
         return self.guard.last_completed_step
+
+
+def _saved_ranks(keys: set[str]) -> set[int]:
+    """The group ranks whose RNG state a checkpoint holds (``rng.rank<r>.torch``)."""
+    found = set()
+    for key in keys:
+        head, _, rest = key.partition(".")
+        name = rest.split(".", 1)[0]
+        if head == "rng" and name.startswith("rank") and name[4:].isdigit():
+            found.add(int(name[4:]))
+    return found
 
 
 def _written_names(metadata: Any, path: Path) -> set[str]:
