@@ -6,7 +6,7 @@ busier during the run burdens each alike), each a fresh ``torchrun`` job of 4 ra
 loopback (``trainguard.examples.first_step``):
 
 - ``plain``: torch only, no trainguard import;
-- ``trainguard``: ``import trainguard``, Guard, Checkpointer, ``resume_point()`` against a
+- ``trainguard``: ``import trainguard``, Guard, Checkpointer, ``resume()`` against a
   live embedded nats-server (no coordinator: nothing to resume), steps in ``guard.step``;
 - ``disabled``: the same trainer with ``TRAINGUARD_DISABLED=1``.
 

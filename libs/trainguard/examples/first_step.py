@@ -3,7 +3,7 @@
 The smallest data-parallel trainer (a linear model, gradients all-reduced over gloo), run
 by torchrun in one of two modes: ``--mode plain`` imports torch only, ``--mode trainguard``
 is what an instrumented rank does before it trains: ``import trainguard``, a Guard, a
-Checkpointer, ``resume_point()`` and the step inside ``guard.step`` (with
+Checkpointer, ``resume()`` and the step inside ``guard.step`` (with
 ``TRAINGUARD_DISABLED=1`` that trainer runs with trainguard off). Each rank writes
 ``<out>/rank-<r>.json`` once its first step is done: when its process started (from
 ``/proc``), when torch's and trainguard's imports, its process group, its model and
@@ -68,8 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         guard.attach(model, optimizer)
         root = args.ckpt_root or os.path.join(args.out, "ckpt")
         ckpt = tgt.Checkpointer(guard, root=root)
-        point = ckpt.resume_point()
-        start = ckpt.load(point, model, optimizer) + 1 if point else 0
+        start = ckpt.resume(model, optimizer)
     set_up = time.time()
     x = torch.randn(32, 64)
     record: dict[str, Any] = {"rank": rank, "mode": args.mode, "pid": os.getpid(),

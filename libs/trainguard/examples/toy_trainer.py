@@ -10,7 +10,7 @@ model with FSDP2 (``fully_shard`` on each transformer block or layer, then on th
 a 1-D mesh over every rank, ``--parallel hsdp`` on a 2-D ``(replicate, shard)`` mesh of
 shape (world/2, 2); FSDP reduces the gradients itself (no ``comm`` phase) and
 ``--optimizer adamw`` keeps sharded optimizer state. With ``--ckpt-root`` it saves
-through ``trainguard.torch.Checkpointer`` and resumes from ``ckpt.resume_point()``.
+through ``trainguard.torch.Checkpointer`` and resumes with ``ckpt.resume(...)``.
 Batches depend only on (seed, rank, step), so a resumed run sees the same data.
 For baselines without trainguard (``TRAINGUARD_DISABLED=1``): ``--raise-at``, ``--hang-at``,
 ``--nan-at`` and ``--slow`` inject faults, ``--progress-file`` records progress and
@@ -356,10 +356,9 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = tgt.Checkpointer(guard, args.ckpt_root) if args.ckpt_root else None
     start = 0
     if ckpt is not None:
-        point = ckpt.resume_point()  # one answer, shared by every rank
-        if point is not None:
-            start = ckpt.load(point, model, optimizer) + 1
-            print(f"rank {rank}: resumed from step {point.step}", file=sys.stderr, flush=True)
+        start = ckpt.resume(model, optimizer)  # the newest committed checkpoint that loads
+        if start > 0:
+            print(f"rank {rank}: resumed from step {start - 1}", file=sys.stderr, flush=True)
     elif args.plain_ckpt:
         saved = _dcp_load(args.plain_ckpt, model, optimizer) if sharded \
             else _plain_load(args.plain_ckpt, model, optimizer)

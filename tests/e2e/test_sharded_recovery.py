@@ -1,0 +1,96 @@
+"""Sharded jobs end to end: an FSDP2 trainer (the toy trainer's ``--parallel fsdp``, AdamW,
+the in-place API as the README shows it) under ``trainguard up`` and two ``trainguard
+launch`` agents, 4 gloo ranks, fingerprints every 5 steps.
+
+* Healthy, it raises no ``sdc_mismatch``: the ranks hold different shards, and no two
+  hold the same, so there is nothing to compare (the client says so and sends none).
+* A crashed rank cannot be replaced in place (no peer holds its shard): the agent restarts
+  the group at once, the group resumes from the committed checkpoint (never from step 0),
+  the incident says why and where it came back, and the job ends with the parameters of
+  an uninterrupted run.
+* A hung rank is acted on the same way: the group restarts from the committed checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import wait_until
+from tests.e2e.conftest import job_env, torchrun
+from tests.e2e.test_in_place import InPlaceCluster
+
+pytestmark = pytest.mark.timeout(480)
+STEPS = 100
+SHARDED = ["--parallel", "fsdp", "--optimizer", "adamw", "--sync-every", "1000",
+           "--pg-timeout", "30"]
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path, job: str):  # type: ignore[no-untyped-def]
+    c = InPlaceCluster(tmp_path, job, SHARDED, steps=STEPS)
+    try:
+        await c.start(timeout=180)
+        await c.watch()
+        yield c
+    finally:
+        await c.stop()
+
+
+def uninterrupted(tmp_path: Path, nats_url: str, prefix: str) -> dict[str, torch.Tensor]:
+    out, log = tmp_path / "baseline.pt", tmp_path / "baseline.log"
+    proc = torchrun(4, ["--job", "baseline", "--model", "tiny", "--steps", str(STEPS),
+                        "--step-time", "0.0", "--in-place", "--final-params", str(out),
+                        "--seed", "3", *SHARDED], job_env(nats_url, prefix), log)
+    assert proc.wait(180) == 0, log.read_text()[-3000:]
+    state: dict[str, torch.Tensor] = torch.load(out, weights_only=True)
+    return state
+
+
+def no_false_sdc(c: InPlaceCluster) -> None:
+    assert [a for a in c.observer.anomalies if a.kind == "sdc_mismatch"] == []
+    assert c.observer.fingerprints == {}  # no replicas: nothing sent, nothing to compare
+
+
+async def test_a_crashed_fsdp_rank_restarts_the_group_from_the_checkpoint_at_once(
+        cluster: InPlaceCluster, tmp_path: Path, nats_url: str, prefix: str) -> None:
+    c = cluster
+    await wait_until(lambda: any(k.status == "committed" and k.step >= 19
+                                 for k in c.observer.checkpoints),
+                     timeout=120, what="a committed checkpoint at step 19 or later")
+    await c.drill("kill", 2)
+    await wait_until(lambda: c.incident(lambda i: i.status == "resolved") is not None,
+                     timeout=180, interval=0.5, what="the incident resolved")
+    inc = c.incident(lambda i: i.status == "resolved")
+    assert inc is not None and inc.cause == "process_crash", inc
+    assert inc.recovery is not None and inc.recovery.path == "restart", inc.recovery
+    assert "no other rank holds rank 2's state" in inc.recovery.reason, inc.recovery
+    assert "loaded step" in inc.recovery.reason, inc.recovery
+    [resume] = [r for r in c.recoveries if r.kind == "resume"]
+    assert resume.resumed_step >= 20  # from the committed checkpoint, not from step 0
+    await c.finished(timeout=240)
+    no_false_sdc(c)
+    assert all(len(c.pids[r]) == 2 for r in range(4)), c.pids  # the group restarted once
+    final: dict[str, torch.Tensor] = torch.load(c.final, weights_only=True)
+    baseline = uninterrupted(tmp_path, nats_url, prefix)
+    assert final.keys() == baseline.keys()
+    assert [k for k, v in baseline.items() if not torch.equal(final[k], v)] == []
+
+
+async def test_a_hung_fsdp_rank_is_acted_on(cluster: InPlaceCluster) -> None:
+    c = cluster
+    await wait_until(lambda: any(k.status == "committed" for k in c.observer.checkpoints),
+                     timeout=120, what="a committed checkpoint")
+    await c.drill("hang", 1, phase="data", seconds=3600)
+    await wait_until(lambda: c.incident(lambda i: i.status == "resolved") is not None,
+                     timeout=180, interval=0.5, what="the hang's incident resolved")
+    inc = c.incident(lambda i: i.status == "resolved")
+    assert inc is not None and inc.cause == "rank_hang", inc
+    restart = next(a for a in inc.actions if a.action == "restart")
+    assert restart.status == "done" and "cannot be replaced in place" in restart.detail, restart
+    assert "no other rank holds rank 1's state" in restart.detail
+    assert inc.recovery is not None and inc.recovery.kind == "resume", inc.recovery
+    await c.finished(timeout=240)
+    no_false_sdc(c)
