@@ -19,7 +19,8 @@ parameters (a straggler, compute 2x slower, on request). Each runs under
   ``--ft-rank-heartbeat-timeout 5``, the same rendezvous and timeout, the trainer sending a
   ``RankMonitorClient`` heartbeat after every step (``--ft-heartbeat``);
 - trainguard: ``trainguard up`` and two ``trainguard launch`` agents
-  (:class:`trainguard.demo.cluster.Cluster`), the faults played by
+  (:class:`trainguard.demo.cluster.Cluster`), the coordinator's checkpoint interval pinned to
+  the baselines' 10 steps (in seconds, from their clean step time), the faults played by
   :class:`trainguard.demo.runner.Runner` one after another on the same job, twice
   (``--trainguard``): the trainer recovering in place (``--in-place``) and without it (the
   group restarts from the committed checkpoint, through warm spares).
@@ -583,7 +584,12 @@ committed checkpoint, through warm spares)."""
 
 async def run_trainguard(faults: list[str], windows: dict[str, float], root: Path,
                          tracker: Tracker, variant: str = "in-place",
-                         spread: Spread = Spread()) -> dict[str, dict[str, Any]]:
+                         spread: Spread = Spread(),
+                         interval_s: float | None = None) -> dict[str, dict[str, Any]]:
+    """``interval_s``: pin the coordinator's checkpoint interval to this many seconds (the
+    baselines' ``CKPT_EVERY`` steps), so steps lost compare like with like; None: its
+    Young/Daly interval, clamped to the production floor of a minute."""
+    from trainguard.contract.envnames import setting
     from trainguard.demo.cluster import Cluster
     from trainguard.demo.runner import Outcome, Runner
 
@@ -596,6 +602,12 @@ async def run_trainguard(faults: list[str], windows: dict[str, float], root: Pat
         def launch_argv(self, host: str) -> list[str]:
             return [*super().launch_argv(host), "--progress-file", str(self.progress_file),
                     *(["--in-place"] if variant == "in-place" else []), *spread.flags]
+
+        def env(self) -> dict[str, str]:
+            env = super().env()
+            if interval_s is not None:
+                env[setting("interval_min")] = env[setting("interval_max")] = f"{interval_s:.3f}"
+            return env
 
     label = TRAINGUARD_VARIANTS[variant]
     work = root / f"trainguard-{variant}{spread.suffix}"
@@ -892,11 +904,15 @@ def main() -> int:
                     r["label"], r["covers"] = label, covers
                     rows.append(r)
             tg: list[dict[str, Any]] = []
+            # The baselines save every CKPT_EVERY steps: trainguard's coordinator gets the
+            # same period in seconds, from their clean step time.
+            clean = [r["clean_step_s"] for r in rows if r.get("clean_step_s")]
+            interval_s = CKPT_EVERY * statistics.median(clean) if clean else None
             for variant in [] if args.no_trainguard else variants:
                 print(f"running {TRAINGUARD_VARIANTS[variant]} ({', '.join(faults)}) ...",
                       file=sys.stderr, flush=True)
                 tg.extend(asyncio.run(run_trainguard(faults, windows, root, tracker,
-                                                     variant, spread)).values())
+                                                     variant, spread, interval_s)).values())
         finally:
             tracker.close()
     for r in tg:
