@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 
 from trainguard.recovery import groupstore
-from trainguard.recovery.path import decide, missing_keys, read_keys, resize_blocker
+from trainguard.recovery.path import InPlaceKeys, decide, read_keys, resize_blocker
 
 OK: dict[str, Any] = {"enabled": True, "failed": [2], "initiated": [], "restarts_left": 5,
-                      "generation": 4, "missing": []}
+                      "generation": 4, "keys": InPlaceKeys([], {})}
 
 
 @pytest.mark.parametrize(("change", "in_place", "said"), [
@@ -23,8 +23,8 @@ OK: dict[str, Any] = {"enabled": True, "failed": [2], "initiated": [], "restarts
     ({"failed": [1, 2]}, False, "2 ranks failed at once (1, 2)"),
     ({"restarts_left": 0}, False, "no restarts left"),
     ({"generation": None}, False, "does not answer"),
-    ({"missing": None}, False, "cannot be read"),
-    ({"missing": [0, 3]}, False, "rank(s) 0, 3 did not declare in-place recovery in "
+    ({"keys": None}, False, "cannot be read"),
+    ({"keys": InPlaceKeys([0, 3], {})}, False, "rank(s) 0, 3 did not declare in-place recovery in "
                                  "generation 4"),
     ({"failed": list(range(20))}, False, "0, 1, 2, 3, 4, 5, 6, 7 and 12 more"),
 ])
@@ -44,12 +44,18 @@ def job_store(declared: dict[int, str]) -> Any:
     return store
 
 
-def test_missing_keys_names_the_ranks_that_did_not_declare() -> None:
+def missing(store: Any, generation: int, world: int) -> list[int]:
+    keys = read_keys(store, generation, world)
+    assert keys is not None
+    return keys.missing
+
+
+def test_the_keys_name_the_ranks_that_did_not_declare() -> None:
     store = job_store({0: "1", 1: "1", 3: "1"})
-    assert missing_keys(store, 7, 4) == [2]
-    assert missing_keys(store, 8, 2) == [0, 1]
+    assert missing(store, 7, 4) == [2]
+    assert missing(store, 8, 2) == [0, 1]
     every = job_store({r: "1" for r in range(4)})
-    assert missing_keys(every, 7, 4) == []
+    assert missing(every, 7, 4) == []
 
 
 class Gone:
@@ -61,7 +67,6 @@ class Gone:
 
 def test_a_store_that_is_gone_reads_as_unknown() -> None:
     assert read_keys(Gone(), 7, 4) is None
-    assert missing_keys(Gone(), 7, 4) is None
 
 
 FSDP4 = {r: f"sharded 1 shard={r}" for r in range(4)}
@@ -79,8 +84,8 @@ HSDP4 = {r: f"hybrid 2 shard={r % 2}" for r in range(4)}
 def test_a_replacement_goes_in_place_only_where_a_peer_holds_its_state(
         declared: dict[int, str], in_place: bool, said: str) -> None:
     keys = read_keys(job_store(declared), 7, 4)
-    assert keys is not None and keys[0] == []
-    d = decide(**{**OK, "generation": 7, "declared": keys[1]})
+    assert keys is not None and keys.missing == []
+    d = decide(**{**OK, "generation": 7, "keys": keys})
     assert d.in_place is in_place
     assert said in d.reason if said else d.reason == ""
 

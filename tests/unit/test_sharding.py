@@ -21,7 +21,6 @@ def test_replica_groups(dims: list[MeshDim], world: int, kind: str, group: str,
                         replicas: int) -> None:
     layout = group_of(dims, world)
     assert (layout.topology.kind, layout.group, layout.group_size) == (kind, group, replicas)
-    assert layout.has_replicas is (replicas > 1)
     assert layout.topology.sharded_dims == [d.name for d in dims if d.sharded]
 
 

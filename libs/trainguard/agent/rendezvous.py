@@ -46,7 +46,6 @@ from typing import Any
 from trainguard.contract.errors import TrainguardError
 from trainguard.recovery import groupstore
 from trainguard.recovery import path as inplace
-from trainguard.recovery.sharding import Declared
 
 log = logging.getLogger("trainguard.agent")
 
@@ -336,8 +335,7 @@ class JobRendezvous:
         store did not answer)."""
         return groupstore.read_resizes(self._group_store, after, upto)
 
-    def in_place_keys(self, generation: int,
-                      world_size: int) -> tuple[list[int], dict[int, Declared]] | None:
+    def in_place_keys(self, generation: int, world_size: int) -> inplace.InPlaceKeys | None:
         """Ranks of ``generation`` that have not declared in-place recovery, and what the
         others declared of their state (None: the store does not answer, or no round yet):
         :func:`.inplace.read_keys`."""

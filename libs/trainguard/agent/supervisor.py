@@ -505,9 +505,7 @@ class Supervisor:
             if single and generation is not None else None
         return inplace.decide(enabled=self.in_place, failed=[p.rank for p in failed],
                               initiated=[p.rank for p in initiated],
-                              restarts_left=self.remaining, generation=generation,
-                              missing=keys[0] if keys is not None else None,
-                              declared=keys[1] if keys is not None else None)
+                              restarts_left=self.remaining, generation=generation, keys=keys)
 
     def _recover_in_place(self, failed: list[RankProc]) -> bool:
         """A rank failed by itself: replace it in place if the group can take it (True),

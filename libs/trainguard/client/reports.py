@@ -113,8 +113,9 @@ class Reports:
         self.seq = 0
         self.pending: list[Pending] = []
         self.aggregated: list[StepReport] = []
-        self._layout: tuple[int, str, int] | None = None
-        """(id of the model, replica group, group size) of the last fingerprinted model."""
+        self._replicas: tuple[int, tuple[str, int] | None] | None = None
+        """(id of the last fingerprinted model, its replica group and size, or None where no
+        other rank holds this rank's state)."""
 
     def record(self, step: FinishedStep, duration: float, *, nan_loss: bool = False) -> bool:
         """Report ``step``; ``nan_loss`` (the ``nan`` drill) reports its loss as NaN.
@@ -199,19 +200,20 @@ class Reports:
     def _replica_group(self, model: Any) -> tuple[str, int] | None:
         """This rank's replica group and its size, read once per model (None: no other
         rank holds this rank's state, so there is nothing to compare it with)."""
-        if self._layout is None or self._layout[0] != id(model):
+        if self._replicas is None or self._replicas[0] != id(model):
             from trainguard.torch.stats import state_layout
 
             layout = state_layout(model)
-            self._layout = (id(model), layout.group, layout.group_size)
-            if layout.topology.kind == "sharded":
+            comparable = layout.topology.kind != "sharded"
+            if not comparable:
                 log.warning(
                     "trainguard: parameter fingerprints off: no two ranks hold the same "
                     "state (%s), so there is nothing to compare across ranks; silent data "
                     "corruption then shows only in numerics (NaN, spikes) or needs "
                     "redundant computation", layout.topology.describe())
-                self._layout = (id(model), "", 0)
-        return (self._layout[1], self._layout[2]) if self._layout[1] else None
+            self._replicas = (id(model),
+                              (layout.group, layout.group_size) if comparable else None)
+        return self._replicas[1]
 
     def _fingerprint(self, n: int, model: Any) -> None:
         from trainguard.torch.stats import fingerprint

@@ -11,7 +11,7 @@ takes its state from a peer, which only a replicated state has; for sharded stat
 agent chooses the group restart at once instead of waiting for a transfer that cannot
 come.
 
-:func:`decide` is the rule, pure and tested as a table; :func:`missing_keys` reads the
+:func:`decide` is the rule, pure and tested as a table; :func:`read_keys` reads the
 job store (``TCPStore.check``, public torch API) for it. The reason of a "no" is what the
 agent reports (a ``RecoveryReport`` with ``path="restart"``), so the incident says why.
 """
@@ -19,7 +19,7 @@ agent reports (a ``RecoveryReport`` with ``path="restart"``), so the incident sa
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +30,16 @@ log = logging.getLogger("trainguard.agent")
 
 NAMED_MAX = 8
 """Ranks named in a reason (a 1000-rank job must not write them all)."""
+
+
+@dataclass(frozen=True)
+class InPlaceKeys:
+    """The in-place keys of one generation, as :func:`read_keys` found them."""
+
+    missing: list[int]
+    """Ranks that have not set theirs."""
+    declared: dict[int, Declared]
+    """What the others said of their state (read only once every rank declared)."""
 
 
 @dataclass(frozen=True)
@@ -47,15 +57,13 @@ def _ranks(ranks: Collection[int]) -> str:
 
 def decide(*, enabled: bool, failed: Sequence[int], initiated: Collection[int],
            restarts_left: int, generation: int | None,
-           missing: Collection[int] | None,
-           declared: Mapping[int, Declared] | None = None) -> Decision:
+           keys: InPlaceKeys | None) -> Decision:
     """In place, or why not.
 
     ``failed``: the ranks that just exited non-zero; ``initiated``: those among them a
     command or the launcher stopped (a group restart under way, never a fault to repair);
-    ``generation``: the job's current one (None: the store does not answer); ``missing``:
-    the ranks of that generation without their in-place key (None: not read);
-    ``declared``: what the others said of their state (None: replicated, as before)."""
+    ``generation``: the job's current one (None: the store does not answer); ``keys``:
+    that generation's in-place keys (None: not read)."""
     if not enabled:
         return Decision(False, "in-place recovery is off for this agent (--no-in-place)")
     if initiated:
@@ -67,17 +75,17 @@ def decide(*, enabled: bool, failed: Sequence[int], initiated: Collection[int],
         return Decision(False, "no restarts left (--max-restarts)")
     if generation is None:
         return Decision(False, "the job store does not answer")
-    if missing is None:
+    if keys is None:
         return Decision(False, f"the in-place keys of generation {generation} cannot be read")
-    if missing:
+    if keys.missing:
         return Decision(False, (
-            f"rank(s) {_ranks(missing)} did not declare in-place recovery in generation "
+            f"rank(s) {_ranks(keys.missing)} did not declare in-place recovery in generation "
             f"{generation} (a trainer without trainguard.torch.init_process_group and "
             "guard.steps, or a group still re-forming after an earlier failure)"))
     lost = failed[0]
-    state = (declared or {}).get(lost)
+    state = keys.declared.get(lost)
     if state is not None and state.kind != "replicated":
-        others = holders(declared or {}, lost)
+        others = holders(keys.declared, lost)
         if not others:
             return Decision(False, (
                 f"no other rank holds rank {lost}'s state ({state.kind}, shard {state.group}):"
@@ -90,40 +98,30 @@ def decide(*, enabled: bool, failed: Sequence[int], initiated: Collection[int],
     return Decision(True, "")
 
 
-def read_keys(store: Any, generation: int,
-              world_size: int) -> tuple[list[int], dict[int, Declared]] | None:
-    """The ranks of ``generation`` that have not set their in-place key, and what the others
-    declared (None: the store did not answer). One ``check`` of every key first: the common
-    case is two round trips."""
+def read_keys(store: Any, generation: int, world_size: int) -> InPlaceKeys | None:
+    """The in-place keys of ``generation`` (None: the store did not answer). One ``check``
+    of every key first: the common case is two round trips."""
     keys = [groupstore.in_place_key(generation, r) for r in range(world_size)]
     try:
         if not store.check(keys):
-            return [r for r, k in enumerate(keys) if not store.check([k])], {}
+            return InPlaceKeys([r for r, k in enumerate(keys) if not store.check([k])], {})
         values = store.multi_get(keys)
     except Exception as exc:  # the store host left: no in-place recovery without it
         log.debug("in-place keys unreadable: %r", exc)
         return None
-    return [], {r: read_declaration(bytes(v)) for r, v in enumerate(values)}
+    return InPlaceKeys([], {r: read_declaration(bytes(v)) for r, v in enumerate(values)})
 
 
-def missing_keys(store: Any, generation: int, world_size: int) -> list[int] | None:
-    """The ranks of ``generation`` that have not set their in-place key (None: the store
-    did not answer)."""
-    keys = read_keys(store, generation, world_size)
-    return keys[0] if keys is not None else None
-
-
-def resize_blocker(keys: tuple[list[int], dict[int, Declared]] | None) -> str | None:
+def resize_blocker(keys: InPlaceKeys | None) -> str | None:
     """Why the group cannot shrink or grow in place, given :func:`read_keys`' answer (None:
     it can): every rank must have declared, and the state must be replicated (a sharded
     state would have to be resharded across the new group, not handed over)."""
     if keys is None:
         return "the in-place keys cannot be read"
-    missing, declared = keys
-    if missing:
-        return f"rank(s) {_ranks(missing)} did not declare in-place recovery"
-    sharded = sorted(r for r, d in declared.items() if d.kind != "replicated")
+    if keys.missing:
+        return f"rank(s) {_ranks(keys.missing)} did not declare in-place recovery"
+    sharded = sorted(r for r, d in keys.declared.items() if d.kind != "replicated")
     if sharded:
-        return (f"the job's state is {declared[sharded[0]].kind}: resizing in place hands "
-                "replicated state over and does not reshard yet")
+        return (f"the job's state is {keys.declared[sharded[0]].kind}: resizing in place "
+                "hands replicated state over and does not reshard yet")
     return None

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast, get_args
 
 from trainguard.contract.schemas import StateKind, Topology
 
@@ -51,24 +51,18 @@ class Layout:
     def group_size(self) -> int:
         return self.topology.replicas
 
-    @property
-    def has_replicas(self) -> bool:
-        """Another rank holds this rank's state (cross-rank checks and peer transfer work)."""
-        return self.topology.replicas > 1
-
 
 def group_of(dims: Iterable[MeshDim], world_size: int) -> Layout:
     """The layout ``dims`` describe, for the rank whose coordinates they carry."""
     dims = list(dims)
     sharded = [d for d in dims if d.sharded]
-    parts = math.prod(d.size for d in sharded) if sharded else 1
-    replicas = max(1, world_size // parts) if world_size > 0 else 1
+    replicas = max(1, world_size // math.prod(d.size for d in sharded))
     kind: StateKind = "replicated" if not sharded else "sharded" if replicas == 1 else "hybrid"
     group = ",".join(f"{d.name}={d.coordinate if d.coordinate is not None else '-'}"
                      for d in sharded) or WHOLE_JOB
     topology = Topology(world_size=world_size, kind=kind, mesh_shape=[d.size for d in dims],
                         mesh_dims=[d.name for d in dims], sharded_dims=[d.name for d in sharded],
-                        replicas=replicas if sharded else max(1, world_size))
+                        replicas=replicas)
     return Layout(topology=topology, group=group)
 
 
@@ -115,10 +109,6 @@ class Declared:
     group_size: int
 
 
-_KINDS: dict[str, StateKind] = {"replicated": "replicated", "sharded": "sharded",
-                                "hybrid": "hybrid"}
-
-
 def read_declaration(raw: bytes | str) -> Declared:
     """``"1"`` (a trainguard before this, replicated by construction) reads as the whole
     job; anything unreadable as sharded state held by no one else (the safe answer)."""
@@ -128,9 +118,11 @@ def read_declaration(raw: bytes | str) -> Declared:
         return Declared(kind="replicated", group=WHOLE_JOB, group_size=0)
     try:
         kind, size, group = parts
-        return Declared(kind=_KINDS[kind], group=group, group_size=int(size))
-    except (KeyError, ValueError):
-        return Declared(kind="sharded", group=f"unreadable:{text[:40]}", group_size=1)
+        if kind in get_args(StateKind):
+            return Declared(kind=cast(StateKind, kind), group=group, group_size=int(size))
+    except ValueError:
+        pass
+    return Declared(kind="sharded", group=f"unreadable:{text[:40]}", group_size=1)
 
 
 def holders(declared: Mapping[int, Declared], lost: int) -> list[int]:
