@@ -26,6 +26,7 @@ final parameters (sharded: the gathered full state dict) for comparisons.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import shutil
 import signal
@@ -448,6 +449,11 @@ def main(argv: list[str] | None = None) -> int:
         ckpt.close()
     guard.close()
     dist.barrier()
+    # FSDP2's modules hold their mesh's groups: let them go while the groups still exist
+    # (seen once at exit otherwise: "terminate called without an active exception").
+    guard.attach(None)
+    del model, optimizer
+    gc.collect()
     dist.destroy_process_group()
     print(f"rank {rank}: finished {args.steps} steps", file=sys.stderr, flush=True)
     return 0
