@@ -9,6 +9,10 @@ launch`` agents, 4 gloo ranks, fingerprints every 5 steps.
   the incident says why and where it came back, and the job ends with the parameters of
   an uninterrupted run.
 * A hung rank is acted on the same way: the group restarts from the committed checkpoint.
+* HSDP (``--parallel hsdp``: 2 replicas of 2-rank shard groups, the model built by
+  ``trainguard.torch.fsdp``): a crashed rank is replaced in place, its shard handed over by
+  the rank of the other replica that holds the same; the survivors keep their processes,
+  nothing is lost, and the job ends with the parameters of an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import torch
 
 from tests.conftest import wait_until
 from tests.e2e.conftest import job_env, torchrun
-from tests.e2e.test_in_place import InPlaceCluster
+from tests.e2e.test_in_place import InPlaceCluster, survivors_kept
 
 pytestmark = pytest.mark.timeout(480)
 STEPS = 100
@@ -28,9 +32,13 @@ SHARDED = ["--parallel", "fsdp", "--optimizer", "adamw", "--sync-every", "1000",
            "--pg-timeout", "30"]
 
 
+HYBRID = ["--parallel", "hsdp", *SHARDED[2:]]
+
+
 @pytest.fixture
-async def cluster(tmp_path: Path, job: str):  # type: ignore[no-untyped-def]
-    c = InPlaceCluster(tmp_path, job, SHARDED, steps=STEPS)
+async def cluster(tmp_path: Path, job: str, request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    trainer = HYBRID if "hsdp" in request.node.name else SHARDED
+    c = InPlaceCluster(tmp_path, job, trainer, steps=STEPS)
     try:
         await c.start(timeout=180)
         await c.watch()
@@ -39,11 +47,12 @@ async def cluster(tmp_path: Path, job: str):  # type: ignore[no-untyped-def]
         await c.stop()
 
 
-def uninterrupted(tmp_path: Path, nats_url: str, prefix: str) -> dict[str, torch.Tensor]:
+def uninterrupted(tmp_path: Path, nats_url: str, prefix: str,
+                  trainer: list[str] = SHARDED) -> dict[str, torch.Tensor]:
     out, log = tmp_path / "baseline.pt", tmp_path / "baseline.log"
     proc = torchrun(4, ["--job", "baseline", "--model", "tiny", "--steps", str(STEPS),
                         "--step-time", "0.0", "--in-place", "--final-params", str(out),
-                        "--seed", "3", *SHARDED], job_env(nats_url, prefix), log)
+                        "--seed", "3", *trainer], job_env(nats_url, prefix), log)
     assert proc.wait(180) == 0, log.read_text()[-3000:]
     state: dict[str, torch.Tensor] = torch.load(out, weights_only=True)
     return state
@@ -96,3 +105,28 @@ async def test_a_hung_fsdp_rank_is_acted_on(cluster: InPlaceCluster) -> None:
     assert inc.recovery is not None and inc.recovery.kind == "resume", inc.recovery
     await c.finished(timeout=240)
     no_false_sdc(c)
+
+
+async def test_a_crashed_hsdp_rank_takes_its_shard_from_its_replica_in_place(
+        cluster: InPlaceCluster, tmp_path: Path, nats_url: str, prefix: str) -> None:
+    c = cluster
+    await wait_until(lambda: c.observer.max_step >= 20, timeout=120, what="step 20")
+    await c.drill("kill", 2)  # shard 0 of replica 1: rank 0 holds the same
+    await wait_until(lambda: c.incident(lambda i: i.status == "resolved") is not None,
+                     timeout=180, interval=0.5, what="the incident resolved")
+    await c.finished(timeout=240)
+    inc = c.incident(lambda i: i.status == "resolved")
+    assert inc is not None and inc.cause == "process_crash", inc
+    assert inc.recovery is not None and inc.recovery.path == "in_place", inc.recovery
+    assert inc.steps_lost == 0, inc
+    survivors_kept(c, {2})
+    [done] = [r for r in c.recoveries if r.path == "in_place" and r.kind == "replace"
+              and r.source_rank is not None]
+    assert done.joined == [2] and done.source_rank == 0 and done.steps_lost == 0, done
+    assert not [r for r in c.recoveries if r.path == "restart"], c.recoveries
+    # Replicas agree, so the fingerprints of each shard's replica group are compared.
+    assert [a for a in c.observer.anomalies if a.kind == "sdc_mismatch"] == []
+    final: dict[str, torch.Tensor] = torch.load(c.final, weights_only=True)
+    baseline = uninterrupted(tmp_path, nats_url, prefix, HYBRID)
+    assert final.keys() == baseline.keys()
+    assert [k for k, v in baseline.items() if not torch.equal(final[k], v)] == []

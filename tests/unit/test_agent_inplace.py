@@ -77,8 +77,11 @@ HSDP4 = {r: f"hybrid 2 shard={r % 2}" for r in range(4)}
     ({r: "1" for r in range(4)}, True, ""),                       # an older rank: replicated
     ({r: "replicated 4 dp" for r in range(4)}, True, ""),
     (FSDP4, False, "no other rank holds rank 2's state (sharded, shard shard=2)"),
-    (HSDP4, False, "also held by rank(s) 0); re-forming sharded modules in place is not "
-                   "built yet"),
+    (HSDP4, False, "also held by rank(s) 0), but rank(s) 0, 1, 2, 3 cannot rebuild"),
+    ({r: f"{d} rebuilds" for r, d in HSDP4.items()}, True, ""),     # trainguard.torch.fsdp
+    ({**{r: f"{d} rebuilds" for r, d in HSDP4.items()}, 1: HSDP4[1]}, False,
+     "but rank(s) 1 cannot rebuild"),
+    ({r: f"sharded 1 shard={r} rebuilds" for r in range(4)}, False, "no other rank holds"),
     ({**{r: "1" for r in range(4)}, 2: "garbage"}, False, "no other rank holds rank 2's"),
 ])
 def test_a_replacement_goes_in_place_only_where_a_peer_holds_its_state(

@@ -100,7 +100,8 @@ class Scripted:
         self.regrouped.append(completed)
         return completed + 1
 
-    def on_regroup(self, fn: Callable[[], None], *, after_sync: bool = False) -> None:
+    def on_regroup(self, fn: Callable[[], None], *, after_sync: bool = False,
+                   rebuilds_model: bool = False) -> None:
         self.hooks.append(fn)
 
     def on_teardown(self, fn: Callable[[], None]) -> None:

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from trainguard.recovery.sharding import MeshDim, group_of, read_declaration
+from trainguard.recovery.sharding import (
+    MeshDim,
+    declaration,
+    group_of,
+    read_declaration,
+    replica_groups,
+)
 
 D = MeshDim
 
@@ -24,12 +30,32 @@ def test_replica_groups(dims: list[MeshDim], world: int, kind: str, group: str,
     assert layout.topology.sharded_dims == [d.name for d in dims if d.sharded]
 
 
-@pytest.mark.parametrize(("raw", "kind", "group", "size"), [
-    (b"1", "replicated", "dp", 0),
-    (b"hybrid 2 shard=1", "hybrid", "shard=1", 2),
-    (b"sharded 1 dp=0,tp=1", "sharded", "dp=0,tp=1", 1),
-    (b"something else", "sharded", "unreadable:something else", 1),
+@pytest.mark.parametrize(("raw", "kind", "group", "size", "rebuilds"), [
+    (b"1", "replicated", "dp", 0, False),
+    (b"hybrid 2 shard=1", "hybrid", "shard=1", 2, False),
+    (b"hybrid 2 shard=1 rebuilds", "hybrid", "shard=1", 2, True),
+    (b"sharded 1 dp=0,tp=1", "sharded", "dp=0,tp=1", 1, False),
+    (b"something else", "sharded", "unreadable:something else", 1, False),
+    (b"hybrid 2 shard=1 maybe", "sharded", "unreadable:hybrid 2 shard=1 maybe", 1, False),
 ])
-def test_declarations_read_back(raw: bytes, kind: str, group: str, size: int) -> None:
+def test_declarations_read_back(raw: bytes, kind: str, group: str, size: int,
+                                rebuilds: bool) -> None:
     d = read_declaration(raw)
-    assert (d.kind, d.group, d.group_size) == (kind, group, size)
+    assert (d.kind, d.group, d.group_size, d.rebuilds) == (kind, group, size, rebuilds)
+
+
+@pytest.mark.parametrize("rebuilds", [False, True])
+def test_a_declaration_round_trips(rebuilds: bool) -> None:
+    layout = group_of([D("replicate", 2, 1, False), D("shard", 2, 0, True)], 4)
+    d = read_declaration(declaration(layout, rebuilds=rebuilds))
+    assert (d.kind, d.group, d.group_size, d.rebuilds) == ("hybrid", "shard=0", 2, rebuilds)
+
+
+@pytest.mark.parametrize(("ranks", "dim", "groups"), [
+    ([[0, 1], [2, 3]], 0, [[0, 2], [1, 3]]),            # HSDP (replicate, shard) 2x2
+    ([[0, 1, 2, 3], [4, 5, 6, 7]], 0, [[0, 4], [1, 5], [2, 6], [3, 7]]),
+    ([[0, 1], [2, 3], [4, 5]], 1, [[0, 1], [2, 3], [4, 5]]),  # (shard, replicate)
+])
+def test_replica_groups_of_a_mesh(ranks: list[list[int]], dim: int,
+                                  groups: list[list[int]]) -> None:
+    assert replica_groups(ranks, dim) == groups

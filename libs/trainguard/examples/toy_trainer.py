@@ -246,20 +246,24 @@ def _dcp_load(root: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> 
     return int(state["meta"]["step"])
 
 
-def shard(model: nn.Module, parallel: str, world: int) -> nn.Module:
-    """FSDP2: ``fully_shard`` on each transformer block (each layer of the tiny model), then
-    on the root. ``fsdp``: a 1-D mesh over every rank; ``hsdp``: a 2-D ``(replicate,
-    shard)`` mesh of shape (world/2, 2), replicas of 2-rank shard groups."""
+def mesh_of(parallel: str, world: int) -> Any:
+    """``fsdp``: a 1-D mesh over every rank; ``hsdp``: a 2-D ``(replicate, shard)`` mesh of
+    shape (world/2, 2), replicas of 2-rank shard groups."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     if parallel == "hsdp":
         if world % 2:
             raise SystemExit(f"--parallel hsdp shards over pairs of ranks: the world size "
                              f"must be even, not {world}")
-        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
-    else:
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+        return init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+
+
+def shard(model: nn.Module, mesh: Any) -> nn.Module:
+    """FSDP2: ``fully_shard`` on each transformer block (each layer of the tiny model), then
+    on the root."""
+    from torch.distributed.fsdp import fully_shard
+
     # The tiny model's layers return views (3-D inputs); nothing here changes one in place.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view")
     if isinstance(model, CharLM):
@@ -325,6 +329,18 @@ class TinyModel(nn.Module):
         return out
 
 
+def forward_backward(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor,
+                     target: torch.Tensor) -> torch.Tensor:
+    """The step's forward and backward; returns the loss, detached. In a function of its own
+    so that the autograd graph dies with its frame: a failed backward's graph holds FSDP2's
+    process groups, which an in-place recovery must be able to close."""
+    out = model(tokens)
+    loss = nn.functional.cross_entropy(out.reshape(-1, out.size(-1)), target.reshape(-1))
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()  # type: ignore[no-untyped-call]
+    return loss.detach()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     guard = trainguard.Guard(job=args.job, heartbeat_interval=args.heartbeat,
@@ -340,16 +356,25 @@ def main(argv: list[str] | None = None) -> int:
     # before it left) keeps its stream; the world size is read at every step.
     rank = dist.get_rank()
     torch.manual_seed(args.seed)
-    model: nn.Module = CharLM() if args.model == "lm" else TinyModel()
+    make: Callable[[], nn.Module] = CharLM if args.model == "lm" else TinyModel
     text = corpus(args.seed) if args.model == "lm" else None
-    if args.ddp and args.in_place:
-        model = tgt.ddp(model, guard)  # rebuilt on the new group after an in-place re-form
-    elif args.ddp:
-        model = nn.parallel.DistributedDataParallel(model)
-        tgt.instrument_ddp(model, guard)
     sharded = args.parallel != "dp"
-    if sharded:
-        model = shard(model, args.parallel, dist.get_world_size())
+    model: nn.Module
+    if sharded and args.in_place:
+        # Built again on the new mesh after an in-place re-form (HSDP: a lost shard comes
+        # from its replica).
+        world = dist.get_world_size()
+        model = tgt.fsdp(lambda mesh: shard(make(), mesh), guard,
+                         mesh=lambda: mesh_of(args.parallel, world))
+    elif sharded:
+        model = shard(make(), mesh_of(args.parallel, dist.get_world_size()))
+    elif args.ddp and args.in_place:
+        model = tgt.ddp(make(), guard)  # rebuilt on the new group after an in-place re-form
+    elif args.ddp:
+        model = nn.parallel.DistributedDataParallel(make())
+        tgt.instrument_ddp(model, guard)
+    else:
+        model = make()
     # After sharding: the optimizer holds (and AdamW's state is) the DTensor shards.
     optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3) \
         if args.optimizer == "adamw" else torch.optim.SGD(model.parameters(), lr=0.05)
@@ -410,11 +435,7 @@ def main(argv: list[str] | None = None) -> int:
             with s.phase("compute"):
                 t_compute = time.monotonic()
                 time.sleep(args.step_time)
-                out = model(tokens)
-                loss = nn.functional.cross_entropy(out.reshape(-1, out.size(-1)),
-                                                   target.reshape(-1))
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()  # type: ignore[no-untyped-call]
+                loss = forward_backward(model, optimizer, tokens, target)
                 if slow > 1.0 and step >= args.slow_from:
                     time.sleep((time.monotonic() - t_compute) * (slow - 1.0))
             if not args.ddp and not sharded:  # FSDP reduced the gradients in backward
@@ -424,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
                         if p.grad is not None:
                             dist.all_reduce(p.grad)
                             p.grad /= world
-            s.report(loss=loss.detach(), grad_norm=tgt.grad_norm(model), samples=8)
+            s.report(loss=loss, grad_norm=tgt.grad_norm(model), samples=8)
             optimizer.step()
         if guard.abandoned == step:
             continue  # a peer was lost: the next iteration recovers and runs it again

@@ -19,6 +19,7 @@ import gc
 import logging
 import os
 import time
+import traceback
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, Final
@@ -34,8 +35,8 @@ from trainguard.contract.schemas import RECOVERING_PHASE, StateKind
 from . import groupstore
 from .handle import GuardHandle, recovery_report
 from .peerloss import is_peer_loss
-from .sharding import declaration, layout_of
-from .statesync import agree, share_state
+from .sharding import declaration, layout_of, replica_dim, replica_groups
+from .statesync import StateAgreement, agree, share_state, source_within
 
 log = logging.getLogger("trainguard.inplace")
 
@@ -109,6 +110,24 @@ def teardown(backend: str) -> None:
     gc.collect(1)
 
 
+def drop_traceback(error: BaseException) -> None:
+    """Let go of the frames ``error`` (and the errors chained to it) passed through, keeping
+    the traceback as text in a note. FSDP2's collectives and hooks run in Python: the frames
+    of the failed step hold its modules and, through them, the process groups (HSDP's
+    replicate group), whose sockets stay open while the frames live; a peer blocked on them
+    waits out its collective timeout instead of failing at once. Cleared locals are not
+    enough (a frame keeps its function, and a module's call wrapper is a closure over the
+    module): the traceback goes."""
+    seen: set[int] = set()
+    err: BaseException | None = error
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if err.__traceback__ is not None:
+            err.add_note("".join(traceback.format_tb(err.__traceback__)).rstrip())
+            err.__traceback__ = None
+        err = err.__cause__ or err.__context__
+
+
 def import_group_defaults() -> None:
     """Import ``torch.distributed.nn.functional`` while no group exists.
 
@@ -150,7 +169,11 @@ class InPlace:
         self.off_reason = off_reason
         self.kind: StateKind = "replicated"
         """How this rank's state is laid out (read when it declares in-place recovery): a
-        sharded one is not waited for, the agents restart the group."""
+        sharded one is not waited for, the agents restart the group; a hybrid one only
+        where the model is rebuilt on the new group (:attr:`rebuilds_model`)."""
+        self.rebuilds_model = False
+        """A regroup hook builds the sharded model again (``trainguard.torch.fsdp``)."""
+        self._rebuildable = False
         self.init_kwargs = dict(init_kwargs or {})
         self.seen_at: float | None = None
         """When the last absorbed failure reached the step boundary (monotonic)."""
@@ -208,12 +231,22 @@ class InPlace:
         # from a peer (the agent restarts the group at once where none holds it).
         layout = layout_of(self.guard.model, self.guard.world_size)
         self.kind = layout.topology.kind
+        self._rebuildable = self.rebuilds_model and self.kind == "hybrid" and \
+            _hands_over_along_one_dim(self.guard.model)
         self.job_store.set(groupstore.in_place_key(self._generation, self.guard.rank),
-                           declaration(layout))
+                           declaration(layout, rebuilds=self._rebuildable))
 
     # -- Recovery ---------------------------------------------------------------------
-    def on_regroup(self, fn: Callable[[], None], *, after_sync: bool = False) -> None:
+    def on_regroup(self, fn: Callable[[], None], *, after_sync: bool = False,
+                   rebuilds_model: bool = False) -> None:
         (self._after if after_sync else self._before).append(fn)
+        self.rebuilds_model |= rebuilds_model
+
+    @property
+    def hands_over(self) -> bool:
+        """Whether a replacement can take this rank's state from a peer: replicated state,
+        or a hybrid one (HSDP) whose model is rebuilt on the re-formed group."""
+        return self.kind == "replicated" or self._rebuildable
 
     def on_teardown(self, fn: Callable[[], None]) -> None:
         self._release.append(fn)
@@ -224,10 +257,12 @@ class InPlace:
         if not self.enabled:
             self._report_restart(f"in-place recovery off: {self.off_reason}", error)
             return False
-        if self.kind != "replicated":
+        if not self.hands_over:
             # Nothing to wait for: the agents restart the group (section 10).
-            self._report_restart(f"this rank's state is {self.kind}: the group restarts from "
-                                 "the committed checkpoint", error)
+            why = "" if self.kind == "sharded" else \
+                " (a hybrid state recovers in place where trainguard.torch.fsdp builds it)"
+            self._report_restart(f"this rank's state is {self.kind}{why}: the group restarts "
+                                 "from the committed checkpoint", error)
             return False
         self.seen_at, self._seen_wall = time.monotonic(), time.time()
         log.warning("trainguard: lost a peer (%s); recovering in place",
@@ -261,6 +296,7 @@ class InPlace:
             return self._generation
 
     def recover(self, failed_step: int, error: BaseException) -> int:
+        drop_traceback(error)
         try:
             return self._reform(failed_step, self._seen_wall)
         except Exception as exc:
@@ -409,7 +445,7 @@ class InPlace:
             g.last_completed_step if g.last_completed_step is not None else self._start - 1)
         device = comm_device(self.backend)
         agreed = agree(completed, failed_step, failure_time, g.command_state, device)
-        share_state(g.model, g.optimizer, agreed.source, device)
+        source = self._share(agreed, device)
         g.adopt_command_state(agreed.command_state)
         for fn in self._after:
             fn()
@@ -423,12 +459,32 @@ class InPlace:
                 generation=self._generation,
                 previous_generation=previous if previous is not None else self._generation - 1,
                 world_size=dist.get_world_size(), joined=agreed.joined,
-                source_rank=agreed.source, failed_step=agreed.failed_step,
+                source_rank=source, failed_step=agreed.failed_step,
                 last_completed=agreed.completed, resumed_step=step,
                 steps_lost=max(0, agreed.completed - step + 1), seconds=seconds))
         log.info("in place: generation %d, source rank %d, continuing at step %d",
-                 self._generation, agreed.source, step)
+                 self._generation, source, step)
         return step
+
+    def _share(self, agreed: StateAgreement, device: torch.device) -> int:
+        """Hand the state over: replicated state from the source to every rank; sharded
+        state within each replica group that has a replacement, from a rank of that group.
+        Returns the source of the first replacement's group (the report's)."""
+        g = self.guard
+        where = replica_dim(g.model.parameters())
+        if where is None:
+            share_state(g.model, g.optimizer, agreed.source, device)
+            return agreed.source
+        mesh, dim = where
+        groups = replica_groups(mesh.mesh.tolist(), dim)
+        sources = [source_within(agreed, members) for members in groups]
+        mine = next(i for i, members in enumerate(groups) if dist.get_rank() in members)
+        if set(groups[mine]) & set(agreed.joined):
+            share_state(g.model, g.optimizer, sources[mine], device,
+                        group=mesh.get_group(dim))
+        first = agreed.joined[0] if agreed.joined else None
+        return next((sources[i] for i, members in enumerate(groups) if first in members),
+                    agreed.source)
 
     def _report_restart(self, reason: str, error: BaseException,
                         failed_step: int | None = None) -> None:
@@ -443,6 +499,14 @@ class InPlace:
                 last_completed=g.last_completed_step))
         except Exception:
             log.debug("recovery report failed", exc_info=True)
+
+
+def _hands_over_along_one_dim(model: Any) -> bool:
+    try:
+        return replica_dim(model.parameters()) is not None
+    except ValueError as exc:
+        log.warning("trainguard: a lost rank's shard cannot be handed over in place: %s", exc)
+        return False
 
 
 def init_process_group(guard: GuardHandle, backend: str = "gloo", *,

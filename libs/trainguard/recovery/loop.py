@@ -74,10 +74,13 @@ class Recovery(Protocol):
         in place), after ``completed``; returns the step to run next."""
         ...
 
-    def on_regroup(self, fn: Callable[[], None], *, after_sync: bool = False) -> None:
+    def on_regroup(self, fn: Callable[[], None], *, after_sync: bool = False,
+                   rebuilds_model: bool = False) -> None:
         """Run ``fn`` on every rank after a re-form: before the state agreement (a helper
         rebuilding its side group), or after it (``after_sync``: rebuilding DDP, whose
-        construction broadcasts rank 0's parameters)."""
+        construction broadcasts rank 0's parameters). ``rebuilds_model``: ``fn`` builds a
+        sharded model again on the new group, so its state can be recovered in place from
+        a replica."""
         ...
 
     def on_teardown(self, fn: Callable[[], None]) -> None:

@@ -7,9 +7,10 @@ every rank of the current generation said it can (``groupstore.in_place_key``, s
 ``trainguard.torch`` once ``guard.steps`` runs); a trainer that did not say so would see
 its peers' errors and die, so it gets today's group restart from the committed checkpoint.
 The key's value says how the rank's state is laid out (:mod:`.sharding`): a replacement
-takes its state from a peer, which only a replicated state has; for sharded state the
-agent chooses the group restart at once instead of waiting for a transfer that cannot
-come.
+takes its state from a peer that holds the same, which a replicated state always has and
+a hybrid one (HSDP) has in the lost shard's replicas, where every rank can build its
+sharded model again on the re-formed group; otherwise the agent chooses the group restart
+at once instead of waiting for a transfer that cannot come.
 
 :func:`decide` is the rule, pure and tested as a table; :func:`read_keys` reads the
 job store (``TCPStore.check``, public torch API) for it. The reason of a "no" is what the
@@ -91,10 +92,13 @@ def decide(*, enabled: bool, failed: Sequence[int], initiated: Collection[int],
                 f"no other rank holds rank {lost}'s state ({state.kind}, shard {state.group}):"
                 " a replacement cannot get it from a peer, so the group restarts from the "
                 "committed checkpoint at once"))
-        return Decision(False, (
-            f"rank {lost}'s state is {state.kind} (shard {state.group}, also held by rank(s) "
-            f"{_ranks(others)}); re-forming sharded modules in place is not built yet, so "
-            "the group restarts from the committed checkpoint"))
+        unbuilt = sorted(r for r, d in keys.declared.items() if not d.rebuilds)
+        if unbuilt:
+            return Decision(False, (
+                f"rank {lost}'s state is {state.kind} (shard {state.group}, also held by "
+                f"rank(s) {_ranks(others)}), but rank(s) {_ranks(unbuilt)} cannot rebuild "
+                "their sharded model on a re-formed group (build it with "
+                "trainguard.torch.fsdp), so the group restarts from the committed checkpoint"))
     return Decision(True, "")
 
 

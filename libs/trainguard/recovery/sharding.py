@@ -17,7 +17,7 @@ the world over the sharded dimensions' sizes, not the mesh's replicate dimension
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast, get_args
 
@@ -94,10 +94,17 @@ def layout_of(model: Any, world_size: int) -> Layout:
     return group_of(mesh_dims(params), world_size)
 
 
-def declaration(layout: Layout) -> str:
-    """What a rank writes as its in-place key: how its state is laid out and which ranks
-    hold the same, so an agent can tell whether a lost rank's state survives elsewhere."""
-    return f"{layout.topology.kind} {layout.group_size} {layout.group}"
+REBUILDS = "rebuilds"
+"""The declaration's last word when the rank's sharded model is built again on a re-formed
+group (``trainguard.torch.fsdp``): only then can it take a shard from a replica in place."""
+
+
+def declaration(layout: Layout, *, rebuilds: bool = False) -> str:
+    """What a rank writes as its in-place key: how its state is laid out, which ranks hold
+    the same, and whether its sharded model can be rebuilt in place, so an agent can tell
+    whether a lost rank's state survives elsewhere and can be handed over."""
+    text = f"{layout.topology.kind} {layout.group_size} {layout.group}"
+    return f"{text} {REBUILDS}" if rebuilds else text
 
 
 @dataclass(frozen=True)
@@ -107,22 +114,60 @@ class Declared:
     kind: StateKind
     group: str
     group_size: int
+    rebuilds: bool = False
 
 
 def read_declaration(raw: bytes | str) -> Declared:
     """``"1"`` (a trainguard before this, replicated by construction) reads as the whole
     job; anything unreadable as sharded state held by no one else (the safe answer)."""
     text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
-    parts = text.split(maxsplit=2)
+    parts = text.split()
     if parts == ["1"]:
         return Declared(kind="replicated", group=WHOLE_JOB, group_size=0)
+    rebuilds = len(parts) == 4 and parts[3] == REBUILDS
     try:
-        kind, size, group = parts
+        kind, size, group = parts[:3] if rebuilds else parts
         if kind in get_args(StateKind):
-            return Declared(kind=cast(StateKind, kind), group=group, group_size=int(size))
+            return Declared(kind=cast(StateKind, kind), group=group, group_size=int(size),
+                            rebuilds=rebuilds)
     except ValueError:
         pass
     return Declared(kind="sharded", group=f"unreadable:{text[:40]}", group_size=1)
+
+
+def replica_dim(params: Iterable[Any]) -> tuple[Any, int] | None:
+    """The mesh and dimension along which every DTensor of ``params`` is replicated: its
+    groups are the replica groups a shard is handed over in (HSDP's ``replicate``). None
+    when no parameter is a DTensor (the whole job is one replica group). Raises ValueError
+    where the replicas are not one dimension of one mesh (a sharded state without replicas,
+    or TP on a sub-mesh with DDP around it): no in-place hand-over is built for those."""
+    from torch.distributed.tensor import DTensor
+
+    mesh: Any = None
+    replicated: set[int] | None = None
+    for p in params:
+        if not isinstance(p, DTensor):
+            continue
+        if mesh is None:
+            mesh = p.device_mesh
+        elif p.device_mesh != mesh:
+            raise ValueError("the parameters live on more than one mesh")
+        dims = {i for i, placement in enumerate(p.placements) if placement.is_replicate()}
+        replicated = dims if replicated is None else replicated & dims
+    if mesh is None:
+        return None
+    if not replicated or len(replicated) > 1 or mesh.ndim != 2:
+        raise ValueError(f"the state is replicated along {len(replicated or ())} dimension(s) "
+                         "of its mesh: a shard is handed over along exactly one")
+    return mesh, replicated.pop()
+
+
+def replica_groups(ranks: Sequence[Sequence[int]], dim: int) -> list[list[int]]:
+    """The replica groups of a 2-D mesh of global ``ranks`` along ``dim``: the ranks that
+    differ only in their ``dim`` coordinate."""
+    if dim == 0:
+        return [[row[j] for row in ranks] for j in range(len(ranks[0]))]
+    return [list(row) for row in ranks]
 
 
 def holders(declared: Mapping[int, Declared], lost: int) -> list[int]:

@@ -7,6 +7,10 @@ state (CPU, and CUDA where the source uses it) and the step; every rank takes th
 command sequence, the source's checkpoint interval and the commands it holds for a later
 step (:class:`CommandState`). The optimizer's structure goes as msgspec MessagePack (no
 pickle crosses the wire), its tensors as tensors.
+
+Sharded state (HSDP) is shared within each replica group only (:func:`source_within`, the
+``group`` of :func:`share_state`): a rank's shard comes from a rank holding the same shard,
+and a DTensor travels as its local part, wrapped again on the receiver like its parameter.
 """
 
 from __future__ import annotations
@@ -44,6 +48,18 @@ class StateAgreement:
     """The earliest moment a rank saw the failure (unix time)."""
     command_state: CommandState
     """The highest command sequence; the source's checkpoint interval and held commands."""
+    steps: tuple[int, ...] = ()
+    """Every rank's last completed step (:data:`JOINER` for a replacement)."""
+
+
+def source_within(agreed: StateAgreement, members: list[int]) -> int:
+    """The source for the ranks ``members`` (a replica group): the lowest of them at the
+    group's step. Raises where none of them reached it (their state is not the job's)."""
+    ready = [r for r in members if agreed.steps[r] == agreed.completed]
+    if not ready:
+        raise RuntimeError(f"no rank of the replica group {members} completed step "
+                           f"{agreed.completed}: its state cannot be shared")
+    return min(ready)
 
 
 def agree(completed: int | None, failed_step: int | None, failure_time: float | None,
@@ -64,9 +80,9 @@ def agree(completed: int | None, failed_step: int | None, failure_time: float | 
     source = min(i for i, r in enumerate(table) if r[0] == best)
     failed = [r[1] for r in table if r[1] != _NONE]
     times = [r[2] for r in table if r[2] != _NONE]
-    held = _broadcast_bytes(
+    held = _Sender(source, device, None).blob(
         msgspec.msgpack.encode([encode_durable(c) for c in commands.scheduled])
-        if dist.get_rank() == source else None, source, device)
+        if dist.get_rank() == source else None)
     scheduled = tuple(decode_durable(raw, Command)
                       for raw in msgspec.msgpack.decode(held, type=list[bytes]))
     return StateAgreement(source=source, completed=best,
@@ -76,43 +92,61 @@ def agree(completed: int | None, failed_step: int | None, failure_time: float | 
                      command_state=CommandState(command_seq=max(r[3] for r in table),
                                                 checkpoint_every=table[source][4],
                                                 checkpoint_from=table[source][5],
-                                                scheduled=scheduled))
+                                                scheduled=scheduled),
+                          steps=tuple(r[0] for r in table))
 
 
-def share_state(model: Any, optimizer: Any, source: int, device: torch.device) -> float:
+def share_state(model: Any, optimizer: Any, source: int, device: torch.device,
+                group: Any = None) -> float:
     """Make every rank's model, optimizer and RNG state the source's; returns the seconds it
-    took. Collective: every rank calls it with the same ``source``."""
+    took. Collective over ``group`` (default: the whole group): every member calls it with
+    the same ``source`` (a global rank)."""
     t0 = time.perf_counter()
     me = dist.get_rank()
+    send = _Sender(source, device, group)
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
-            _broadcast(tensor.data, source, device)
-    _share_optimizer(optimizer, source, me == source, device)
-    _share_rng(source, me == source, device)
+            send.tensor(_local(tensor))
+    _share_optimizer(optimizer, send, me == source)
+    _share_rng(send, me == source)
     return time.perf_counter() - t0
 
 
-def _broadcast(tensor: torch.Tensor, source: int, device: torch.device) -> None:
-    """In place; through ``device`` when the backend cannot send ``tensor`` where it is
-    (NCCL: CPU tensors go through the GPU)."""
-    if tensor.device.type == device.type:
-        dist.broadcast(tensor, source)
-        return
-    carrier = tensor.to(device)
-    dist.broadcast(carrier, source)
-    tensor.copy_(carrier)
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of ``tensor`` this rank holds (a DTensor's local shard, written in place)."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor.data
 
 
-def _broadcast_bytes(data: bytes | None, source: int, device: torch.device) -> bytes:
-    size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64,
-                        device=device)
-    dist.broadcast(size, source)
-    if data is not None:
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-    else:
-        buf = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    dist.broadcast(buf, source)
-    return data if data is not None else bytes(buf.cpu().numpy().tobytes())
+@dataclass(frozen=True)
+class _Sender:
+    """Broadcasts from ``source`` over ``group``, through ``device`` where the backend cannot
+    send a tensor where it is (NCCL: CPU tensors go through the GPU)."""
+
+    source: int
+    device: torch.device
+    group: Any
+
+    def tensor(self, tensor: torch.Tensor) -> None:
+        """In place."""
+        if tensor.device.type == self.device.type:
+            dist.broadcast(tensor, self.source, group=self.group)
+            return
+        carrier = tensor.to(self.device)
+        dist.broadcast(carrier, self.source, group=self.group)
+        tensor.copy_(carrier)
+
+    def blob(self, data: bytes | None) -> bytes:
+        size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64,
+                            device=self.device)
+        dist.broadcast(size, self.source, group=self.group)
+        if data is not None:
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+        else:
+            buf = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        dist.broadcast(buf, self.source, group=self.group)
+        return data if data is not None else bytes(buf.cpu().numpy().tobytes())
 
 
 class _Spec(msgspec.Struct, array_like=True):
@@ -121,8 +155,7 @@ class _Spec(msgspec.Struct, array_like=True):
     device: str
 
 
-def _share_optimizer(optimizer: Any, source: int, is_source: bool,
-                     device: torch.device) -> None:
+def _share_optimizer(optimizer: Any, send: _Sender, is_source: bool) -> None:
     """The optimizer's ``state_dict()``: structure as MessagePack with tensor placeholders,
     then each tensor. Receivers load it with ``load_state_dict`` (a fresh optimizer has
     no state entries, so copying in place would not do)."""
@@ -135,17 +168,18 @@ def _share_optimizer(optimizer: Any, source: int, is_source: bool,
         blob = msgspec.msgpack.encode(
             {"sd": skeleton, "specs": [_Spec(str(t.dtype).removeprefix("torch."),
                                              list(t.shape), t.device.type) for t in tensors]})
-    decoded = msgspec.msgpack.decode(_broadcast_bytes(blob, source, device))
+    decoded = msgspec.msgpack.decode(send.blob(blob))
     if is_source:
         for t in tensors:
-            _broadcast(t.detach(), source, device)
+            send.tensor(t.detach())
         return
     specs = msgspec.convert(decoded["specs"], list[_Spec])
     for spec in specs:
-        where = device if spec.device == device.type else torch.device(spec.device)
+        where = send.device if spec.device == send.device.type else torch.device(spec.device)
         t = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype), device=where)
-        _broadcast(t, source, device)
+        send.tensor(t)
         tensors.append(t)
+    _like_params(decoded["sd"], tensors, optimizer)
     state = _fill(decoded["sd"], tensors)
     _keep_tuples(state["param_groups"], optimizer.state_dict()["param_groups"])
     state["state"] = {int(k): v for k, v in state["state"].items()}
@@ -153,9 +187,32 @@ def _share_optimizer(optimizer: Any, source: int, is_source: bool,
 
 
 _TENSOR: Final = "__trainguard_tensor__"
+_DTENSOR: Final = "__trainguard_dtensor__"
+"""Marks a placeholder whose tensor was a DTensor: it is wrapped like its parameter."""
+
+
+def _like_params(skeleton: dict[str, Any], tensors: list[torch.Tensor],
+                 optimizer: Any) -> None:
+    """Wrap the received local parts of DTensor optimizer state (AdamW's moments of an FSDP2
+    parameter) as DTensors placed like their parameter on this rank's mesh."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, entry in skeleton["state"].items():
+        param = params[int(index)]
+        for value in entry.values():
+            if isinstance(value, dict) and value.get(_DTENSOR):
+                i = value[_TENSOR]
+                tensors[i] = DTensor.from_local(tensors[i], param.device_mesh, param.placements,
+                                                shape=param.shape, stride=param.stride())
 
 
 def _strip(obj: Any, out: list[torch.Tensor]) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, DTensor):
+        out.append(obj.to_local())
+        return {_TENSOR: len(out) - 1, _DTENSOR: True}
     if isinstance(obj, torch.Tensor):
         out.append(obj)
         return {_TENSOR: len(out) - 1}
@@ -168,7 +225,7 @@ def _strip(obj: Any, out: list[torch.Tensor]) -> Any:
 
 def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
     if isinstance(obj, dict):
-        if set(obj) == {_TENSOR}:
+        if _TENSOR in obj:
             return tensors[obj[_TENSOR]]
         return {k: _fill(v, tensors) for k, v in obj.items()}
     if isinstance(obj, list):
@@ -185,18 +242,18 @@ def _keep_tuples(received: list[dict[str, Any]], own: list[dict[str, Any]]) -> N
                 got[key] = tuple(got[key])
 
 
-def _share_rng(source: int, is_source: bool, device: torch.device) -> None:
+def _share_rng(send: _Sender, is_source: bool) -> None:
     cpu = torch.get_rng_state()
-    _broadcast(cpu, source, device)
+    send.tensor(cpu)
     if not is_source:
         torch.set_rng_state(cpu)
     uses_cuda = torch.cuda.is_available() and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
     # CUDA generators: one state per device, sent as bytes (the ranks' device counts agree
     # on a data-parallel job; a rank without CUDA keeps its own).
     states = torch.stack(torch.cuda.get_rng_state_all()) if is_source and uses_cuda else None
-    data = _broadcast_bytes(msgspec.msgpack.encode(
+    data = send.blob(msgspec.msgpack.encode(
         [] if states is None else [bytes(s.numpy().tobytes()) for s in states])
-        if is_source else None, source, device)
+        if is_source else None)
     received = msgspec.msgpack.decode(data, type=list[bytes])
     if not is_source and received and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([torch.frombuffer(bytearray(b), dtype=torch.uint8)

@@ -10,6 +10,7 @@ by the services, which run without torch installed.
 from __future__ import annotations
 
 from trainguard.recovery.ddprebuild import InPlaceDDP
+from trainguard.recovery.fsdprebuild import InPlaceFSDP, fsdp
 from trainguard.recovery.inplace import InPlace, init_process_group
 from trainguard.recovery.peerloss import is_peer_loss
 
@@ -31,10 +32,12 @@ __all__ = [
     "Checkpointer",
     "InPlace",
     "InPlaceDDP",
+    "InPlaceFSDP",
     "check_batch",
     "ddp",
     "fingerprint",
     "flip_bit",
+    "fsdp",
     "grad_norm",
     "init_process_group",
     "instrument_ddp",
