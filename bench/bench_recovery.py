@@ -751,6 +751,10 @@ def _judge_trainguard(cluster: Any, fault: Any, t0: float, window: float,
             out["cause"], out["incident_status"] = inc.cause, inc.status
             out["actions"] = [f"{a.action}:{a.status}" for a in inc.actions]
             out["incident_steps_lost"] = inc.steps_lost
+    # Where the recovery's time went, as the re-formed group's rank 0 reported it.
+    back = [i.recovery for i in obs.incidents.values() if i.recovery is not None
+            and i.recovery.back_at is not None and t0 <= i.recovery.back_at <= end]
+    out["phases"] = back[0].phases if back else {}
     return out
 
 
@@ -926,6 +930,10 @@ def main() -> int:
     ratios = versus_best_baseline(ordered)
     for key, ratio in ratios.items():
         print(f"\n{key}: back where it was in {ratio:.2f}x the best baseline's time")
+    for r in ordered:
+        if r.get("phases"):
+            print(f"\n{r['fault']}, {r['label']}: recovery phases (rank 0) "
+                  + ", ".join(f"{k} {v:.2f} s" for k, v in r["phases"].items()))
     print(f"\njob: 4 ranks (2 agents x 2), toy_trainer --model lm --step-time {STEP_TIME} "
           f"--parallel {spread.parallel} --optimizer {spread.optimizer}, "
           f"checkpoint every {CKPT_EVERY} steps; faults at step {FAULT_STEP} (baselines), "

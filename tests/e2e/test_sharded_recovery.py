@@ -119,6 +119,11 @@ async def test_a_crashed_hsdp_rank_takes_its_shard_from_its_replica_in_place(
     assert inc is not None and inc.cause == "process_crash", inc
     assert inc.recovery is not None and inc.recovery.path == "in_place", inc.recovery
     assert inc.steps_lost == 0, inc
+    # Where the time went, as rank 0 saw it, in order.
+    assert list(inc.recovery.phases) == ["seen", "release", "teardown", "replacement",
+                                         "gathered", "formed", "rebuilt", "agreed", "state",
+                                         "after"], inc.recovery.phases
+    assert all(v >= 0 for v in inc.recovery.phases.values())
     survivors_kept(c, {2})
     [done] = [r for r in c.recoveries if r.path == "in_place" and r.kind == "replace"
               and r.source_rank is not None]

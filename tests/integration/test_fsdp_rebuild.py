@@ -40,9 +40,9 @@ def _run(rank: int, world: int, port: int, out: Any) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from trainguard.recovery.fsdprebuild import fsdp
+    from trainguard.recovery.loop import CommandState
     from trainguard.recovery.sharding import replica_dim, replica_groups
     from trainguard.recovery.statesync import JOINER, StateAgreement, share_state, source_within
-    from trainguard.recovery.loop import CommandState
 
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     store = TCPStore("127.0.0.1", port, world, rank == 0)

@@ -414,6 +414,11 @@ class RecoveryReport(Durable, kw_only=True):
     least 0 (in place after a lost rank: 0)."""
     seconds: float = 0.0
     """From the failure reaching this rank to the group ready to run ``resumed_step``."""
+    phases: dict[str, float] = {}
+    """Where that time went, as this rank saw it: consecutive named phases in seconds, in
+    order (in place: ``seen``, ``release``, ``teardown``, ``replacement`` (the agents'
+    decision and the replacement's start), ``gathered``, ``formed``, ``rebuilt``,
+    ``agreed``, ``state``, ``after``)."""
     attempt: int = 0
     time: float = 0.0
 
@@ -539,6 +544,8 @@ class RecoveryNote(msgspec.Struct, kw_only=True):
     """The failure reaching the ranks -> the group ready again (in place)."""
     back_at: float | None = None
     """When the job was back at work: ready in place, or (cold) training past the failure."""
+    phases: dict[str, float] = {}
+    """Where the time went (:attr:`RecoveryReport.phases`)."""
     report_id: str = ""
 
 

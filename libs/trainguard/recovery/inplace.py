@@ -148,6 +148,21 @@ def comm_device(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
+class Phases:
+    """Where one re-form's time went: consecutive named phases, in seconds, in order (the
+    recovery report carries them to the incident)."""
+
+    def __init__(self, start: float) -> None:
+        self._last = start
+        self.seconds: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        """The phase ``name`` ends now."""
+        now = time.monotonic()
+        self.seconds[name] = round(self.seconds.get(name, 0.0) + now - self._last, 4)
+        self._last = now
+
+
 class InPlace:
     """The rank's in-place recovery (installed on the Guard as its Recovery).
 
@@ -175,6 +190,8 @@ class InPlace:
         """A regroup hook builds the sharded model again (``trainguard.torch.fsdp``)."""
         self._rebuildable = False
         self.init_kwargs = dict(init_kwargs or {})
+        self.phases = Phases(time.monotonic())
+        """The current re-form's phases (:meth:`_reform`)."""
         self.seen_at: float | None = None
         """When the last absorbed failure reached the step boundary (monotonic)."""
         self._seen_wall: float | None = None
@@ -323,9 +340,13 @@ class InPlace:
         previous = self._generation
         try:
             t0 = time.monotonic()
+            self.phases = Phases(self.seen_at if self.seen_at is not None else t0)
+            self.phases.mark("seen")  # the failure at the step boundary -> recovery starts
             for fn in self._release:
                 fn()
+            self.phases.mark("release")
             teardown(self.backend)
+            self.phases.mark("teardown")
             resized = self._rejoin(previous, t0 + self.rejoin_timeout)
             t1 = time.monotonic()
             step = self._agree(failed_step, since, joined=False, previous=previous,
@@ -351,6 +372,7 @@ class InPlace:
                    late=f"the generation stayed {previous} for {self.rejoin_timeout:g} s: "
                         "no replacement came",
                    gone="its ranks are not replaced")
+        self.phases.mark("replacement")  # the agents' decision and the replacement's start
         while True:
             generation = self.newest_generation()
             records = groupstore.read_resizes(self.job_store, applied, generation)
@@ -362,8 +384,10 @@ class InPlace:
             applied = generation
             if not self.gather(generation, deadline):
                 continue  # the generation rose again meanwhile: gather for the newest
+            self.phases.mark("gathered")
             try:
                 self.form(generation)
+                self.phases.mark("formed")
                 return resized
             except Exception as exc:
                 teardown(self.backend)
@@ -441,14 +465,18 @@ class InPlace:
         if not joined:  # a replacement ran these as it constructed its helpers
             for fn in self._before:
                 fn()
+            self.phases.mark("rebuilt")
         completed = None if joined else (
             g.last_completed_step if g.last_completed_step is not None else self._start - 1)
         device = comm_device(self.backend)
         agreed = agree(completed, failed_step, failure_time, g.command_state, device)
+        self.phases.mark("agreed")
         source = self._share(agreed, device)
+        self.phases.mark("state")
         g.adopt_command_state(agreed.command_state)
         for fn in self._after:
             fn()
+        self.phases.mark("after")
         step = agreed.completed + 1
         if dist.get_rank() == 0:
             seconds = time.time() - agreed.failure_time if agreed.failure_time else 0.0
@@ -461,7 +489,8 @@ class InPlace:
                 world_size=dist.get_world_size(), joined=agreed.joined,
                 source_rank=source, failed_step=agreed.failed_step,
                 last_completed=agreed.completed, resumed_step=step,
-                steps_lost=max(0, agreed.completed - step + 1), seconds=seconds))
+                steps_lost=max(0, agreed.completed - step + 1), seconds=seconds,
+                phases={} if joined else dict(self.phases.seconds)))
         log.info("in place: generation %d, source rank %d, continuing at step %d",
                  self._generation, source, step)
         return step

@@ -89,7 +89,8 @@ def note_of(report: RecoveryReport) -> RecoveryNote:
         resumed_step=report.resumed_step if back else None,
         steps_lost=report.steps_lost if back else None,
         seconds=report.seconds if back else None,
-        back_at=report.time if back else None, report_id=report.id)
+        back_at=report.time if back else None,
+        phases=dict(report.phases) if back else {}, report_id=report.id)
 
 
 def apply(inc: Incident, reports: Iterable[RecoveryReport]) -> bool:
