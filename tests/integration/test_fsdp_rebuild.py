@@ -13,7 +13,7 @@ import os
 from types import SimpleNamespace
 from typing import Any
 
-import torch.multiprocessing as mp
+from tests.ranks import run_ranks
 
 STEPS = 3
 
@@ -56,7 +56,8 @@ def _run(rank: int, world: int, port: int, out: Any) -> None:
         model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 5))
         for layer in (model[0], model[2]):
             fully_shard(layer, mesh=mesh)
-        return fully_shard(model, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
 
     def make_mesh() -> Any:
         return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
@@ -67,20 +68,20 @@ def _run(rank: int, world: int, port: int, out: Any) -> None:
 
     form(0)
     guard = SimpleNamespace(recovery=None, optimizer=None)
-    reference = fsdp(build, guard, mesh=make_mesh)  # type: ignore[arg-type]
+    reference = fsdp(build, guard, mesh=make_mesh)
     opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     _train(reference, opt, rank, range(2 * STEPS))
     expected = full(reference)
     del reference, opt
 
-    model = fsdp(build, guard, mesh=make_mesh)  # type: ignore[arg-type]
+    model = fsdp(build, guard, mesh=make_mesh)
     guard.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _train(model, guard.optimizer, rank, range(STEPS))
     model.release()
     dist.destroy_process_group()
     form(1)
     if rank == 2:  # a replacement: its own fresh state, nothing it could hand over
-        model = fsdp(lambda mesh: build(mesh, seed=7), guard, mesh=make_mesh)  # type: ignore[arg-type]
+        model = fsdp(lambda mesh: build(mesh, seed=7), guard, mesh=make_mesh)
         guard.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     else:
         model.rebuild()  # the same collectives (the mesh's groups) as the replacement's build
@@ -105,18 +106,7 @@ def _run(rank: int, world: int, port: int, out: Any) -> None:
 
 
 def test_an_hsdp_model_rebuilt_in_place_trains_on_as_if_nothing_happened() -> None:
-    from trainguard.runtime.embedded import free_port
-
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_run, args=(r, 4, port, out)) for r in range(4)]
-    for p in procs:
-        p.start()
-    got = dict(out.get(timeout=180) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    got = run_ranks(_run, 4, timeout=180)
     for rank, found in got.items():
         assert found["dim"] == 0 and found["groups"] == [[0, 2], [1, 3]]
         assert found["builds"] == (1 if rank == 2 else 2)  # the replacement built once

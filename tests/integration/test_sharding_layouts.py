@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import torch.multiprocessing as mp
+from tests.ranks import run_ranks
 
 
 def _layouts(rank: int, world: int, port: int, out: Any) -> None:
@@ -47,18 +47,7 @@ def _layouts(rank: int, world: int, port: int, out: Any) -> None:
 
 
 def test_real_dtensor_models_report_their_replica_groups() -> None:
-    from trainguard.runtime.embedded import free_port
-
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_layouts, args=(r, 4, port, out)) for r in range(4)]
-    for p in procs:
-        p.start()
-    got = dict(out.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    got = run_ranks(_layouts, 4, timeout=120)
     for rank, found in got.items():
         assert found["ddp"] == ("replicated", "dp", 4)
         assert found["fsdp"] == ("sharded", f"shard={rank}", 1)
