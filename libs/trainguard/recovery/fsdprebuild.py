@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from .handle import GuardHandle
+from .sharding import local_part
 
 Build = Callable[[Any], nn.Module]
 """The trainer's ``build(mesh)``: the model, ``fully_shard`` applied on ``mesh``."""
@@ -46,12 +47,6 @@ class _Kept:
     """The optimizer's parameter groups, as names."""
     state: dict[str, dict[str, tuple[Any, bool]]] = field(default_factory=dict)
     """The optimizer's state per parameter: ``(value, was a DTensor)``."""
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _placed_like(value: torch.Tensor, param: Any) -> Any:
@@ -101,7 +96,7 @@ class InPlaceFSDP(nn.Module):
         no collective) puts every parameter back to its shard first."""
         _reshard(self.module)
         names = {id(p): n for n, p in self.module.named_parameters()}
-        params = {n: _local(p).detach() for n, p in self.module.named_parameters()}
+        params = {n: local_part(p) for n, p in self.module.named_parameters()}
         device = next(iter(params.values())).device if params else torch.device("cpu")
         kept = _Kept(device=device, params=params,
                      buffers={n: b.detach() for n, b in self.module.named_buffers()})
@@ -109,7 +104,7 @@ class InPlaceFSDP(nn.Module):
         if optimizer is not None:
             kept.groups = [[names[id(p)] for p in group["params"]]
                            for group in optimizer.param_groups]
-            kept.state = {names[id(p)]: {k: (_local(v) if isinstance(v, torch.Tensor) else v,
+            kept.state = {names[id(p)]: {k: (local_part(v) if isinstance(v, torch.Tensor) else v,
                                              _is_dtensor(v)) for k, v in state.items()}
                           for p, state in optimizer.state.items()}
             optimizer.state.clear()
@@ -142,7 +137,7 @@ class InPlaceFSDP(nn.Module):
         module.to_empty(device=kept.device)
         with torch.no_grad():
             for name, param in module.named_parameters():
-                _copy(_local(param), kept.params, name)
+                _copy(local_part(param), kept.params, name)
             for name, buf in module.named_buffers():
                 _copy(buf, kept.buffers, name)
         optimizer = self._guard.optimizer

@@ -135,6 +135,14 @@ def read_declaration(raw: bytes | str) -> Declared:
     return Declared(kind="sharded", group=f"unreadable:{text[:40]}", group_size=1)
 
 
+def local_part(tensor: Any) -> Any:
+    """The part of ``tensor`` this rank holds, outside autograd and writable in place (it
+    shares the storage): a DTensor's local shard, else the tensor's data."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local().detach() if isinstance(tensor, DTensor) else tensor.data
+
+
 def replica_dim(params: Iterable[Any]) -> tuple[Any, int] | None:
     """The mesh and dimension along which every DTensor of ``params`` is replicated: its
     groups are the replica groups a shard is handed over in (HSDP's ``replicate``). None

@@ -27,6 +27,7 @@ from trainguard.contract.codec import decode_durable, encode_durable
 from trainguard.contract.schemas import Command
 
 from .loop import CommandState
+from .sharding import local_part
 
 JOINER: Final = -(2**62)
 """The completed step a replacement contributes: below any real step, -1 included."""
@@ -106,17 +107,10 @@ def share_state(model: Any, optimizer: Any, source: int, device: torch.device,
     send = _Sender(source, device, group)
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
-            send.tensor(_local(tensor))
+            send.tensor(local_part(tensor))
     _share_optimizer(optimizer, send, me == source)
     _share_rng(send, me == source)
     return time.perf_counter() - t0
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """The part of ``tensor`` this rank holds (a DTensor's local shard, written in place)."""
-    from torch.distributed.tensor import DTensor
-
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor.data
 
 
 @dataclass(frozen=True)
