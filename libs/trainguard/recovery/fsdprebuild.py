@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from .handle import GuardHandle
-from .sharding import local_part
+from .sharding import local_part, placed_like
 
 Build = Callable[[Any], nn.Module]
 """The trainer's ``build(mesh)``: the model, ``fully_shard`` applied on ``mesh``."""
@@ -47,13 +47,6 @@ class _Kept:
     """The optimizer's parameter groups, as names."""
     state: dict[str, dict[str, tuple[Any, bool]]] = field(default_factory=dict)
     """The optimizer's state per parameter: ``(value, was a DTensor)``."""
-
-
-def _placed_like(value: torch.Tensor, param: Any) -> Any:
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(value, param.device_mesh, param.placements, shape=param.shape,
-                              stride=param.stride())
 
 
 class InPlaceFSDP(nn.Module):
@@ -99,7 +92,7 @@ class InPlaceFSDP(nn.Module):
         params = {n: local_part(p) for n, p in self.module.named_parameters()}
         device = next(iter(params.values())).device if params else torch.device("cpu")
         kept = _Kept(device=device, params=params,
-                     buffers={n: b.detach() for n, b in self.module.named_buffers()})
+                     buffers={n: local_part(b) for n, b in self.module.named_buffers()})
         optimizer = self._guard.optimizer
         if optimizer is not None:
             kept.groups = [[names[id(p)] for p in group["params"]]
@@ -127,11 +120,9 @@ class InPlaceFSDP(nn.Module):
     def rebuild(self) -> None:
         """Build the model on the re-formed group's mesh and put this rank's state back."""
         kept, self._kept = self._kept, None
+        if kept is None:  # every re-form tears down (and so releases) first
+            raise RuntimeError("rebuild without a release: nothing was kept to rebuild from")
         mesh = self._make_mesh()
-        if kept is None:  # nothing kept (no teardown came first): a fresh build
-            self.mesh, self.module = mesh, self._build(mesh)
-            self.builds += 1
-            return
         with torch.device("meta"):
             module = self._build(mesh)
         module.to_empty(device=kept.device)
@@ -139,7 +130,7 @@ class InPlaceFSDP(nn.Module):
             for name, param in module.named_parameters():
                 _copy(local_part(param), kept.params, name)
             for name, buf in module.named_buffers():
-                _copy(buf, kept.buffers, name)
+                _copy(local_part(buf), kept.buffers, name)
         optimizer = self._guard.optimizer
         if optimizer is not None:
             new = dict(module.named_parameters())
@@ -147,7 +138,7 @@ class InPlaceFSDP(nn.Module):
                 group["params"] = [new[n] for n in names]
             for name, state in kept.state.items():
                 param = new[name]
-                optimizer.state[param] = {k: _placed_like(v, param) if was_dtensor else v
+                optimizer.state[param] = {k: placed_like(v, param) if was_dtensor else v
                                           for k, (v, was_dtensor) in state.items()}
         self.mesh, self.module = mesh, module
         self.builds += 1

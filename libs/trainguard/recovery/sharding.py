@@ -143,6 +143,16 @@ def local_part(tensor: Any) -> Any:
     return tensor.to_local().detach() if isinstance(tensor, DTensor) else tensor.data
 
 
+def placed_like(local: Any, param: Any) -> Any:
+    """``local`` (this rank's part of a tensor shaped like ``param``) as a DTensor placed like
+    ``param``: its mesh, placements, global shape and stride (an optimizer moment of an FSDP2
+    parameter, received or kept across a rebuild)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape,
+                              stride=param.stride())
+
+
 def replica_dim(params: Iterable[Any]) -> tuple[Any, int] | None:
     """The mesh and dimension along which every DTensor of ``params`` is replicated: its
     groups are the replica groups a shard is handed over in (HSDP's ``replicate``). None

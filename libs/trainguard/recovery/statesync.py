@@ -27,7 +27,7 @@ from trainguard.contract.codec import decode_durable, encode_durable
 from trainguard.contract.schemas import Command
 
 from .loop import CommandState
-from .sharding import local_part
+from .sharding import local_part, placed_like
 
 JOINER: Final = -(2**62)
 """The completed step a replacement contributes: below any real step, -1 included."""
@@ -189,16 +189,13 @@ def _like_params(skeleton: dict[str, Any], tensors: list[torch.Tensor],
                  optimizer: Any) -> None:
     """Wrap the received local parts of DTensor optimizer state (AdamW's moments of an FSDP2
     parameter) as DTensors placed like their parameter on this rank's mesh."""
-    from torch.distributed.tensor import DTensor
-
     params = [p for group in optimizer.param_groups for p in group["params"]]
     for index, entry in skeleton["state"].items():
         param = params[int(index)]
         for value in entry.values():
             if isinstance(value, dict) and value.get(_DTENSOR):
                 i = value[_TENSOR]
-                tensors[i] = DTensor.from_local(tensors[i], param.device_mesh, param.placements,
-                                                shape=param.shape, stride=param.stride())
+                tensors[i] = placed_like(tensors[i], param)
 
 
 def _strip(obj: Any, out: list[torch.Tensor]) -> Any:
