@@ -8,8 +8,9 @@ the same for every setup: ``dp`` (default) replicates it and all-reduces the gra
 1-D mesh over the 4 ranks), ``hsdp`` with HSDP (a 2x2 ``(replicate, shard)`` mesh);
 ``--optimizer`` (SGD for ``dp``, AdamW and its sharded state for the sharded modes unless
 given) goes to the trainer as it is. The faults strike rank 1 (rank 0 for NaN): a crash (an
-exception), a hang (blocked in the data phase), SIGSTOP, and NaN written into the
-parameters (a straggler, compute 2x slower, on request). Each runs under
+exception), a hang (blocked in the data phase; ``hang-compute``: in compute), SIGSTOP, and
+NaN written into the parameters (a straggler, compute 2x slower, on request). Each runs
+under
 
 - torchrun ``--max-restarts 3``, c10d rendezvous with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
   (stock restarts fail on gloo with "Gloo connectFullMesh failed", pytorch/pytorch#135712)
@@ -79,7 +80,7 @@ from trainguard.runtime.embedded import free_port, port_taken
 
 STEP_TIME = 0.05
 CKPT_EVERY = 10
-FAULT_STEP = 25
+FAULT_STEP = 45
 FAULT_RANK = 1
 NAN_RANK = 0
 SLOW_FACTOR = 2.0
@@ -91,12 +92,15 @@ STARTUP_BOUND = 300.0
 """Seconds a job may take to reach the fault (4 ranks importing torch on a busy machine)."""
 CRASH_MESSAGE = "RuntimeError: injected crash (bench_recovery)"
 HOSTS = ("node-a", "node-b")
-FAULT_NAMES = ("crash", "hang", "sigstop", "nan", "straggler")
+FAULT_NAMES = ("crash", "hang", "hang-compute", "sigstop", "nan", "straggler")
 DEFAULT_FAULTS = ("crash", "hang", "sigstop", "nan")
+STOPS = ("crash", "hang", "hang-compute", "sigstop")
+"""Faults that stop the job: it is back once a step past the last one before is done."""
 
 # Observation window per fault, seconds after the fault (the same for every setup).
-WINDOWS = {"crash": 25.0, "hang": 45.0, "sigstop": 50.0, "nan": 15.0, "straggler": 25.0}
-QUICK_WINDOWS = {"crash": 20.0, "hang": 35.0, "sigstop": 40.0, "nan": 10.0,
+WINDOWS = {"crash": 25.0, "hang": 45.0, "hang-compute": 45.0, "sigstop": 50.0, "nan": 15.0,
+           "straggler": 25.0}
+QUICK_WINDOWS = {"crash": 20.0, "hang": 35.0, "hang-compute": 35.0, "sigstop": 40.0, "nan": 10.0,
                  "straggler": 15.0}
 
 AGENT_FAILURE = re.compile(r"torch/distributed/elastic/\S+\] (failed \(exitcode|"
@@ -350,7 +354,7 @@ def measure(recs: list[Rec], t0: float, window: float, fault: str,
         useful = [r for r in recs if r.t <= end and not (
             r.pid == pid0 and r.step >= first_bad and (rolled is None or r.t < rolled.t))]
     else:
-        target = k_old if fault in ("crash", "hang", "sigstop") else k0
+        target = k_old if fault in STOPS else k0
         useful = [r for r in recs if r.t <= end]
     if new:
         m.resume_step = new[0].step
@@ -368,7 +372,7 @@ def measure(recs: list[Rec], t0: float, window: float, fault: str,
             m.recover_s = past[0].t - t0
     elif fault == "nan":
         m.steps_lost = m.poisoned_steps
-    elif fault in ("crash", "hang", "sigstop"):
+    elif fault in STOPS:
         # In place: rank 0's process stays. The group stalls on the failed step, abandons it
         # and runs it again: the stall is the run of slow steps that starts within the first
         # few after the fault (a step the failing rank still finished may come first; a
@@ -425,6 +429,7 @@ def fault_flags(fault: str) -> list[str]:
     return {
         "crash": ["--raise-at", f"{FAULT_RANK}:{FAULT_STEP}", "--raise-message", CRASH_MESSAGE],
         "hang": ["--hang-at", f"{FAULT_RANK}:{FAULT_STEP}"],
+        "hang-compute": ["--hang-at", f"{FAULT_RANK}:{FAULT_STEP}", "--hang-phase", "compute"],
         "straggler": ["--slow", f"{FAULT_RANK}:{SLOW_FACTOR}", "--slow-from", str(FAULT_STEP)],
         "nan": ["--nan-at", f"{NAN_RANK}:{FAULT_STEP}"],
         "sigstop": ["--stop-at", f"{FAULT_RANK}:{FAULT_STEP}"],
@@ -569,6 +574,8 @@ def _trainguard_faults() -> dict[str, Any]:
         "crash": Fault("crash", "crash", rank=FAULT_RANK, params={"message": CRASH_MESSAGE},
                        anomaly="crash", causes=("process_crash",), actions=("restart",)),
         "hang": FAULTS["hang"],
+        "hang-compute": dataclasses.replace(
+            FAULTS["hang"], params={**FAULTS["hang"].params, "phase": "compute"}),
         "sigstop": FAULTS["sigstop"],
         # No undo on detection: the rank stays slow for the window, as in the baselines.
         "straggler": dataclasses.replace(FAULTS["straggler"], undo=None),
@@ -728,6 +735,11 @@ def _judge_trainguard(cluster: Any, fault: Any, t0: float, window: float,
     out: dict[str, Any] = dataclasses.asdict(m)
     out["detect_s"] = round(max(0.0, first.detected_at - t0), 2) if first else None
     out["anomaly"] = {"kind": first.kind, "ranks": first.ranks} if first else None
+    limit = getattr(first.evidence, "limit", None) if first else None
+    if first is not None and limit is not None:  # a hang: the limit it was judged by
+        why = getattr(first.evidence, "unclear", "")
+        out["anomaly"]["limit"] = (f"{limit:.2f} s ({first.evidence.limit_basis}"
+                                   + (f": {why})" if why else ")"))
     # The incident: the runner's, else the first one that moved after the fault.
     inc = None
     if outcome is not None:
@@ -815,6 +827,8 @@ def cells(r: dict[str, Any]) -> dict[str, str]:
                          "detection")
         elif r["detect_s"] is not None and r["recover_s"] is not None:
             notes.append(f"back {r['recover_s'] - r['detect_s']:.1f} s after detection")
+        if (r.get("anomaly") or {}).get("limit"):
+            notes.append(f"judged at {r['anomaly']['limit']}")
         if r.get("cause"):
             acts = ", ".join(a.split(":")[0] for a in r.get("actions") or [])
             notes.append(f"{r['cause']}" + (f" -> {acts}" if acts else ""))

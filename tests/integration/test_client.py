@@ -91,6 +91,34 @@ async def test_heartbeats_continue_while_the_main_thread_is_blocked(
         guard.close()
 
 
+async def test_a_step_that_runs_long_sends_one_heartbeat_at_once(
+        nats_url: str, prefix: str, job: str) -> None:
+    """The early beat: with beats an hour apart, the only beat from inside the stalled
+    step is the one sent because it ran past 4x the usual step."""
+    async with tapped(nats_url, prefix, job) as (tap, _):
+        guard = make_guard(nats_url, prefix, job, heartbeat_interval=3600.0)
+        release = threading.Event()
+
+        def stalling_loop() -> None:
+            train(guard, range(20))
+            with guard.step(20) as s, s.phase("comm"):
+                release.wait(30)
+
+        worker = threading.Thread(target=stalling_loop)
+        worker.start()
+        try:
+            [beat] = await wait_until(
+                lambda: [h for h in tap.of(Heartbeat) if h.step == 20],
+                what="a heartbeat from inside the stalled step")
+            assert beat.phase == "comm" and beat.phase_elapsed >= 0.0
+            assert guard.state.usual_step is not None and guard.state.usual_step < 0.25
+        finally:
+            release.set()
+            await asyncio.to_thread(worker.join, 10)
+            guard.close()
+    assert len([h for h in tap.of(Heartbeat) if h.step == 20 and h.phase == "comm"]) == 1
+
+
 async def test_commands_run_at_safe_points_in_order_once_and_are_acked(
         nats_url: str, prefix: str, job: str) -> None:
     s = Subjects(prefix)

@@ -99,7 +99,7 @@ def test_a_crashed_rank_replaced_at_the_same_attempt_ends_its_crash() -> None:
 
 def test_the_gap_of_a_recovery_in_place_does_not_raise_the_hang_limit() -> None:
     """A 6 s recovery between two steps is not a step interval: the next hang is judged
-    at the floor (5 s), not at 3 x the recovery (18 s)."""
+    by the steps (3 x their p99), not at 3 x the recovery (18 s)."""
     from trainguard.services.detector.engine import LIVENESS
 
     job = Job({"node-a": 0, "node-b": 0})
@@ -107,9 +107,10 @@ def test_the_gap_of_a_recovery_in_place_does_not_raise_the_hang_limit() -> None:
     crash_rank_2(job)
     wait_recovering(job, 6.0, {0, 1, 3})
     job.pids[2] = 999
-    job.steps(20)
+    job.steps(60)
     state = job.d.jobs["j"]
-    assert LIVENESS.hang_limit(state) == (state.th.hang_floor, "hang_floor")
+    limit, basis = LIVENESS.hang_limit(state)
+    assert basis in ("hang_floor", "p99") and limit < 3.0  # 3 x the 0.5 s steps at most
 
 
 def test_a_rollback_in_place_starts_the_steps_and_baselines_over() -> None:

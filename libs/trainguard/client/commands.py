@@ -43,6 +43,7 @@ from trainguard.contract.subjects import Subjects
 from trainguard.contract.targets import for_agent
 from trainguard.core import tracing
 from trainguard.core.identity import Identity
+from trainguard.core.rankstate import RankState
 from trainguard.core.receiver import Answer, Drop, Receiver
 from trainguard.recovery.agreement import NONE_HELD, AgreeFn, Cadence, agree, find_agreement
 from trainguard.recovery.handle import Handler
@@ -79,19 +80,22 @@ class CommandDesk:
         clock: where step times are read (monotonic seconds).
         find: builds the agreement for a world size, at the same step on every rank
             (default :func:`find_agreement`: a torch.distributed side group).
+        state: the rank's state, where the agreement shows as a collective wait.
     """
 
     def __init__(self, identity: Identity, subjects: Subjects, transport: Transport, *,
                  sync_every: int = 10, sync_period: float = 0.25,
                  collective_timeout: float = 30.0,
                  clock: Callable[[], float] = time.monotonic,
-                 find: Callable[[int], AgreeFn | None] | None = None) -> None:
+                 find: Callable[[int], AgreeFn | None] | None = None,
+                 state: RankState | None = None) -> None:
         self.identity = identity
         self.subjects = subjects
         self.transport = transport
         self.cadence = Cadence(sync_every, sync_period, clock)
         """When the group agrees next (:mod:`trainguard.recovery.agreement`)."""
         self._find = find or find_agreement
+        self._state = state or RankState()
         self.collective_timeout = collective_timeout
         self.receiver = Receiver("rank", str(identity.rank), _for_ranks)
         self.handlers: dict[str, Handler] = {}
@@ -275,9 +279,11 @@ class CommandDesk:
     def _agree_and_run(self, completed: int) -> None:
         assert self.agreement is not None
         try:
-            agreed, generation, interval, floor = agree(
-                self.agreement, highest_seq=self._highest_seq, generation=self._generation(),
-                interval=self.cadence.proposed_interval(), lowest_held=self._lowest_held())
+            with self._state.collective():
+                agreed, generation, interval, floor = agree(
+                    self.agreement, highest_seq=self._highest_seq,
+                    generation=self._generation(), interval=self.cadence.proposed_interval(),
+                    lowest_held=self._lowest_held())
         except Exception as exc:
             log.warning("collective command agreement failed (%r); running commands locally",
                         exc)

@@ -41,7 +41,7 @@ from trainguard.contract.schemas import (
 from trainguard.contract.subjects import DEFAULT_PREFIX, Subjects
 from trainguard.core.auth import TlsFiles, access_from
 from trainguard.core.identity import Identity, environment_record, resolve_identity
-from trainguard.core.rankstate import RankState
+from trainguard.core.rankstate import STALL_CHECK_S, RankState
 from trainguard.recovery.handle import RESUME_TIMEOUT, Handler
 from trainguard.recovery.loop import CommandState, Loop, Recovery, iterate
 
@@ -132,7 +132,7 @@ class Guard:
         """The background thread and its buffers (read-only for callers: stats, tests)."""
         self.commands = CommandDesk(self.identity, self.subjects, self.transport,
                                     sync_every=sync_every, sync_period=sync_period,
-                                    collective_timeout=collective_timeout)
+                                    collective_timeout=collective_timeout, state=self.state)
         """Handlers by kind, the inbox, and what ran."""
         self._step_subject = self.subjects.step(self.job, self.rank)
         self._fp_subject = self.subjects.fp(self.job, self.rank)
@@ -170,6 +170,7 @@ class Guard:
         t = self.transport
         self.commands.listen()
         t.every(self.heartbeat_interval, self._beat)
+        t.every(STALL_CHECK_S, self._beat_if_stalled)
         self._fr = frdump.Trigger.from_env(self.rank)
         if self._fr is not None:
             t.every(frdump.POLL_S, self._fr.poll)  # the agent's flight-recorder dump requests
@@ -411,8 +412,7 @@ class Guard:
     def _enter(self, step: Step) -> None:
         if not self._started:
             self.start()
-        self.state.step = step.n
-        self.state.enter("step")
+        self.state.begin_step(step.n)
         if self.commands.has_work:
             self.commands.safe_point(None)
         drills = self._drills.on_entry
@@ -421,7 +421,7 @@ class Guard:
 
     def _exit(self, step: Step, duration: float, *, failed: bool,
               error: BaseException | None = None) -> bool:
-        self.state.phase = None
+        self.state.end_step(None if failed else duration)
         if failed:
             return self._absorb(step.n, error)
         if not self.enabled:  # still tracked: a Checkpointer warms up after the first step
@@ -499,6 +499,10 @@ class Guard:
         identity = self.identity  # one read: a resize on the training thread may be midway
         hb = self.state.heartbeat(identity, self.transport.stats.dropped)
         self.transport.publish(self.subjects.hb(self.job, identity.rank), hb)
+
+    def _beat_if_stalled(self) -> None:
+        if self.state.stalled(time.monotonic()):
+            self._beat()
 
     # -- built-in command handlers ----------------------------------------------------
     def _set_interval(self, cmd: Command) -> str:

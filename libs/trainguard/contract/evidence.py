@@ -153,9 +153,15 @@ class HangEvidence(_Evidence, kw_only=True):
     stalled_for: float | None = None
     limit: float | None = None
     limit_basis: str = ""
-    """``startup_grace``, ``hang_floor``, ``p99`` or ``phase:<name>``."""
+    """``startup_grace``, ``hang_floor`` (the job showed a wait), ``unclear_hang_floor``
+    (it did not), ``p99`` or ``phase:<name>``."""
     p99_step_interval: float | None = None
     hang_floor: float | None = None
+    """The floor that applied (``hang_floor`` or ``unclear_hang_floor``)."""
+    unclear: str = ""
+    """Why the job did not show what it waits for ("" when it did): too few steps
+    learned, ranks unheard since the stall, too few in a collective, the holder in an
+    irregular phase or on its first step."""
     hang_k: float | None = None
     dstate_grace: float | None = None
     last_step: int | None = None

@@ -8,19 +8,28 @@ under the GIL, and a heartbeat that mixes two moments of one step is harmless.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 
 from trainguard.contract.schemas import Heartbeat
 
 from .identity import Identity
 
+STALL_BEAT_MIN_S = 0.25
+STALL_BEAT_FACTOR = 4.0
+"""A step this many times the usual (and at least ``STALL_BEAT_MIN_S``) sends an early
+heartbeat (:meth:`RankState.stalled`)."""
+STALL_CHECK_S = 0.1
+"""How often the transport thread asks :meth:`RankState.stalled`."""
+
 
 class RankState:
     """The current step and phase, collective counters and the ``slow`` drill's factor."""
 
-    __slots__ = ("coll_done", "coll_seq", "comm_outstanding", "hb_seq", "phase", "phase_t0",
-                 "slow_factor", "step")
+    __slots__ = ("coll_done", "coll_seq", "comm_outstanding", "early_beat_for", "hb_seq",
+                 "phase", "phase_t0", "slow_factor", "step", "step_t0", "usual_step")
 
     def __init__(self) -> None:
         self.step: int | None = None
@@ -36,6 +45,52 @@ class RankState:
         self.comm_outstanding = 0
         """Collectives issued and not completed: while above 0 the heartbeat says ``comm``."""
         self.hb_seq = 0
+        self.step_t0: float | None = None
+        """When the current step began (monotonic); None between steps."""
+        self.usual_step: float | None = None
+        """A moving average of this rank's step durations: what a stall is measured by."""
+        self.early_beat_for: float | None = None
+        """The ``step_t0`` of the step an early heartbeat was already sent for."""
+
+    def begin_step(self, n: int) -> None:
+        self.step = n
+        self.enter("step")
+        self.step_t0 = self.phase_t0
+
+    def end_step(self, seconds: float | None) -> None:
+        """The step ended (``seconds``: its duration when it completed, None when failed)."""
+        self.phase = None
+        self.step_t0 = None
+        if seconds is not None:
+            usual = self.usual_step
+            self.usual_step = seconds if usual is None else usual + 0.1 * (seconds - usual)
+
+    def stalled(self, now: float) -> bool:
+        """True once per step, when it has run well past this rank's usual step.
+
+        A heartbeat sent then shows the detector where every rank is inside the stall a
+        whole heartbeat interval sooner: a job with short steps is judged in about a
+        second, and the picture it is judged on is never from before the stall."""
+        t0, usual = self.step_t0, self.usual_step
+        if t0 is None or usual is None or t0 == self.early_beat_for:
+            return False
+        if now - t0 < max(STALL_BEAT_MIN_S, STALL_BEAT_FACTOR * usual):
+            return False
+        self.early_beat_for = t0
+        return True
+
+    @contextlib.contextmanager
+    def collective(self) -> Iterator[None]:
+        """A collective of trainguard's own between steps (the command agreement): counted
+        like the trainer's, and the heartbeat says ``comm`` meanwhile, so a rank held
+        there reads as waiting for a peer, not as idle."""
+        self.coll_seq += 1
+        self.comm_outstanding += 1
+        try:
+            yield
+        finally:
+            self.comm_outstanding -= 1
+            self.coll_done += 1
 
     def enter(self, phase: str) -> None:
         """``phase`` begins now."""

@@ -78,7 +78,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # Fault injection without trainguard's drills, for baselines (run them with
     # TRAINGUARD_DISABLED=1). Each fires on the first attempt only, like --raise-at.
     p.add_argument("--hang-at", metavar="RANK:STEP", default=None,
-                   help="block RANK forever in the data phase of STEP (first attempt only)")
+                   help="block RANK forever in the --hang-phase of STEP (first attempt only)")
+    p.add_argument("--hang-phase", choices=("data", "compute"), default="data",
+                   help="where --hang-at blocks: waiting for data (default) or in compute "
+                        "(a kernel or a lock that never returns)")
     p.add_argument("--nan-at", metavar="[RANK:]STEP", default=None,
                    help="fill the first parameter with NaN at STEP on RANK (every rank if "
                         "no RANK is given), first attempt only: the gradient all-reduce "
@@ -419,11 +422,12 @@ def main(argv: list[str] | None = None) -> int:
         if slow > 1.0 and step == args.slow_from:
             progress.fault(step, "slow")
         with guard.step(step) as s:
-            with s.phase("data"):
-                if rank == hang_rank and step == hang_step and first_attempt:
-                    progress.fault(step, "hang")
+            if rank == hang_rank and step == hang_step and first_attempt:
+                progress.fault(step, "hang")
+                with s.phase(args.hang_phase):
                     while True:  # blocked for good: only a signal ends it
                         time.sleep(1.0)
+            with s.phase("data"):
                 data = torch.Generator().manual_seed(args.seed * 1_000_003 + rank * 7919 + step)
                 if text is not None:
                     at = torch.randint(0, len(text) - SEQ - 1, (8,), generator=data)

@@ -116,6 +116,10 @@ class Census:
     live: list[RankInfo]
     silent: list[RankInfo]
     stopped: list[RankInfo]
+    waiting: int = 0
+    """Live ranks in a collective (a comm phase, or collectives issued and not done)."""
+    unheard: int = 0
+    """Live ranks whose newest heartbeat is older than the census's ``since``."""
 
 
 class StepRule(Protocol):
@@ -174,6 +178,7 @@ class JobState:
         self.th = th
         self.long_phases = th.phase_set("long_phases")
         self.comm_phases = th.phase_set("comm_phases")
+        self.irregular_phases = th.phase_set("irregular_phases")
         self._not_compute = tuple(self.comm_phases | self.long_phases)
         self._data_phase = th.data_phase
         self.intervals = Ring(th.hang_window)
@@ -515,12 +520,17 @@ class JobState:
     def p99_interval(self) -> float | None:
         return self.intervals.quantile(0.99)
 
-    def take_census(self, now: float) -> Census:
-        """Phase of every rank of the attempt; silent and stopped ranks apart (O(ranks))."""
+    def take_census(self, now: float, since: float | None = None) -> Census:
+        """Phase of every rank of the attempt; silent and stopped ranks apart (O(ranks)).
+
+        ``since``: the start of a stall; live ranks not heard since are counted apart (their
+        phase is from before it, and says nothing about what the job waits for)."""
         live: list[RankInfo] = []
         silent: list[RankInfo] = []
         stopped: list[RankInfo] = []
         counts: Counter[str] = Counter()
+        in_comm = unheard = 0
+        comm = self.comm_phases
         for r in self.in_attempt():
             if r.proc_state in STOPPED_STATES:
                 stopped.append(r)
@@ -531,11 +541,16 @@ class JobState:
             else:
                 live.append(r)
                 counts[r.phase or "idle"] += 1
+                if r.phase in comm or r.coll_seq > r.coll_done:
+                    in_comm += 1
+                if since is not None and r.last_hb < since:
+                    unheard += 1
         majority = "idle"
         if counts:
             top = max(counts.values())
             tied = sorted(p for p, n in counts.items() if n == top)
             waiting = [p for p in tied if p in self.comm_phases]
             majority = waiting[0] if waiting else tied[0]
-        self.census = Census(now, majority, dict(counts), live, silent, stopped)
+        self.census = Census(now, majority, dict(counts), live, silent, stopped, in_comm,
+                             unheard)
         return self.census

@@ -7,9 +7,13 @@
   silence alone is not proof of death (a partitioned network looks the same). One per
   host, widened as more of its ranks fall silent. Never judged during the grace after
   the detector's own (re)connect or takeover of the job, when it simply has not heard yet.
-* ``hang``: no step completed for max(``hang_floor``, ``hang_k`` x p99 step interval)
-  while heartbeats go on, with a learned limit when most ranks are in a phase that is
-  long by nature (checkpoint, eval) and a start-up grace before the first step. The
+* ``hang``: no step completed for max(floor, ``hang_k`` x p99 step interval) while
+  heartbeats go on. The floor is ``hang_floor`` (1 s) where the job shows what it waits
+  for (every rank heard inside the stall, most of them in a collective: the ranks send a
+  heartbeat as soon as a step runs long), else ``unclear_hang_floor`` (5 s: too few steps
+  learned, a rank not heard since, every rank busy in its own phase). A learned limit
+  applies when most ranks are in a phase that is long by nature (checkpoint, eval), and a
+  start-up grace before the first step. The
   culprits are the ranks whose phase differs from the majority (the one in ``data`` while
   the rest wait in ``comm``), else, when all wait in ``comm``, those behind in issued
   collectives. A rank the agent reports stopped (T) is a hang at once; one stuck in D is
@@ -189,15 +193,66 @@ class Liveness:
                 job.book.clear(key, now)
 
     # -- hang ---------------------------------------------------------------------------
-    def hang_limit(self, job: JobState) -> tuple[float, str]:
+    def hang_limit(self, job: JobState, census: Census | None = None,
+                   culprits: list[int] | None = None) -> tuple[float, str]:
+        """How long this stall may last, and why. Without a ``census``: the least it could
+        be (when to look closer); with one, and the ranks holding the job up: what the job
+        shows it waits for."""
         th = job.th
         if not job.has_stepped:
             return th.startup_grace, "startup_grace"
+        culprits = culprits or []
+        held = self.held_in(job, census, culprits) if census is not None else set()
+        floor, basis = (
+            (max(th.unclear_hang_floor, th.hang_floor), "unclear_hang_floor")
+            if self.unclear(job, census, culprits) else (th.hang_floor, "hang_floor"))
         p99 = job.p99_interval()
-        if p99 is None:
-            return th.hang_floor, "hang_floor"
-        limit = th.hang_k * p99
-        return (limit, "p99") if limit > th.hang_floor else (th.hang_floor, "hang_floor")
+        limit = th.hang_k * p99 if p99 is not None else 0.0
+        if limit > floor:
+            basis = "p99"
+        limit = max(limit, floor)
+        if census is not None:
+            long = ([census.majority] if census.majority in job.long_phases
+                    else sorted(held & job.long_phases))
+            if long:
+                limit = max(self.long_phase_limit(job, p, limit) for p in long)
+                basis = f"phase:{long[0]}"
+        return limit, basis
+
+    def unclear(self, job: JobState, census: Census | None, culprits: list[int]) -> str:
+        """Why the job does not show what it waits for ("" when it does): then the
+        ``unclear_hang_floor`` applies. It shows it when the step intervals are learned,
+        every live rank was heard inside the stall, most of them wait in a collective, and
+        the ranks holding them up are neither in an irregular phase nor on their first step
+        as this process (a replacement warming up, a first step compiling), nor briefly in
+        D or t."""
+        learned, need = len(job.intervals), job.th.hang_learn_steps
+        if learned < need:
+            return f"{learned} of {need} step intervals learned"
+        if census is None:
+            return ""
+        if census.unheard:
+            return f"{census.unheard} ranks not heard since the stall began"
+        if 2 * census.waiting <= len(census.live):
+            return f"{census.waiting} of {len(census.live)} ranks in a collective"
+        irregular = sorted(self.held_in(job, census, culprits) & job.irregular_phases)
+        if irregular:
+            return f"held in {irregular[0]}"
+        first = [i for i in culprits if i in job.ranks and job.ranks[i].last_step is None]
+        if first:
+            return f"rank {first[0]} on its first step"
+        brief = [r for r in census.stopped if r.proc_state != "T"
+                 and census.time - r.proc_since < job.th.dstate_grace]
+        if brief:  # D and t are often brief: they count once they last (``dstate_grace``)
+            return f"rank {brief[0].rank} in {brief[0].proc_state} for less than dstate_grace"
+        return ""
+
+    @staticmethod
+    def held_in(job: JobState, census: Census, culprits: list[int]) -> set[str]:
+        """The phases the ranks holding the job up are in (a long or irregular one there
+        takes its own, longer limit: one rank saving while the rest wait is no hang)."""
+        live = {r.rank for r in census.live}
+        return {job.ranks[i].phase or "idle" for i in culprits if i in live}
 
     def long_phase_limit(self, job: JobState, phase: str, base: float) -> float:
         samples = job.long_samples.get(phase)
@@ -215,21 +270,19 @@ class Liveness:
         self.judge_process_states(job, now)
         stalled_since = job.last_progress if job.has_stepped else job.attempt_start
         stalled = now - stalled_since
-        base, basis = self.hang_limit(job)
+        base, _ = self.hang_limit(job)
         census = None
         if stalled > min(base, job.th.checkpoint_slow_floor):
-            census = job.take_census(now)
+            census = job.take_census(now, stalled_since)
         excused = self.restarting_hosts(job, now)
         self.judge_silence(job, census, now, excused)
         if census is None or stalled <= base or not census.live or excused \
                 or self.exit_pending(job, now) or self.recovering(census, now, job.th):
             return
-        limit = base
-        if census.majority in job.long_phases:
-            limit = self.long_phase_limit(job, census.majority, base)
-            basis = f"phase:{census.majority}"
+        culprits = self.culprits(job, census)
+        limit, basis = self.hang_limit(job, census, culprits[0])
         if stalled > limit:
-            self._hang(job, census, now, stalled_since, limit, basis)
+            self._hang(job, census, now, stalled_since, (limit, basis), culprits)
 
     @staticmethod
     def recovering(census: Census, now: float, th: Thresholds) -> bool:
@@ -249,9 +302,9 @@ class Liveness:
             del job.closing[rank]
         return bool(job.closing)
 
-    def _hang(self, job: JobState, census: Census, now: float, since: float, limit: float,
-              basis: str) -> None:
-        culprits, how = self.culprits(job, census)
+    def _hang(self, job: JobState, census: Census, now: float, since: float,
+              judged: tuple[float, str], named_by: tuple[list[int], str]) -> None:
+        (limit, basis), (culprits, how) = judged, named_by
         named = culprits or [r.rank for r in census.live]
         cap = job.th.evidence_max_ranks
         everyone = census.live + census.silent + census.stopped
@@ -262,7 +315,9 @@ class Liveness:
         evidence = HangEvidence(
             stalled_since=since, stalled_for=round(now - since, 3), limit=limit,
             limit_basis=basis, p99_step_interval=job.p99_interval(),
-            hang_floor=job.th.hang_floor, hang_k=job.th.hang_k,
+            hang_floor=job.th.hang_floor if basis == "hang_floor"
+            else max(job.th.hang_floor, job.th.unclear_hang_floor), hang_k=job.th.hang_k,
+            unclear=self.unclear(job, census, culprits),
             last_step=job.max_step, majority_phase=census.majority,
             phase_counts=census.counts, silent=[r.rank for r in census.silent][:cap],
             culprits=culprits[:cap], culprit_basis=how,

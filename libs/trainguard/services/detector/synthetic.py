@@ -27,6 +27,7 @@ from trainguard.contract.schemas import (
     StepReport,
     TelemetryMessage,
 )
+from trainguard.core.rankstate import STALL_BEAT_FACTOR, STALL_BEAT_MIN_S
 
 from .engine import Detector
 from .job import JobState
@@ -54,6 +55,16 @@ class SimConfig:
     """Chance that a rank's step takes 2-3x (a GC pause, a bad batch): never an alert."""
     checkpoint_every: int = 0
     checkpoint_seconds: tuple[float, float] = (8.0, 12.0)
+    eval_every: int = 0
+    """Every this many steps every rank evaluates (phase ``eval``) before the step."""
+    eval_seconds: tuple[float, float] = (5.0, 15.0)
+    refill_every: int = 0
+    """Every this many steps (jittered) the data loaders refill: ``data`` runs long."""
+    refill_seconds: tuple[float, float] = (0.5, 2.0)
+    refill_one_rank: float = 0.0
+    """Chance that a refill is one rank's alone (its peers wait for it in ``comm``)."""
+    early_beats: bool = True
+    """Ranks beat early once a step runs past 4x their usual, as the client does."""
     fingerprint_every: int = 0
     loss_start: float = 5.0
     loss_end: float = 2.0
@@ -101,6 +112,8 @@ class SimJob:
         """rank -> collectives it is behind the others (a rank that never issued one)."""
         self.phase = ["idle"] * cfg.ranks
         self.phase_start = [self.now] * cfg.ranks
+        self.usual: list[float | None] = [None] * cfg.ranks
+        """Each rank's moving average of its step durations (the client's ``usual_step``)."""
         self.messages = 0
 
     def host(self, rank: int) -> str:
@@ -123,26 +136,38 @@ class SimJob:
             self.sink(msg)
         self.now = until
 
-    def _heartbeats(self, until: float, phase_of: Callable[[int, float], str],
+    def _heartbeats(self, start: float, until: float, phase_of: Callable[[int, float], str],
                     events: list[tuple[float, int, TelemetryMessage]]) -> None:
+        """Every rank's beats in ``[start, until)``: its regular ones, and the client's early
+        one once the step has run past ``STALL_BEAT_FACTOR`` x the rank's usual step
+        (:meth:`RankState.stalled`)."""
         cfg = self.cfg
         for r in range(cfg.ranks):
             t = self.next_hb[r]
+            times = []
             while t < until:
-                if r not in self.silent:
-                    phase = phase_of(r, t)
-                    if phase != self.phase[r]:
-                        self.phase[r] = phase
-                        self.phase_start[r] = t
-                    self.seq[r] += 1
-                    events.append((t, len(events), Heartbeat(
-                        job=cfg.job, time=t, seq=self.seq[r], rank=r, attempt=self.attempt,
-                        host=self.host(r), pid=1000 + r, step=self.step, phase=phase,
-                        phase_elapsed=t - self.phase_start[r],
-                        coll_seq=self.step * 2 - self.coll_lag.get(r, 0),
-                        coll_done=self.step * 2 - self.coll_lag.get(r, 0))))
+                times.append(t)
                 t += cfg.hb_interval
             self.next_hb[r] = t
+            usual = self.usual[r]
+            if cfg.early_beats and usual is not None:
+                early = start + max(STALL_BEAT_MIN_S, STALL_BEAT_FACTOR * usual)
+                if early < until:
+                    times = sorted([*times, early])
+            if r in self.silent:
+                continue
+            for t in times:
+                phase = phase_of(r, t)
+                if phase != self.phase[r]:
+                    self.phase[r] = phase
+                    self.phase_start[r] = t
+                self.seq[r] += 1
+                lag = self.coll_lag.get(r, 0)
+                events.append((t, len(events), Heartbeat(
+                    job=cfg.job, time=t, seq=self.seq[r], rank=r, attempt=self.attempt,
+                    host=self.host(r), pid=1000 + r, step=self.step, phase=phase,
+                    phase_elapsed=t - self.phase_start[r], coll_seq=self.step * 2 - lag,
+                    coll_done=self.step * 2 - lag)))
 
     # -- time ---------------------------------------------------------------------------
     def steps(self, n: int) -> None:
@@ -164,7 +189,15 @@ class SimJob:
             c *= self.slow.get(r, 1.0) * self.step_time_scale
             compute.append(c)
             data.append(cfg.data * math.exp(rng.gauss(0.0, 0.2)) + self.data_extra.get(r, 0.0))
-        busy = [compute[r] + data[r] for r in range(cfg.ranks)]
+        if cfg.refill_every and s > 0 and rng.random() < 1.0 / cfg.refill_every:
+            refill = rng.uniform(*cfg.refill_seconds)
+            alone = rng.random() < cfg.refill_one_rank
+            for r in ([rng.randrange(cfg.ranks)] if alone else range(cfg.ranks)):
+                data[r] += refill
+        ev = 0.0
+        if cfg.eval_every and s > 0 and s % cfg.eval_every == 0:
+            ev = rng.uniform(*cfg.eval_seconds)
+        busy = [ev + compute[r] + data[r] for r in range(cfg.ranks)]
         ckpt = 0.0
         if cfg.checkpoint_every and s > 0 and s % cfg.checkpoint_every == 0:
             ckpt = rng.uniform(*cfg.checkpoint_seconds)
@@ -174,16 +207,19 @@ class SimJob:
 
         def phase_of(r: int, t: float) -> str:
             into = t - start
+            if into < ev:
+                return "eval"
+            into -= ev
             if into < data[r]:
                 return "data"
-            if into < busy[r]:
+            if into < busy[r] - ev:
                 return "compute"
-            if into < slowest + cfg.comm:
+            if into < slowest - ev + cfg.comm:
                 return "comm"
             return "checkpoint"
 
         events: list[tuple[float, int, TelemetryMessage]] = []
-        self._heartbeats(end, phase_of, events)
+        self._heartbeats(start, end, phase_of, events)
         progress = 1.0 - math.exp(-s / 3000.0)
         loss_base = cfg.loss_start + (cfg.loss_end - cfg.loss_start) * progress
         grad = cfg.grad_norm * math.exp(rng.gauss(0.0, cfg.grad_noise)) * self.grad_scale.get(s, 1)
@@ -197,6 +233,8 @@ class SimJob:
                       "comm": duration - ckpt - busy[r]}
             if ckpt:
                 phases["checkpoint"] = ckpt
+            if ev:
+                phases["eval"] = ev
             t = end + rng.random() * 0.002
             self.seq[r] += 1
             events.append((t, len(events), StepReport(
@@ -211,12 +249,16 @@ class SimJob:
                     attempt=self.attempt)))
         self._emit(events, end)
         self.step += 1
+        for r in range(cfg.ranks):
+            usual = self.usual[r]
+            self.usual[r] = duration if usual is None else usual + 0.1 * (duration - usual)
 
     def stall(self, seconds: float, phase_of: Callable[[int], str]) -> None:
         """No step completes for ``seconds``; heartbeats go on with each rank's phase."""
         events: list[tuple[float, int, TelemetryMessage]] = []
-        self._heartbeats(self.now + seconds, lambda r, t: phase_of(r), events)
-        self._emit(events, self.now + seconds)
+        start, until = self.now, self.now + seconds
+        self._heartbeats(start, until, lambda r, t: phase_of(r), events)
+        self._emit(events, until)
 
 
 class Harness:

@@ -30,12 +30,20 @@ class Thresholds:
     # -- liveness ------------------------------------------------------------------
     hb_timeout: float = 5.0
     """Heartbeat silence beyond this is ``unresponsive`` (5 x the client's 1 s beat)."""
-    hang_floor: float = 5.0
-    """No hang is declared before this much time without a completed step."""
+    hang_floor: float = 1.0
+    """No hang is declared before this much time without a completed step, where the job
+    shows what it waits for: every rank heard inside the stall and most of them waiting in
+    a collective. Raise it only for a job whose ranks wait that long by nature."""
+    unclear_hang_floor: float = 5.0
+    """The floor where the job does not show a wait: fewer than ``hang_learn_steps`` step
+    intervals known, a rank not heard since the stall began, or no rank waiting in a
+    collective (every rank busy in its own phase, e.g. a data refill)."""
     hang_k: float = 3.0
-    """Hang limit = max(hang_floor, hang_k x the rolling p99 step interval)."""
+    """Hang limit = max(floor, hang_k x the rolling p99 step interval)."""
     hang_window: int = 200
     """Step intervals kept for the p99."""
+    hang_learn_steps: int = 20
+    """Step intervals needed before the p99 is trusted to say what a normal step is."""
     warmup_steps: int = 5
     """Steps at the start of each attempt left out of the step-time windows (compile)."""
     startup_grace: float = 300.0
@@ -46,6 +54,10 @@ class Thresholds:
     """Limit for a long phase seen for the first time (nothing learned yet)."""
     comm_phases: str = "comm"
     """Phases that are collective wait, i.e. not a rank's own compute."""
+    irregular_phases: str = "data"
+    """Phases whose length varies by nature (a loader refilling, a remote read): a rank
+    holding the job up in one is judged by the ``unclear_hang_floor``, not the
+    ``hang_floor``, so a slow batch is not taken for a hang."""
     dstate_grace: float = 5.0
     """A rank must stay in D or t (traced) this long to be a hang; T counts at once."""
     restart_timeout: float = 60.0

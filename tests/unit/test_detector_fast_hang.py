@@ -1,0 +1,114 @@
+"""Hangs judged from what the job shows: a second on short steps, never on irregular ones.
+
+Simulated time (pure detector, no bus): 50 ms steps, the client's early heartbeat modelled
+by :class:`~trainguard.services.detector.synthetic.SimJob`.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from trainguard.services.detector.synthetic import Harness, SimConfig
+from trainguard.services.detector.thresholds import Thresholds
+
+SHORT = {"compute": 0.04, "data": 0.004, "comm": 0.004, "jitter": 0.15}
+"""A job of ~50 ms steps."""
+
+
+def short_job(ranks: int = 8, th: Thresholds | None = None, **cfg: object) -> Harness:
+    config = SimConfig(ranks=ranks, ranks_per_host=4, **{**SHORT, **cfg})  # type: ignore[arg-type]
+    return Harness(th or Thresholds(), config, tick_every=0.25)
+
+
+def stall_until_hang(h: Harness, culprit: int, phase: str, most: float = 12.0) -> float:
+    """Rank ``culprit`` stops in ``phase``, the rest wait in ``comm``; seconds to the hang."""
+    onset = h.sim.now
+    h.sim.stall(most, lambda r: phase if r == culprit else "comm")
+    [hang] = h.opened("hang")
+    assert hang.ranks == [culprit] and hang.evidence.culprits == [culprit]
+    return hang.detected_at - onset
+
+
+def test_a_hang_in_a_job_of_50_ms_steps_is_found_with_its_culprit_within_a_second_and_a_half(
+        ) -> None:
+    h = short_job()
+    h.sim.steps(300)
+    found = stall_until_hang(h, 3, "compute")
+    [hang] = h.opened("hang")
+    assert hang.evidence.limit_basis == "hang_floor" and hang.evidence.limit == 1.0
+    assert hang.evidence.majority_phase == "comm" and hang.evidence.culprit_basis == "phase"
+    assert found <= 1.5
+
+
+def test_a_rank_held_in_an_irregular_phase_gets_the_unclear_floor() -> None:
+    """One rank in ``data`` for 2 s while the rest wait is a slow batch as often as a hang."""
+    h = short_job()
+    h.sim.steps(300)
+    found = stall_until_hang(h, 5, "data")
+    [hang] = h.opened("hang")
+    assert hang.evidence.limit_basis == "unclear_hang_floor"
+    assert found >= Thresholds().unclear_hang_floor
+
+
+def test_a_rank_saving_while_the_rest_wait_gets_the_checkpoint_phase_limit() -> None:
+    h = short_job()
+    h.sim.steps(300)
+    h.sim.stall(30.0, lambda r: "checkpoint" if r == 0 else "comm")
+    assert h.opened("hang") == []
+
+
+def test_before_enough_steps_are_known_the_unclear_floor_applies() -> None:
+    h = short_job()
+    h.sim.steps(Thresholds().warmup_steps + 20)
+    found = stall_until_hang(h, 2, "compute")
+    assert found >= Thresholds().unclear_hang_floor
+    assert h.opened("hang")[0].evidence.limit_basis == "unclear_hang_floor"
+
+
+def test_ranks_that_do_not_beat_early_are_waited_for_before_the_floor_applies() -> None:
+    """Without the early beat (an older client) the picture of the stall comes with the
+    regular beat: still judged, by the floor, once every rank has been heard inside it."""
+    h = short_job(early_beats=False)
+    h.sim.steps(300)
+    found = stall_until_hang(h, 3, "compute")
+    assert 1.0 < found <= 1.0 + h.sim.cfg.hb_interval + 0.5
+
+
+def test_most_ranks_busy_in_their_own_phase_is_no_wait() -> None:
+    """Every rank in ``compute`` for 3 s (a recompile on all of them): nothing waits."""
+    h = short_job()
+    h.sim.steps(300)
+    h.sim.stall(3.0, lambda r: "compute")
+    assert h.opened("hang") == []
+
+
+def test_the_floor_is_a_setting_for_the_job_that_needs_it() -> None:
+    h = short_job(th=Thresholds(hang_floor=4.0))
+    h.sim.steps(300)
+    found = stall_until_hang(h, 3, "compute")
+    assert found >= 4.0
+    assert h.opened("hang")[0].evidence.hang_floor == 4.0
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_ten_minutes_of_irregular_50_ms_steps_raise_no_hang(seed: int) -> None:
+    """Jittered steps with rare slow ones, a slow first step, data refills (some on one rank
+    alone), evaluations and checkpoints: ten simulated minutes, no hang, no silence."""
+    h = short_job(seed=seed, jitter=0.3, slow_step_prob=0.002, refill_every=300,
+                  refill_seconds=(0.3, 2.5), refill_one_rank=0.3, eval_every=2500,
+                  eval_seconds=(4.0, 12.0), checkpoint_every=1800, checkpoint_seconds=(2.0, 6.0))
+    h.sim.stall(20.0, lambda r: "compute")  # compiling the first step
+    while h.sim.now - h.sim.cfg.start_time < 600.0:
+        h.sim.steps(200)
+    assert h.sim.step > 5000
+    assert [a for a in h.events if a.kind in ("hang", "unresponsive")] == []
+
+
+def test_a_rank_that_has_not_completed_a_step_as_this_process_gets_the_unclear_floor() -> None:
+    """A replacement's first step (warming up, compiling) holds the rest: no step of its own
+    says how long that should take."""
+    h = short_job()
+    h.sim.steps(300)
+    h.job.revive(h.job.ranks[3], h.clock)
+    found = stall_until_hang(h, 3, "compute")
+    assert found >= Thresholds().unclear_hang_floor
