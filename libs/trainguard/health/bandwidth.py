@@ -38,12 +38,16 @@ def torch_missing() -> str:
 
 def measure(*, gpus: int, procs: int, megabytes: float, iters: int,
             timeout: float) -> BandwidthResult:
-    """All-reduce bus bandwidth among ``procs`` ranks (0: one per GPU, or 2 without GPUs)."""
+    """All-reduce bus bandwidth among ``procs`` ranks (0: one per GPU; without GPUs that
+    is none, and the test is skipped: asked for, it runs gloo over loopback)."""
+    if gpus == 0 and procs == 0:
+        return BandwidthResult(skipped="no GPU on this node (set preflight_allreduce_procs "
+                               "to test gloo over loopback)")
     why = torch_missing()
     if why:
         return BandwidthResult(skipped=why)
     backend = "nccl" if gpus > 0 else "gloo"
-    world = procs or (gpus if gpus > 0 else 2)
+    world = procs or gpus
     if backend == "nccl" and world > gpus:
         return BandwidthResult(error=f"{world} ranks asked for but only {gpus} GPU(s)")
     if world < 2:

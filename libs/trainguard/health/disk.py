@@ -25,8 +25,10 @@ class DiskResult:
 
 def write_throughput(root: str, megabytes: float) -> DiskResult:
     """MB/s of writing and fsyncing ``megabytes`` under ``root`` (``error``: why not)."""
-    if not os.path.isdir(root):
-        return DiskResult(error=f"checkpoint root {root} is not a directory")
+    try:  # the ranks' Checkpointer would make it at its first save; so does the check
+        os.makedirs(root, exist_ok=True)
+    except OSError as exc:
+        return DiskResult(error=f"cannot create checkpoint root {root}: {exc.strerror or exc}")
     path = os.path.join(root, f".trainguard-preflight-{uuid.uuid4().hex}")
     total = int(megabytes * 1024 * 1024)
     block = os.urandom(min(CHUNK, total))  # incompressible: no filesystem shortcut

@@ -39,7 +39,8 @@ class PreflightSettings(Settings):
     """Megabytes each rank all-reduces in the node-local bandwidth test."""
     preflight_allreduce_iters: int = 5
     preflight_allreduce_procs: int = 0
-    """Ranks of the bandwidth test: 0 means one per GPU, or 2 on a node without GPUs."""
+    """Ranks of the bandwidth test: 0 means one per GPU (none, so skipped, on a node
+    without GPUs); N runs N ranks (gloo over loopback where there are no GPUs)."""
     preflight_nccl_floor_gbps: float = 5.0
     """The lowest NCCL all-reduce bus bandwidth (GB/s) between the node's GPUs."""
     preflight_gloo_floor_gbps: float = 0.05
@@ -47,9 +48,9 @@ class PreflightSettings(Settings):
     checkpoint_root: str = ""
     """The checkpoint root whose write throughput is tested (``TRAINGUARD_CHECKPOINT_ROOT``,
     the one the ranks and the coordinator use); empty: the disk check is skipped."""
-    preflight_disk_mb: float = 128.0
+    preflight_disk_mb: float = 64.0
     """Megabytes written and fsynced to the checkpoint root."""
-    preflight_disk_floor_mbps: float = 100.0
+    preflight_disk_floor_mbps: float = 50.0
     """The lowest write throughput (MB/s) to the checkpoint root."""
     preflight_timeout_s: float = 120.0
     """How long one check (dcgmi, the bandwidth test) may run before it fails."""
