@@ -9,7 +9,8 @@ generation; the others keep running): in place (the replacement takes its state 
 survivors) when every rank declared it can, else, with ``params.fallback = "group"`` (the
 remediator's culprit restart), the whole group, else the rank alone from its checkpoint.
 ``preflight`` runs the node's pre-flight checks now (``params.checks``: which; by default
-the passive ones, the ranks running) and publishes the record; ``hold`` is the control plane ending a job that cannot recover (a crash loop past its
+the passive ones, the ranks running) and publishes the record. ``hold`` is the control
+plane ending a job that cannot recover (a crash loop past its
 budget): the workers stop and ``trainguard launch`` exits 80, on every host (the store
 host's too: unlike an isolation, the whole job is meant to end).
 """

@@ -24,8 +24,8 @@ import nats.errors
 from trainguard.contract.codec import decode_as
 from trainguard.contract.envelope import H_TYPE, normalize_headers
 from trainguard.contract.errors import DecodeError, InvalidToken
-from trainguard.contract.rpc import SAVE, SaveReply, SaveRequest, call
 from trainguard.contract.evidence import HostFacts
+from trainguard.contract.rpc import SAVE, SaveReply, SaveRequest, call
 from trainguard.contract.schemas import (
     Command,
     CommandAck,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-
 from typing import Final
 
 from trainguard.contract.errors import ConfigError

@@ -7,6 +7,7 @@ disk look fast). The file is removed afterwards, whatever happens.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import uuid
@@ -46,10 +47,8 @@ def write_throughput(root: str, megabytes: float) -> DiskResult:
     except OSError as exc:
         return DiskResult(error=f"cannot write under {root}: {exc.strerror or exc}")
     finally:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(path)
-        except OSError:
-            pass
     mb = total / (1024 * 1024)
     return DiskResult(mbps=round(mb / seconds, 1) if seconds > 0 else 0.0, megabytes=mb,
                       seconds=round(seconds, 3))
