@@ -134,8 +134,8 @@ def test_cpu_steal_and_load_from_recorded_procfs() -> None:
                                                                 load_ratio=1.5)
     loaded = procfs.CpuSampler(str(FIX / "proc" / "loaded")).sample()
     assert (loaded.load1, loaded.runnable) == (37.84, 41)
-    assert checks.cpu_contention(loaded, steal_pct=10,
-                                                                    load_ratio=1.5) == "1-minute load 37.84 on 4 CPUs"
+    assert checks.cpu_contention(loaded, steal_pct=10, load_ratio=1.5) == \
+        "1-minute load 37.84 on 4 CPUs"
     idle = procfs.CpuSampler(str(FIX / "proc" / "idle")).sample()
     assert checks.cpu_contention(idle, steal_pct=10, load_ratio=1.5) == ""
 
