@@ -204,6 +204,10 @@ class ScriptedSource:
         self._pending_xids: list[XidEvent] = []
         self.name = f"scripted+{base.name}" if base else "scripted"
 
+    def real_gpus(self) -> int:
+        """The devices under the script (a real source's), none without one."""
+        return len(self._base.sample()) if self._base else 0
+
     def inject_ecc(self, gpu: int = 0, count: int = 1) -> None:
         with self._lock:
             self._ecc_uncorrected[gpu] = self._ecc_uncorrected.get(gpu, 0) + count

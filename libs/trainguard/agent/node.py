@@ -387,10 +387,11 @@ class LocalNode:
             raise ValueError(f"unknown pre-flight check {unknown[0]!r}; known: "
                              f"{', '.join(CHECKS)}")
         reading = self.gpu_reading()
+        real = self.gpu.real_gpus() if isinstance(self.gpu, ScriptedSource) else None
         report = preflight.run(self.settings, job=self.settings.job, host=self.host,
                                gpus=reading[0] if reading else None,
                                gpu_why="no GPU source on this node (NVML unavailable)",
-                               own=self.own_pids(), trigger=trigger, only=checks)
+                               own=self.own_pids(), trigger=trigger, only=checks, devices=real)
         if self.publish_preflight is not None:
             self.publish_preflight(report)
         return report

@@ -46,8 +46,7 @@ def _dcgm(s: PreflightSettings) -> list[PreflightCheck]:
     return [checks.dcgm(dcgm.parse(run.output), s.preflight_dcgm_level)]
 
 
-def _allreduce(s: PreflightSettings, gpus: list[GpuStats] | None) -> list[PreflightCheck]:
-    count = len(gpus or [])
+def _allreduce(s: PreflightSettings, count: int) -> list[PreflightCheck]:
     r = bandwidth.measure(gpus=count, procs=s.preflight_allreduce_procs,
                           megabytes=s.preflight_allreduce_mb, iters=s.preflight_allreduce_iters,
                           timeout=s.preflight_timeout_s)
@@ -63,14 +62,16 @@ def _disk(s: PreflightSettings) -> list[PreflightCheck]:
 
 def run(s: PreflightSettings, *, job: str, host: str, gpus: list[GpuStats] | None,
         gpu_why: str = "", own: set[int] | None = None, trigger: Trigger = "cli",
-        only: list[str] | None = None) -> PreflightReport:
+        only: list[str] | None = None, devices: int | None = None) -> PreflightReport:
     """Run the checks of ``only`` (default: the settings'), in :data:`.settings.CHECKS`
-    order; ``own``: pids that may use the GPUs (the job's ranks)."""
+    order; ``own``: pids that may use the GPUs (the job's ranks); ``devices``: the GPUs
+    the bandwidth test may use (default: those of the reading; a drill's scripted GPUs
+    are none)."""
     steps: dict[str, Callable[[], list[PreflightCheck]]] = {
         "nvml": lambda: _nvml(s, gpus, gpu_why, own or set()),
         "dcgm": lambda: _dcgm(s),
         "ib": lambda: checks.ib(sysfs.ib_ports(s.sysfs_root), s.preflight_ib_rate_gbps),
-        "allreduce": lambda: _allreduce(s, gpus),
+        "allreduce": lambda: _allreduce(s, len(gpus or []) if devices is None else devices),
         "disk": lambda: _disk(s),
     }
     wanted = only if only is not None else s.checks()
