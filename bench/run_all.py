@@ -1,4 +1,7 @@
-"""``make bench``: run every benchmark, print their tables, save bench/results/<date>.json."""
+"""``make bench``: run every benchmark, print their tables, save bench/results/<date>.json.
+
+Every ``bench_*.py`` here runs (bench_preflight: a healthy node's pre-flight, target 30 s).
+"""
 
 from __future__ import annotations
 

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from trainguard.analysis.flightrec import GroupStatus, RankRecord
 from trainguard.contract import schemas as s
-from trainguard.contract.evidence import FlightRecorderEvidence, LossSpikeEvidence
+from trainguard.contract.evidence import (
+    CpuLoad,
+    FlightRecorderEvidence,
+    ForeignProcess,
+    HostFacts,
+    IbPort,
+    KernelLine,
+    LossSpikeEvidence,
+)
 
 TELEMETRY: list[s.TelemetryMessage] = [
     s.Heartbeat(job="j1", time=1.5, seq=3, rank=2, attempt=1, host="node-a", pid=42, step=10,
@@ -18,7 +26,15 @@ TELEMETRY: list[s.TelemetryMessage] = [
         index=0, uuid="GPU-1", name="H200", temperature_c=71.0, power_w=650.0,
         throttle_reasons=["sw_power_cap"], ecc_uncorrected_volatile=2,
         remapped_rows_pending=True, nvlink_errors=0)],
-        xids=[s.XidEvent(gpu=0, code=79, time=3.0, detail="fell off the bus")]),
+        xids=[s.XidEvent(gpu=0, code=79, time=3.0, detail="fell off the bus")],
+        facts=HostFacts(ib_ports=[IbPort(device="mlx5_1", port=1, state="ACTIVE",
+                                         phys_state="LinkUp", rate_gbps=100.0,
+                                         rate="100 Gb/sec (4X EDR)", link_layer="InfiniBand")],
+                        cpu=CpuLoad(steal_pct=25.1, load1=3.9, runnable=4, cpus=4),
+                        kernel=[KernelLine(text="NVRM: Xid (PCI:0000:44:00): 79, GPU has "
+                                           "fallen off the bus.", xid=79, pci="0000:44:00",
+                                           kind="xid")],
+                        foreign=[ForeignProcess(gpu=0, pid=3192, name="python", user="1001")])),
     s.NodeHeartbeat(job="j1", time=3.1, host="node-a", ranks={0: "R", 1: "T"},
                     pids={0: 100, 1: 101}),
 ]
@@ -43,6 +59,11 @@ DURABLE: list[s.Durable] = [
                      reason="a peer was lost", generation=3, previous_generation=2,
                      world_size=4, joined=[2], source_rank=0, failed_step=41,
                      last_completed=40, resumed_step=41, steps_lost=0, seconds=1.2),
+    s.PreflightReport(id="p1", job="j1", host="node-b", status="fail", checks=[
+        s.PreflightCheck(name="ib:mlx5_1/1", status="fail", value={"rate_gbps": 100.0},
+                         threshold=200.0, reason="port mlx5_1/1 runs at 100 Gb/sec"),
+        s.PreflightCheck(name="disk", status="ok", value=850.1, threshold=50.0)],
+        seconds=1.5, time=4.0),
     s.Anomaly(id="a1", job="j1", kind="loss_spike", ranks=[1], hosts=["node-a"], step=5,
               onset_at=1.0, detected_at=2.0, evidence=LossSpikeEvidence(
                   loss=float("nan"), baseline_median=2.1, mad=0.05, z=float("inf"), loss_z=6.0,

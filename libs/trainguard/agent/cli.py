@@ -54,6 +54,9 @@ def own_parser() -> argparse.ArgumentParser:
     p.add_argument("--warm-spares", type=int, metavar="N",
                    help="warm spare processes kept to replace ranks (default: one per local "
                         "rank; 0: none)")
+    p.add_argument("--preflight", choices=("enforce", "warn", "off"),
+                   help="the node's pre-flight before its ranks start: enforce (a failed "
+                        "node starts none, exit 200), warn, or off (env TRAINGUARD_PREFLIGHT)")
     p.add_argument("--in-place", action=argparse.BooleanOptionalAction, default=None,
                    help="replace one failed rank while the others keep running, when the "
                         "trainer recovers in place (default on)")
@@ -86,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         "redis_url": ours.redis, "prefix": ours.prefix, "stop_grace": ours.stop_grace,
         "preempt_grace": ours.preempt_grace, "credentials": ours.credentials,
         "rank_credentials": ours.rank_credentials, "warm_spares": ours.warm_spares,
-        "in_place": ours.in_place, "log_root": ours.log_root,
+        "in_place": ours.in_place, "log_root": ours.log_root, "preflight": ours.preflight,
     })
     from trainguard.contract.subjects import check_token
 

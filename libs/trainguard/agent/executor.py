@@ -8,7 +8,9 @@ here: drills gated, isolation refused on the rendezvous-store host, ranks that m
 generation; the others keep running): in place (the replacement takes its state from the
 survivors) when every rank declared it can, else, with ``params.fallback = "group"`` (the
 remediator's culprit restart), the whole group, else the rank alone from its checkpoint.
-``hold`` is the control plane ending a job that cannot recover (a crash loop past its
+``preflight`` runs the node's pre-flight checks now (``params.checks``: which; by default
+the passive ones, the ranks running) and publishes the record. ``hold`` is the control
+plane ending a job that cannot recover (a crash loop past its
 budget): the workers stop and ``trainguard launch`` exits 80, on every host (the store
 host's too: unlike an isolation, the whole job is meant to end).
 """
@@ -47,6 +49,8 @@ class Node(Protocol):
     def signal_rank(self, rank: int, action: str) -> str: ...
 
     def gpu_drill(self, kind: str, params: dict[str, object]) -> str: ...
+
+    def preflight_summary(self, checks: list[str] | None) -> str: ...
 
 
 FALLBACKS = frozenset({"", "group"})
@@ -123,6 +127,11 @@ class CommandExecutor:
             case "kill" | "freeze" | "thaw":
                 ranks = self._ranks(cmd)
                 return "; ".join(node.signal_rank(r, cmd.kind) for r in ranks)
+            case "preflight":
+                raw = cmd.params.get("checks")
+                names = [str(c) for c in raw] if isinstance(raw, list) else \
+                    [c for c in str(raw).split(",") if c] if raw else None
+                return node.preflight_summary(names)
             case "ecc" | "xid" | "throttle":
                 return node.gpu_drill(cmd.kind, dict(cmd.params))
         raise Refused(f"unknown agent command {cmd.kind!r}")

@@ -10,11 +10,16 @@ source plays ECC/XID/throttle evidence for drills.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from typing import Any, Protocol
 
+import msgspec
+
+from trainguard.contract.errors import ConfigError
 from trainguard.contract.schemas import GpuStats, XidEvent
+from trainguard.health import nvsmi
 
 # NVML clock-event (throttle) reason bits, named as the diagnoser reads them.
 THROTTLE_BITS: dict[int, str] = {
@@ -90,6 +95,7 @@ class NvmlSource:
             ):
                 ecc[key] = self._read("nvmlDeviceGetTotalEccErrors", h, err, counter)
             remap = self._read("nvmlDeviceGetRemappedRows", h)
+            procs = self._read("nvmlDeviceGetComputeRunningProcesses", h) or []
             pending = self._read("nvmlDeviceGetRetiredPagesPendingStatus", h)
             nvlink = 0
             any_link = False
@@ -116,6 +122,12 @@ class NvmlSource:
                 mem_total=int(mem.total) if mem is not None else None,
                 retired_pages_pending=bool(pending) if pending is not None else None,
                 remapped_rows_pending=bool(remap[2]) if remap is not None else None,
+                remapped_rows_failure=bool(remap[3]) if remap is not None else None,
+                pcie_gen=_i(self._read("nvmlDeviceGetCurrPcieLinkGeneration", h)),
+                pcie_gen_max=_i(self._read("nvmlDeviceGetMaxPcieLinkGeneration", h)),
+                pcie_width=_i(self._read("nvmlDeviceGetCurrPcieLinkWidth", h)),
+                pcie_width_max=_i(self._read("nvmlDeviceGetMaxPcieLinkWidth", h)),
+                processes=sorted(int(p.pid) for p in procs),
                 pcie_replay=_i(self._read("nvmlDeviceGetPcieReplayCounter", h)),
                 nvlink_errors=nvlink if any_link else None,
                 **ecc,
@@ -151,6 +163,32 @@ def _i(v: Any) -> int | None:
     return int(v) if v is not None else None
 
 
+class RecordedSource:
+    """A recorded ``nvidia-smi -q`` report played as every sample (``gpu_reading``): a
+    node's GPUs as they were, for drills and tests on machines without them."""
+
+    def __init__(self, path: str) -> None:
+        try:
+            with open(path) as f:
+                self._stats = nvsmi.gpus(f.read())
+        except OSError as exc:
+            raise ConfigError(f"setting gpu_reading={path!r}: cannot read it ({exc.strerror}); "
+                              "give an nvidia-smi -q report (TRAINGUARD_GPU_READING)") from None
+        if not self._stats:
+            raise ConfigError(f"setting gpu_reading={path!r}: no GPU in it; give the output "
+                              "of nvidia-smi -q (TRAINGUARD_GPU_READING)")
+        self.name = f"recorded:{os.path.basename(path)}"
+
+    def sample(self) -> list[GpuStats]:
+        return [msgspec.structs.replace(g) for g in self._stats]
+
+    def xids(self) -> list[XidEvent]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
 class ScriptedSource:
     """Plays evidence for drills: ECC counts rising, XIDs, throttling, on top of a
     healthy-looking GPU (or on top of a real source's readings)."""
@@ -165,6 +203,10 @@ class ScriptedSource:
         self._throttle: dict[int, list[str]] = {}
         self._pending_xids: list[XidEvent] = []
         self.name = f"scripted+{base.name}" if base else "scripted"
+
+    def real_gpus(self) -> int:
+        """The devices under the script (a real source's), none without one."""
+        return len(self._base.sample()) if self._base else 0
 
     def inject_ecc(self, gpu: int = 0, count: int = 1) -> None:
         with self._lock:
@@ -209,8 +251,12 @@ class ScriptedSource:
             self._base.close()
 
 
-def open_source() -> tuple[GpuSource | None, str]:
-    """The NVML source, or None and the reason there is none (no GPU, no driver)."""
+def open_source(reading: str = "") -> tuple[GpuSource | None, str]:
+    """The NVML source (or the recorded ``reading``), or None and the reason there is none
+    (no GPU, no driver)."""
+    if reading:
+        recorded = RecordedSource(reading)
+        return recorded, f"{len(recorded.sample())} GPU(s) from {reading}"
     try:
         source = NvmlSource()
     except ImportError:

@@ -34,12 +34,14 @@ import logging
 import os
 import signal
 import socket
+import time
 import uuid
 from typing import Any
 
 from trainguard.contract import envnames
 from trainguard.contract.errors import ConfigError, TrainguardError
 from trainguard.contract.schemas import NodeHello, WorkerExit
+from trainguard.health import preflight
 from trainguard.runtime.embedded import free_port, port_taken
 
 from . import flightrec, logdirs
@@ -195,7 +197,7 @@ def launch(settings: AgentSettings, torchrun_argv: list[str]) -> int:
     os.environ.update(worker_environment(settings, log_dir))
 
     gpu: GpuSource | None
-    gpu, why = open_source()
+    gpu, why = open_source(settings.gpu_reading)
     print(f"trainguard launch: gpu: {'unavailable' if gpu is None else 'nvml'} ({why})",
           flush=True)
     if settings.allow_drills:
@@ -212,6 +214,8 @@ def launch(settings: AgentSettings, torchrun_argv: list[str]) -> int:
         settings.subjects.fr(settings.job, settings.host), r)
     node.publish_recovery = lambda r: link_box[0].publish(
         settings.subjects.recovery(settings.job, r.rank), r)
+    node.publish_preflight = lambda r: link_box[0].publish(
+        settings.subjects.event(settings.job, "preflight"), r)
     hello = NodeHello(job=settings.job, host=settings.host, local_ranks=list(range(nproc)),
                       nnodes_min=plan.min_nodes, nnodes_max=plan.max_nodes,
                       drills_allowed=settings.allow_drills, hosts_store=hosts_store,
@@ -224,6 +228,9 @@ def launch(settings: AgentSettings, torchrun_argv: list[str]) -> int:
     if reason:
         print(f"trainguard launch: host {settings.host} is on the blocklist ({reason}); "
               f"not joining (exit {EXIT_ISOLATED}: do not retry on this node)", flush=True)
+        _leave(link)
+        return EXIT_ISOLATED
+    if settings.preflight != "off" and not preflight_passes(settings, node, link):
         _leave(link)
         return EXIT_ISOLATED
 
@@ -289,6 +296,31 @@ def launch(settings: AgentSettings, torchrun_argv: list[str]) -> int:
         print(f"trainguard launch: host {settings.host} isolated; exit {EXIT_ISOLATED} "
               "(do not retry on this node)", flush=True)
     return code
+
+
+def preflight_passes(settings: AgentSettings, node: LocalNode, link: AgentLink) -> bool:
+    """Run the node's pre-flight before any rank starts (its record goes out as an
+    event, on which the remediator's policy blocklists a failed node). False: the node
+    failed and ``preflight`` is ``enforce``; it then waits up to
+    ``preflight_verdict_wait`` for the blocklist entry, only to say why it stays out."""
+    report = node.preflight(trigger="launch")
+    print(f"trainguard launch: {preflight.render(report)}", flush=True)
+    if report.status != "fail":
+        return True
+    if settings.preflight == "warn":
+        print(f"trainguard launch: warning: host {settings.host} failed its pre-flight "
+              f"({report.reason()}); starting the ranks anyway (preflight=warn)", flush=True)
+        return True
+    deadline = time.monotonic() + settings.preflight_verdict_wait
+    entry = link.blocklisted()
+    while entry is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+        entry = link.blocklisted()
+    said = f"blocklisted: {entry}" if entry else "no blocklist entry yet"
+    print(f"trainguard launch: host {settings.host} failed its pre-flight "
+          f"({report.reason()}); {said}; not starting ranks (exit {EXIT_ISOLATED}: do not "
+          "retry on this node)", flush=True)
+    return False
 
 
 def _leave(link: AgentLink) -> None:

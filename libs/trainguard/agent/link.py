@@ -24,16 +24,19 @@ import nats.errors
 from trainguard.contract.codec import decode_as
 from trainguard.contract.envelope import H_TYPE, normalize_headers
 from trainguard.contract.errors import DecodeError, InvalidToken
+from trainguard.contract.evidence import HostFacts
 from trainguard.contract.rpc import SAVE, SaveReply, SaveRequest, call
 from trainguard.contract.schemas import (
     Command,
     CommandAck,
     Durable,
     GpuSample,
+    GpuStats,
     NodeHeartbeat,
     NodeHello,
     ProcessState,
     TelemetryMessage,
+    XidEvent,
 )
 from trainguard.core import tracing
 from trainguard.runtime.bus import Bus, BusUnavailable, connect_nats
@@ -305,16 +308,21 @@ class AgentLink:
             spares=self.node.spare_pids()))
 
     async def _gpu_sample(self) -> None:
+        """The node's GPUs and the host probe's reading, on one subject: a node without
+        GPUs still tells the diagnoser about its links, CPUs and kernel log."""
         s = self.settings
-        reading = await asyncio.to_thread(self.node.gpu_reading)
-        if reading is None:
-            return
-        gpus, xids = reading
+
+        def read() -> tuple[list[GpuStats], list[XidEvent], HostFacts]:
+            reading = self.node.gpu_reading()
+            gpus, xids = reading if reading is not None else ([], [])
+            return gpus, xids, self.node.host_facts(gpus)
+
+        gpus, xids, facts = await asyncio.to_thread(read)
         self._gpu_seq += 1
-        source = self.node.gpu.name if self.node.gpu else ""
+        source = self.node.gpu.name if self.node.gpu else "none"
         await self._telemetry(s.subjects.gpu(s.job, s.host), GpuSample(
             job=s.job, time=time.time(), seq=self._gpu_seq, host=s.host, gpus=gpus, xids=xids,
-            source=source))
+            source=source, facts=facts))
 
     async def _commands(self, sub: Any) -> None:
         """Fetch and run commands, each isolated: whatever one raises is counted

@@ -20,15 +20,20 @@ from dataclasses import dataclass
 from typing import Literal
 
 from trainguard.contract.envelope import uuid7
+from trainguard.contract.evidence import HostFacts
 from trainguard.contract.schemas import (
     FlightRecorderReport,
     GpuStats,
+    PreflightReport,
     ProcessState,
     RecoveryReport,
     WorkerExit,
     XidEvent,
     is_stopped,
 )
+from trainguard.health import preflight
+from trainguard.health.probe import HostProbe
+from trainguard.health.settings import CHECKS
 
 from . import flightrec, hostmem, procs
 from .exitcodes import EXIT_HELD, EXIT_ISOLATED
@@ -78,6 +83,10 @@ class LocalNode:
         """Where the agent says why a failure got the group restart and not the in-place
         replacement (the launcher's link; ``recovery.<rank>``)."""
         self.oom = hostmem.OomWatch()
+        self.probe = HostProbe(settings)
+        """The straggler checklist's reading of this host, sent with each GPU sample."""
+        self.publish_preflight: Callable[[PreflightReport], None] | None = None
+        """Where a pre-flight record goes (the launcher's link; ``event.preflight``)."""
         self._lock = threading.Lock()
         self.workers: dict[int, Worker] = {}
         self.initiated: dict[int, str] = {}
@@ -357,3 +366,38 @@ class LocalNode:
         if self.gpu is None:
             return None
         return self.gpu.sample(), self.gpu.xids()
+
+    def own_pids(self) -> set[int]:
+        """The processes that are the job's on this node: its ranks and warm spares."""
+        return set(self.rank_pids().values()) | set(self.spare_pids())
+
+    def host_facts(self, gpus: list[GpuStats]) -> HostFacts:
+        return self.probe.facts(gpus, self.own_pids())
+
+    def preflight(self, checks: list[str] | None = None, *,
+                  trigger: Literal["launch", "command"] = "command") -> PreflightReport:
+        """Run the pre-flight (``checks``: the settings' when None) and publish its record.
+        On a command the ranks run, so by default only the passive checks run: the
+        bandwidth test and ``dcgmi diag`` would compete with training for the GPUs."""
+        if checks is None:
+            checks = self.settings.checks() if trigger == "launch" else \
+                [c for c in self.settings.checks() if c not in ("allreduce", "dcgm")]
+        unknown = [c for c in checks if c not in CHECKS]
+        if unknown:
+            raise ValueError(f"unknown pre-flight check {unknown[0]!r}; known: "
+                             f"{', '.join(CHECKS)}")
+        reading = self.gpu_reading()
+        real = self.gpu.real_gpus() if isinstance(self.gpu, ScriptedSource) else None
+        report = preflight.run(self.settings, job=self.settings.job, host=self.host,
+                               gpus=reading[0] if reading else None,
+                               gpu_why="no GPU source on this node (NVML unavailable)",
+                               own=self.own_pids(), trigger=trigger, only=checks, devices=real)
+        if self.publish_preflight is not None:
+            self.publish_preflight(report)
+        return report
+
+    def preflight_summary(self, checks: list[str] | None) -> str:
+        """A ``preflight`` command: the record goes out as an event; the ack says how it
+        went."""
+        report = self.preflight(checks, trigger="command")
+        return f"preflight {report.status}" + (f": {report.reason()}" if report.reason() else "")

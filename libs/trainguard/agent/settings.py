@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Final
 
 from trainguard.contract.errors import ConfigError
-from trainguard.runtime.config import Settings
+from trainguard.health.settings import PreflightSettings
+
+PREFLIGHT_MODES: Final = ("enforce", "warn", "off")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class AgentSettings(Settings):
+class AgentSettings(PreflightSettings):
     # job, host, allow_drills (and the shared nats_url, prefix) are read from the same
     # TRAINGUARD_* names the agent then sets for its ranks (trainguard.contract.envnames).
     job: str = ""
@@ -47,8 +50,22 @@ class AgentSettings(Settings):
     """Hours after which any job's launch directory (not in use) is removed at a launch."""
     scripted_gpus: int = 0
     """Fake GPUs for drills on machines without one (0: only with --allow-drills, 1 GPU)."""
+    preflight: str = "enforce"
+    """The pre-flight before the ranks start: ``enforce`` (a node that fails starts no
+    rank and exits 200), ``warn`` (it starts them, with a warning), ``off`` (not run)."""
+    preflight_verdict_wait: float = 5.0
+    """Seconds a failed node waits for the remediator's blocklist entry, to print why it
+    is kept out (the exit does not depend on it)."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.preflight not in PREFLIGHT_MODES:
+            raise ConfigError(f"setting preflight={self.preflight!r}: use one of "
+                              f"{', '.join(PREFLIGHT_MODES)} (TRAINGUARD_PREFLIGHT or "
+                              "--preflight)")
+        if self.preflight_verdict_wait < 0:
+            raise ConfigError(f"setting preflight_verdict_wait={self.preflight_verdict_wait}: "
+                              "must be 0 or more seconds (TRAINGUARD_PREFLIGHT_VERDICT_WAIT)")
         for name in ("node_interval", "state_interval", "gpu_interval"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"setting {name}={getattr(self, name)}: must be a positive "

@@ -24,6 +24,7 @@ from . import (
     fr,
     inject,
     oncall,
+    preflight,
     service_cmd,
     unblock,
     up,
@@ -31,7 +32,7 @@ from . import (
 from .extras import explain
 
 COMMANDS = (up, service_cmd, inject, oncall, checkpoints, demo, credentials, unblock, fr,
-            dashboard)
+            dashboard, preflight)
 
 
 def _plugin_commands() -> list[object]:

@@ -335,6 +335,76 @@ class GpuHealthEvidence(_Evidence, kw_only=True):
         return {name: rise for name, rise in rises.items() if rise is not None}
 
 
+# -- a host's reading (an agent's host probe, in its GpuSample) -------------------------
+
+
+class IbPort(msgspec.Struct, kw_only=True):
+    """One InfiniBand/RoCE port as sysfs gives it (``/sys/class/infiniband/<device>/ports/
+    <port>/{state,phys_state,rate,link_layer}``)."""
+
+    device: str
+    port: int
+    state: str = ""
+    """``ACTIVE``, ``DOWN``, ``INIT``, ``ARMED`` (the number sysfs puts before it dropped)."""
+    phys_state: str = ""
+    """``LinkUp``, ``Polling``, ``Disabled``, ..."""
+    rate_gbps: float | None = None
+    rate: str = ""
+    """The file's text, ``200 Gb/sec (4X HDR)``."""
+    link_layer: str = ""
+    """``InfiniBand`` or ``Ethernet`` (RoCE)."""
+
+    @property
+    def name(self) -> str:
+        return f"{self.device}/{self.port}"
+
+
+class CpuLoad(msgspec.Struct, kw_only=True):
+    """The host's CPUs between two looks at ``/proc/stat``, and ``/proc/loadavg``."""
+
+    steal_pct: float | None = None
+    """Share of CPU time the hypervisor gave to others (None: one look only so far)."""
+    busy_pct: float | None = None
+    load1: float | None = None
+    runnable: int | None = None
+    """Runnable tasks now (``/proc/loadavg``'s fourth field, before the slash)."""
+    cpus: int = 0
+    window_s: float = 0.0
+
+
+class KernelLine(msgspec.Struct, kw_only=True):
+    """A kernel log line about the GPUs' health: an Xid, or a memory error."""
+
+    text: str
+    xid: int | None = None
+    pci: str = ""
+    kind: str = ""
+    """``xid`` or ``ecc``."""
+
+
+class ForeignProcess(msgspec.Struct, kw_only=True):
+    """A compute process on one of the node's GPUs that is none of the job's ranks."""
+
+    gpu: int
+    pid: int
+    name: str = ""
+    user: str = ""
+
+
+class HostFacts(msgspec.Struct, kw_only=True):
+    """What an agent's host probe read besides the GPU counters: what the diagnoser's
+    straggler checklist needs (section 6) and the pre-flight checks read too."""
+
+    ib_ports: list[IbPort] = []
+    ib_expected_gbps: float = 0.0
+    """The rate a port must reach (the agent's ``preflight_ib_rate_gbps``); 0: the best
+    rate among the host's ports of the same link layer."""
+    cpu: CpuLoad | None = None
+    kernel: list[KernelLine] = []
+    """Xid and memory-error lines of the kernel log the probe has seen (newest last)."""
+    foreign: list[ForeignProcess] = []
+
+
 # -- flight recorder -------------------------------------------------------------------
 
 

@@ -21,7 +21,13 @@ from typing import Any, ClassVar, Literal, get_args
 
 import msgspec
 
-from .evidence import EvidenceField, FlightRecorderEvidence, typed_evidence, unset_evidence
+from .evidence import (
+    EvidenceField,
+    FlightRecorderEvidence,
+    HostFacts,
+    typed_evidence,
+    unset_evidence,
+)
 
 # -- telemetry (MessagePack, tagged) ---------------------------------------------------
 
@@ -115,6 +121,17 @@ class GpuStats(msgspec.Struct, kw_only=True):
     remapped_rows_pending: bool | None = None
     pcie_replay: int | None = None
     nvlink_errors: int | None = None
+    remapped_rows_failure: bool | None = None
+    """A row remap failed (the bank ran out of spare rows): the GPU needs replacing."""
+    pcie_gen: int | None = None
+    """The PCIe link generation now; it drops when the GPU idles, so below the maximum it
+    is no fault by itself."""
+    pcie_gen_max: int | None = None
+    pcie_width: int | None = None
+    """The PCIe link width now (lanes); below the maximum is a degraded link."""
+    pcie_width_max: int | None = None
+    processes: list[int] = []
+    """Pids of the compute processes on this GPU (whoever owns them)."""
 
 
 class XidEvent(msgspec.Struct, kw_only=True):
@@ -125,10 +142,16 @@ class XidEvent(msgspec.Struct, kw_only=True):
 
 
 class GpuSample(Telemetry, tag="gpu.v1"):
+    """An agent's periodic look at its node: its GPUs, and (``host``) what else can slow a
+    rank there (InfiniBand ports, CPU steal and load, kernel log lines, foreign processes
+    on the GPUs). The diagnoser keeps a window of them per host (section 6)."""
+
     host: str
     gpus: list[GpuStats] = []
     xids: list[XidEvent] = []
     source: str = "nvml"
+    facts: HostFacts | None = None
+    """The host probe's reading (None from older agents)."""
 
 
 ProcessState = Literal["R", "S", "D", "T", "t", "Z", "X", "x", "I", "P", "K", "W"]
@@ -179,6 +202,25 @@ TelemetryMessage = Heartbeat | StepReport | Fingerprint | GpuSample | NodeHeartb
 # -- durable (JSON + CloudEvents) ------------------------------------------------------
 
 
+CheckStatus = Literal["ok", "warn", "fail", "skipped"]
+"""A pre-flight check's verdict: ``skipped`` says why it could not run (no GPU, no DCGM,
+no torch), never that the node is fine."""
+
+
+class PreflightCheck(msgspec.Struct, kw_only=True):
+    """One check of a node's pre-flight (:mod:`trainguard.health.checks`)."""
+
+    name: str
+    """``<check>`` or ``<check>:<subject>`` (``ib:mlx5_0/1``, ``nvml.pcie:gpu0``)."""
+    status: CheckStatus
+    value: Any = None
+    """What was measured (a count, a rate, a list of reasons)."""
+    threshold: Any = None
+    """What it was held against."""
+    reason: str = ""
+    seconds: float = 0.0
+
+
 class Durable(msgspec.Struct, kw_only=True):
     """Base of every JetStream message; ``KIND`` and ``VERSION`` make up ``ce-type``."""
 
@@ -202,7 +244,8 @@ AnomalyKind = Literal[
 ]
 Cause = Literal[
     "gpu_lost", "hbm_ecc", "network", "storage_io", "oom", "numeric", "sdc_suspect",
-    "straggler_thermal", "straggler_power", "straggler", "data_pipeline",
+    "straggler_thermal", "straggler_power", "straggler_link", "straggler_cpu",
+    "straggler_foreign_process", "straggler", "data_pipeline",
     "process_crash", "rank_hang", "unknown",
 ]
 Severity = Literal["info", "warning", "critical"]
@@ -212,7 +255,7 @@ Severity = Literal["info", "warning", "critical"]
 # ...)``) must decode too.
 AgentDrill = Literal["kill", "freeze", "thaw", "ecc", "xid", "throttle"]
 """Faults the agent plays on its ranks' processes and (scripted) GPUs."""
-AgentKind = Literal["restart", "isolate", "stop", "hold", "dump", AgentDrill]
+AgentKind = Literal["restart", "isolate", "stop", "hold", "dump", "preflight", AgentDrill]
 RankDrill = Literal["hang", "slow", "nan", "sdc", "crash"]
 """Faults a rank plays on itself (:mod:`trainguard.client.drills`)."""
 CollectiveKind = Literal["save_now", "set_interval", "reload"]
@@ -421,6 +464,30 @@ class RecoveryReport(Durable, kw_only=True):
     ``agreed``, ``state``, ``after``)."""
     attempt: int = 0
     time: float = 0.0
+
+
+class PreflightReport(Durable, kw_only=True):
+    """A node's pre-flight: published by ``trainguard launch`` before its ranks start (and
+    on a ``preflight`` command, and by ``trainguard preflight``) on
+    ``tg.<job>.event.preflight``; the remediator's policy blocklists a node that failed."""
+
+    KIND: ClassVar[str] = "preflight"
+    id: str
+    job: str
+    host: str
+    status: Literal["ok", "warn", "fail"] = "ok"
+    """``fail`` if any check failed, else ``warn`` if any warned, else ``ok``."""
+    checks: list[PreflightCheck] = []
+    trigger: Literal["launch", "command", "cli"] = "launch"
+    seconds: float = 0.0
+    time: float = 0.0
+
+    def failed(self) -> list[PreflightCheck]:
+        return [c for c in self.checks if c.status == "fail"]
+
+    def reason(self) -> str:
+        """The failed checks, one clause each, for a blocklist entry or a log line."""
+        return "; ".join(f"{c.name}: {c.reason}" for c in self.failed())
 
 
 class Anomaly(Durable, kw_only=True):
@@ -664,7 +731,7 @@ class DeadLetter(Durable, kw_only=True):
 
 DURABLE_TYPES: tuple[type[Durable], ...] = (
     RankHello, NodeHello, WorkerExit, FlightRecorderReport, CheckpointReport,
-    RecoveryReport, Anomaly,
+    RecoveryReport, PreflightReport, Anomaly,
     Diagnosis, Action, Incident, CheckpointCommitted, Command, CommandAck, ResumePoint, DeadLetter,
 )
 BY_CE_TYPE: dict[str, type[Durable]] = {t.ce_type(): t for t in DURABLE_TYPES}

@@ -29,7 +29,8 @@ _TOKEN = re.compile(r"[A-Za-z0-9_-]{1,128}")
 DEFAULT_PREFIX: Final = "tg"
 NODE_REG_PREFIX: Final = "host-"
 
-EVENT_KINDS: Final[tuple[str, ...]] = ("anomaly", "diagnosis", "action", "incident", "checkpoint")
+EVENT_KINDS: Final[tuple[str, ...]] = ("anomaly", "diagnosis", "action", "incident", "checkpoint",
+                                        "preflight")
 
 
 def check_token(what: str, value: object) -> str:

@@ -38,6 +38,7 @@ from trainguard.contract.schemas import (
     GpuSample,
     WorkerExit,
 )
+from trainguard.health import checks
 from trainguard.runtime import xids
 
 from . import signatures
@@ -90,8 +91,13 @@ class HostRecord:
 
 class Diagnoser:
     def __init__(self, *, window: float = 60.0, gpu_window: float = 120.0,
-                 same_cause_window: float = 10.0, symptom_window: float = 20.0) -> None:
+                 same_cause_window: float = 10.0, symptom_window: float = 20.0,
+                 steal_pct: float = 10.0, load_ratio: float = 1.5) -> None:
         self.window = window
+        self.steal_pct = steal_pct
+        """CPU time stolen by the hypervisor above which a straggler's CPUs are contended."""
+        self.load_ratio = load_ratio
+        """Load (or runnable tasks) per CPU above which a straggler's CPUs are contended."""
         self.symptom_window = symptom_window
         """A hang or silence joins a root failure this soon after it (a crash's peers hang
         within a hang limit); later it is a failure of its own."""
@@ -359,27 +365,67 @@ class Diagnoser:
 
     def _straggler(self, a: Anomaly, ev: StragglerEvidence, facts: list[EvidenceItem],
                    now: float) -> Conclusion:
+        """The straggler checklist on the slow rank's host, from the agent's recent
+        samples: GPU clocks held down (thermal, power), fatal GPU errors in the kernel log,
+        a degraded InfiniBand/RoCE link, a foreign process on the GPUs, contended CPUs.
+        The first that holds names the cause; none: a plain straggler."""
         for host in a.hosts:
-            for sample in reversed(self.gpu.get(host, ())):
-                if now - sample.time > self.gpu_window:
-                    break
-                for g in sample.gpus:
-                    reasons = set(g.throttle_reasons)
-                    if reasons & THERMAL_REASONS or (g.temperature_c or 0) >= HOT_C:
-                        facts.append(EvidenceItem(
-                            fact=f"GPU {g.index} on {host} thermally throttled "
-                                 f"({', '.join(sorted(reasons)) or 'hot'}, "
-                                 f"{g.temperature_c} C)", source="nvml", value=sorted(reasons)))
-                        return Conclusion("straggler_thermal", 0.85, a.ranks, a.hosts, facts)
-                    if reasons & POWER_REASONS:
-                        facts.append(EvidenceItem(
-                            fact=f"GPU {g.index} on {host} power throttled "
-                                 f"({', '.join(sorted(reasons))})", source="nvml",
-                            value=sorted(reasons)))
-                        return Conclusion("straggler_power", 0.85, a.ranks, a.hosts, facts)
+            samples = [x for x in self.gpu.get(host, ()) if now - x.time <= self.gpu_window]
+            found = self._throttled(host, samples) or self._host_cause(host, samples)
+            if found is not None:
+                cause, item = found
+                facts.append(item)
+                return Conclusion(cause, 0.85, a.ranks, a.hosts, facts)
         facts.append(EvidenceItem(fact="slow compute with no hardware evidence",
                                   source="detector", value=ev.ratio))
         return Conclusion("straggler", 0.7, a.ranks, a.hosts, facts)
+
+    @staticmethod
+    def _throttled(host: str, samples: list[GpuSample]) -> tuple[Cause, EvidenceItem] | None:
+        for sample in reversed(samples):
+            for g in sample.gpus:
+                reasons = set(g.throttle_reasons)
+                if reasons & THERMAL_REASONS or (g.temperature_c or 0) >= HOT_C:
+                    return "straggler_thermal", EvidenceItem(
+                        fact=f"GPU {g.index} on {host} thermally throttled "
+                             f"({', '.join(sorted(reasons)) or 'hot'}, {g.temperature_c} C, "
+                             f"{g.sm_clock_mhz} MHz)", source="nvml", value=sorted(reasons))
+                if reasons & POWER_REASONS:
+                    return "straggler_power", EvidenceItem(
+                        fact=f"GPU {g.index} on {host} power throttled "
+                             f"({', '.join(sorted(reasons))}, {g.sm_clock_mhz} MHz)",
+                        source="nvml", value=sorted(reasons))
+        return None
+
+    def _host_cause(self, host: str,
+                    samples: list[GpuSample]) -> tuple[Cause, EvidenceItem] | None:
+        """What the host probe's newest reading (``GpuSample.facts``) says."""
+        facts = next((x.facts for x in reversed(samples) if x.facts is not None), None)
+        if facts is None:
+            return None
+        for line in reversed(facts.kernel):
+            xid = xids.lookup(line.xid) if line.xid is not None else None
+            if (xid is not None and xid.fatal) or line.kind == "ecc":
+                cause: Cause = xid.cause if xid is not None else "hbm_ecc"
+                return cause, EvidenceItem(fact=f"kernel log on {host}: {line.text[:200]}",
+                                           source="kernel_log", value=line.xid)
+        degraded = checks.degraded_ports(facts.ib_ports, facts.ib_expected_gbps)
+        if degraded:
+            return "straggler_link", EvidenceItem(
+                fact=f"degraded link on {host}: {degraded[0].reason}", source="sysfs",
+                value={c.name: c.value for c in degraded})
+        if facts.foreign:
+            who = ", ".join(f"pid {p.pid} ({p.name or '?'}, uid {p.user or '?'}) on GPU {p.gpu}"
+                            for p in facts.foreign[:4])
+            return "straggler_foreign_process", EvidenceItem(
+                fact=f"foreign process on {host}'s GPUs: {who}", source="nvml",
+                value=[p.pid for p in facts.foreign])
+        why = checks.cpu_contention(facts.cpu, steal_pct=self.steal_pct,
+                                    load_ratio=self.load_ratio)
+        if why:
+            return "straggler_cpu", EvidenceItem(fact=f"CPU contention on {host}: {why}",
+                                                 source="procfs", value=facts.cpu)
+        return None
 
     def _gpu_findings(self, hosts: list[str], now: float) -> list[tuple[Cause, EvidenceItem]]:
         """Fatal XIDs or rising uncorrectable ECC on these hosts within the GPU window."""

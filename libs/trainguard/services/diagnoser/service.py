@@ -30,7 +30,9 @@ class DiagnoserService(Service[DiagnoserSettings]):
         self.rules = Diagnoser(window=settings.correlation_window,
                                gpu_window=settings.gpu_window,
                                same_cause_window=settings.same_cause_window,
-                               symptom_window=settings.symptom_window)
+                               symptom_window=settings.symptom_window,
+                               steal_pct=settings.straggler_steal_pct,
+                               load_ratio=settings.straggler_load_ratio)
         self.keys = Keys(settings.prefix)
         self.flight_recorder = FlightRecorder(settings.correlation_window)
 

@@ -18,3 +18,9 @@ class DiagnoserSettings(Settings):
     symptom_window: float = 20.0
     """A hang or silence this soon after a root failure is its symptom."""
     dedupe_ttl: float = 7 * 86400.0
+    straggler_steal_pct: float = 10.0
+    """A straggler's host whose hypervisor steals more CPU time than this (%) has
+    contended CPUs (``straggler_cpu``)."""
+    straggler_load_ratio: float = 1.5
+    """A straggler's host whose 1-minute load (or runnable tasks) passes this many per
+    CPU has contended CPUs."""

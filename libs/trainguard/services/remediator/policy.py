@@ -30,6 +30,19 @@ class CausePolicy:
     isolate_if_sustained_s: float = 0.0
 
 
+PreflightFailAction = Literal["isolate", "alert", "none"]
+PreflightWarnAction = Literal["alert", "none"]
+
+
+@dataclass(frozen=True)
+class PreflightPolicy:
+    """What a node's pre-flight record does (``[preflight]``): a failed one blocklists
+    the node before it joins (``isolate``), or is only announced (``alert``), or nothing."""
+
+    on_fail: PreflightFailAction = "isolate"
+    on_warn: PreflightWarnAction = "none"
+
+
 @dataclass(frozen=True)
 class Policy:
     causes: dict[str, CausePolicy]
@@ -45,6 +58,7 @@ class Policy:
     launcher_grace_s: float = 15.0
     """After a crash, how long to wait for the launcher's own restart before restarting."""
     """An unknown cause waits this long for a better diagnosis before a human is paged."""
+    preflight: PreflightPolicy = field(default_factory=lambda: PreflightPolicy())
     source: str = field(default="", compare=False)
 
     def for_cause(self, cause: str) -> CausePolicy:
@@ -88,14 +102,27 @@ class CauseFile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     isolate_if_sustained_s: NonNegative = 0.0
 
 
+class PreflightFile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``[preflight]`` as written (a key left out: the shipped value)."""
+
+    on_fail: PreflightFailAction | msgspec.UnsetType = msgspec.UNSET
+    on_warn: PreflightWarnAction | msgspec.UnsetType = msgspec.UNSET
+
+    def given(self) -> dict[str, Any]:
+        return {f: v for f in self.__struct_fields__
+                if (v := getattr(self, f)) is not msgspec.UNSET}
+
+
 class PolicyFile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     defaults: DefaultsFile = msgspec.field(default_factory=DefaultsFile)
+    preflight: PreflightFile = msgspec.field(default_factory=PreflightFile)
     causes: dict[str, dict[str, Any]] = {}
     notify: dict[str, Any] = {}
     """``[notify]``: the bridge's routes; it decodes them itself."""
 
 
-def _decode(text: str, source: str) -> tuple[DefaultsFile, dict[str, CausePolicy]]:
+def _decode(text: str, source: str) -> tuple[DefaultsFile, dict[str, CausePolicy],
+                                             PreflightFile]:
     try:
         doc = convert(parse(text, source), PolicyFile, text=text, source=source)
         causes: dict[str, CausePolicy] = {}
@@ -108,7 +135,7 @@ def _decode(text: str, source: str) -> tuple[DefaultsFile, dict[str, CausePolicy
                                         float(c.isolate_if_sustained_s))
     except TomlError as exc:  # the remediator's own type, for callers that catch it
         raise PolicyError(exc.source, exc.line, _known(exc.message)) from None
-    return doc.defaults, causes
+    return doc.defaults, causes, doc.preflight
 
 
 def _known(message: str) -> str:
@@ -121,8 +148,9 @@ def _known(message: str) -> str:
 
 def parse_policy(text: str, source: str = "<policy>") -> Policy:
     """A policy file's text as a :class:`Policy` (unset defaults: the built-in ones)."""
-    defaults, causes = _decode(text, source)
-    return Policy(causes=causes, source=source, **defaults.given())
+    defaults, causes, preflight = _decode(text, source)
+    return Policy(causes=causes, source=source, preflight=PreflightPolicy(**preflight.given()),
+                  **defaults.given())
 
 
 def load_policy(path: str | Path | None = None) -> Policy:
@@ -135,6 +163,8 @@ def load_policy(path: str | Path | None = None) -> Policy:
         text = p.read_text()
     except OSError as exc:
         raise PolicyError(str(p), 0, f"cannot read policy file: {exc.strerror}") from None
-    defaults, causes = _decode(text, str(p))
+    defaults, causes, preflight = _decode(text, str(p))
     merged = {k: getattr(base, k) for k in DefaultsFile.__struct_fields__} | defaults.given()
-    return Policy(causes={**base.causes, **causes}, source=str(p), **merged)
+    gate = PreflightPolicy(**({"on_fail": base.preflight.on_fail,
+                               "on_warn": base.preflight.on_warn} | preflight.given()))
+    return Policy(causes={**base.causes, **causes}, source=str(p), preflight=gate, **merged)

@@ -40,6 +40,7 @@ from trainguard.contract.schemas import (
     Incident,
     IncidentStep,
     NodeHello,
+    PreflightReport,
     RankHello,
     RecoveryReport,
     WorkerExit,
@@ -52,7 +53,7 @@ from trainguard.runtime.service import TRANSIENT_ERRORS, Consumer, Delivery, Run
 from trainguard.runtime.state import Keys
 from trainguard.runtime.topology import ConsumerSpec
 
-from . import conduct, endings, hooks, intake
+from . import conduct, endings, hooks, intake, preflight
 from . import engine as rules
 from .acks import AckBox
 from .conduct import Send
@@ -112,6 +113,9 @@ class RemediatorService(Service[RemediatorSettings]):
                      self.on_hello, (NodeHello, RankHello)),
             Consumer(ConsumerSpec("reports", "remediator-recovery", (s.pattern("recovery"),)),
                      self.on_recovery, (RecoveryReport,)),
+            Consumer(ConsumerSpec("events", "remediator-preflight",
+                                  (s.pattern("event", tail="preflight"),)),
+                     self.on_preflight, (PreflightReport,)),
         ]
 
     async def start(self, rt: Runtime) -> None:
@@ -188,6 +192,34 @@ class RemediatorService(Service[RemediatorSettings]):
         write is a compare-and-set on the hello's time); agents never write Redis."""
         if isinstance(hello, NodeHello):
             await self.store.record_node(hello)
+
+    async def on_preflight(self, report: PreflightReport, delivery: Delivery) -> None:
+        """A node's pre-flight: the policy's ``[preflight]`` blocklists a failed node
+        before it joins (leader only: the write is fenced), runs the isolate hook, and
+        announces it."""
+        assert self.leader is not None
+        gate = preflight.decide(report, self.policy)
+        if gate is None:
+            return
+        if not self.leader.leading:
+            raise Retry(delay=1.0, reason="not the leader")
+        now = time.time()
+        logger = log.bind(job=report.job, host=report.host)
+        if gate.action == "isolate":
+            fresh = report.host not in await self.store.blocked(now)
+            await self.store.block(report.host, preflight.blocklist_entry(
+                report, gate, now, self.settings.blocklist_ttl))
+            logger.warning("blocklisted %s: %s", report.host, gate.reason)
+            if fresh and self.isolate_hook is not None:  # a redelivery runs it once
+                run = await self.isolate_hook.run(
+                    {"host": report.host, "job": report.job, "incident": "",
+                     "cause": preflight.CAUSE, "reason": gate.reason},
+                    self.settings.hook_timeout)
+                (logger.info if run.status == "ok" else logger.error)(
+                    "isolate hook for %s: %s", report.host, hooks.summary(run))
+        await self.runtime.publish_event(self.settings.subjects.event(report.job, "action"),
+                                         preflight.action_event(report, gate, now),
+                                         ctx=delivery.ctx)
 
     async def on_diagnosis(self, d: Diagnosis, delivery: Delivery) -> None:
         assert self.leader is not None
