@@ -454,7 +454,8 @@ def summarize(a: Anomaly, v: Conclusion, recommended: list[str]) -> str:
     who = f"rank{'s' if len(v.ranks) != 1 else ''} {', '.join(map(str, v.ranks[:6]))}" \
         if v.ranks else "the job"
     where = f" on {', '.join(v.hosts[:4])}" if v.hosts else ""
-    reason = next((f.fact for f in reversed(v.facts) if f.source != "detector"
-                   or "stuck" in f.fact or "every rank" in f.fact), a.kind)
+    reason = next((f.fact for f in reversed(v.facts) if f.fact != "traceback signature"
+                   and (f.source != "detector" or "stuck" in f.fact or "every rank" in f.fact)),
+                  a.kind)
     return (f"{who}{where}: {v.cause.replace('_', ' ')} ({reason}); "
             f"recommend {' -> '.join(recommended)}")
