@@ -28,8 +28,9 @@ from trainguard.services.remediator.intake import admit
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 DEV = ("error-lines.jsonl", "error-lines-dev.jsonl")
 HELDOUT = "error-lines-heldout.jsonl"
-HELDOUT_FLOOR = 0.87
-"""Just below the 88.7% (134/151) first measured on the held-out rows."""
+HELDOUT_FLOOR = 0.95
+"""Just below the 95.3% (143/150) measured on the second held-out set (the first, 88.7%
+on 151 rows, became dev rows when patterns were written from its misses)."""
 NOW = 1_000_000.0
 
 
