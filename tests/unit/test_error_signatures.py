@@ -1,13 +1,18 @@
 """The exit-text knowledge against real error lines users pasted into public threads
-(tests/fixtures/error-lines.jsonl: each row cites its thread), plus the rules around it:
+(tests/fixtures/error-lines*.jsonl: each row cites its thread), plus the rules around it:
 the host's OOM evidence, a bare SIGKILL, the watchdog's sequence numbers, the data file's
-own checks."""
+own checks, and the honest fallback for a text nothing recognises.
+
+The dev rows (error-lines.jsonl, error-lines-dev.jsonl) are the lines the signatures were
+written from: every one must be right. The held-out rows (error-lines-heldout.jsonl) were
+collected after the signatures were frozen and never used to write one: their accuracy
+must stay at or above the floor measured on them. Scoring is honest
+(:mod:`trainguard.services.diagnoser.accuracy`): the fallback is right only on a row
+labelled ``unrecognised``."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -15,15 +20,26 @@ from trainguard.agent import hostmem
 from trainguard.contract.evidence import CrashEvidence
 from trainguard.contract.schemas import Anomaly, WorkerExit
 from trainguard.runtime import xids
-from trainguard.services.diagnoser import signatures
-from trainguard.services.diagnoser.rules import Diagnoser
+from trainguard.services.bridge.rules import notice
+from trainguard.services.diagnoser import accuracy, signatures
+from trainguard.services.diagnoser.rules import FALLBACK_CONFIDENCE, UNRECOGNISED, Diagnoser
+from trainguard.services.remediator.intake import admit
 
-LINES = Path(__file__).resolve().parent.parent / "fixtures" / "error-lines.jsonl"
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+DEV = ("error-lines.jsonl", "error-lines-dev.jsonl")
+HELDOUT = "error-lines-heldout.jsonl"
+HELDOUT_FLOOR = 0.95
+"""Just below the 95.3% (143/150) measured on the second held-out set (the first, 88.7%
+on 151 rows, became dev rows when patterns were written from its misses)."""
 NOW = 1_000_000.0
 
 
-def rows() -> list[dict[str, Any]]:
-    return [json.loads(line) for line in LINES.read_text().splitlines() if line.strip()]
+def table(*names: str) -> list[accuracy.Row]:
+    return [row for name in names for row in accuracy.load(FIXTURES / name)]
+
+
+def rows() -> list[accuracy.Row]:
+    return table(*DEV)
 
 
 def crash(text: str, *, exit_code: int | None = 1, signal: str | None = None,
@@ -34,19 +50,82 @@ def crash(text: str, *, exit_code: int | None = 1, signal: str | None = None,
                    onset_at=NOW - 5, detected_at=NOW - 1)
 
 
-def test_the_table_cites_a_public_thread_for_every_line() -> None:
-    table = rows()
-    assert len(table) >= 80
-    for row in table:
-        assert row["url"].startswith("https://github.com/"), row
-        assert row["cause"] in signatures.CAUSES, row
+def test_the_tables_cite_a_public_thread_for_every_line_and_share_none() -> None:
+    dev, held = rows(), table(HELDOUT)
+    assert len(dev) >= 250 and len(held) >= 150
+    for row in dev + held:
+        assert row.url.startswith("https://github.com/"), row
+    # A held-out row was never used to write a pattern: no text (or thread) of it is a
+    # dev row's.
+    assert not {r.text.strip() for r in dev} & {r.text.strip() for r in held}
+    assert not {r.url for r in dev} & {r.url for r in held}
+    assert len({(r.url, r.text) for r in dev}) == len(dev)
 
 
-@pytest.mark.parametrize("row", rows(), ids=lambda r: r["url"].removeprefix(
+@pytest.mark.parametrize("row", rows(), ids=lambda r: r.url.removeprefix(
     "https://github.com/")[:60])
-def test_real_line_is_classified(row: dict[str, Any]) -> None:
-    verdict = Diagnoser().classify(crash(row["text"]), NOW)
-    assert verdict.cause == row["cause"], verdict.facts
+def test_real_line_is_classified(row: accuracy.Row) -> None:
+    verdict = accuracy.judge(row)
+    assert verdict.right, (row.cause, verdict.cause, verdict.recognised, verdict.fact)
+
+
+def test_held_out_lines_stay_above_the_measured_floor() -> None:
+    score = accuracy.score(table(HELDOUT))
+    missed = [(m.row.url, m.cause) for m in score.misses]
+    assert score.accuracy >= HELDOUT_FLOOR, missed
+
+
+def test_the_fallback_is_never_right_by_landing_on_a_cause() -> None:
+    text = "RuntimeError: mat1 and mat2 shapes cannot be multiplied (4x8 and 16x2)"
+    labelled = accuracy.Row("process_crash", "application", "https://github.com/x/y", text)
+    assert not accuracy.judge(labelled).right
+    assert accuracy.judge(accuracy.Row(accuracy.UNRECOGNISED, "application",
+                                       "https://github.com/x/y", text)).right
+
+
+def test_an_unrecognised_exit_is_a_low_confidence_crash_that_says_so() -> None:
+    text = "Traceback (most recent call last):\nKeyError: 'target_cat'"
+    d = Diagnoser().on_anomaly(crash(text), NOW).publish[-1]
+    assert d.cause == "process_crash" and d.confidence == FALLBACK_CONFIDENCE < 0.5
+    assert UNRECOGNISED in d.summary
+    # The page the bridge sends from the incident carries it.
+    incident = admit(d, None, 60.0, NOW).incident
+    assert incident is not None
+    page = notice(incident)
+    assert UNRECOGNISED in page.summary and "KeyError" in page.summary
+
+
+def test_an_unrecognised_exit_does_not_supersede_a_recognised_guess() -> None:
+    d = Diagnoser()
+    timeout = ("[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, "
+               "OpType=ALLREDUCE, Timeout(ms)=600000) ran for 600013 milliseconds")
+    (network,) = d.on_anomaly(crash(timeout, rank=1), NOW).publish
+    assert network.cause == "network"
+    later = d.on_anomaly(crash("ValueError: bad batch", rank=2), NOW + 1).publish
+    assert [x.cause for x in later] == ["process_crash"]
+    assert network.status == "open"
+    # A recognised root does supersede it.
+    ecc = d.on_anomaly(crash("CUDA error: uncorrectable ECC error encountered", rank=3),
+                       NOW + 2).publish
+    assert network.status == "superseded" and ecc[-1].cause == "hbm_ecc"
+
+
+@pytest.mark.parametrize(("line", "fix"), [
+    ('{"cause": "oom", "url": "https://github.com/a/b", "text": "x"}', "keys"),
+    ('{"cause": "bogus", "family": "storage", "url": "https://github.com/a/b", "text": "x"}',
+     "not a contract Cause"),
+    ('{"cause": "oom", "family": "nope", "url": "https://github.com/a/b", "text": "x"}',
+     "family"),
+    ('{"cause": "oom", "family": "storage", "url": "a/b", "text": "x"}', "https://"),
+    ("not json", "not JSON"),
+])
+def test_a_bad_table_row_names_its_line_and_the_fix(tmp_path: Path, line: str,
+                                                     fix: str) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"cause": "oom", "family": "storage", "url": "https://github.com/a/b", '
+                    '"text": "ok"}\n' + line + "\n")
+    with pytest.raises(accuracy.TableError, match=f"t.jsonl:2: .*{fix}"):
+        accuracy.load(path)
 
 
 def test_dataloader_killed_with_host_oom_evidence_is_oom() -> None:

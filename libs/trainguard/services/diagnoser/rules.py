@@ -50,6 +50,10 @@ ROOT_CAUSES: frozenset[Cause] = frozenset({"gpu_lost", "hbm_ecc", "oom", "proces
 SYMPTOM_KINDS = frozenset({"hang", "unresponsive", "crash", "throughput_drop"})
 SYMPTOM_CAUSES: frozenset[Cause] = frozenset({"network", "rank_hang", "unknown"})
 """Causes that are often a guess made from a symptom before the root shows up."""
+UNRECOGNISED = "no known error in the exit text"
+"""How the exit fallback's evidence begins: the page says the cause is a default."""
+FALLBACK_CONFIDENCE = 0.35
+"""An exit nothing recognised: ``process_crash`` by default, far below any signature."""
 
 
 @dataclass
@@ -64,6 +68,9 @@ class Conclusion:
     signature: str = ""
     recommended: tuple[str, ...] | None = None
     """Actions that replace the cause's defaults (an XID's, from NVIDIA's catalog)."""
+    recognised: bool = True
+    """False for the exit fallback: no signature, no hardware evidence named the cause, so
+    the verdict is a low-confidence ``process_crash`` that explains nothing else."""
 
 
 @dataclass
@@ -152,7 +159,7 @@ class Diagnoser:
             # A root explains a recent symptom-like guess; any cause beats "unknown" on the
             # same ranks.
             explains = v.cause in ROOT_CAUSES and not v.collateral and recent \
-                and od.cause in SYMPTOM_CAUSES
+                and od.cause in SYMPTOM_CAUSES and v.recognised
             guess = od.cause == "unknown" and v.cause != "unknown" and overlap and recent
             if (explains or guess) and not o.root and od.status == "open":
                 # An earlier guess (a hang, a peer error) was a symptom of this root.
@@ -319,12 +326,12 @@ class Diagnoser:
         sig = ev.signal
         if TRACEBACK.search(text) or sig or ev.exit_code:
             facts.append(EvidenceItem(
-                fact=f"exited with code {ev.exit_code}"
+                fact=f"{UNRECOGNISED}: exited with code {ev.exit_code}"
                      f"{' (' + sig + ')' if sig else ''}, no hardware or OOM evidence",
                 source="exit", value=last_line(text)))
-            return Conclusion("process_crash", 0.75 if TRACEBACK.search(text) else 0.6, a.ranks,
-                           a.hosts, facts, signature=signature)
-        return Conclusion("unknown", 0.3, a.ranks, a.hosts, facts)
+            return Conclusion("process_crash", FALLBACK_CONFIDENCE, a.ranks, a.hosts, facts,
+                              signature=signature, recognised=False)
+        return Conclusion("unknown", 0.3, a.ranks, a.hosts, facts, recognised=False)
 
     def _behind(self, a: Anomaly, found: signatures.Match, text: str,
                 facts: list[EvidenceItem], now: float) -> tuple[list[int], list[str]]:
@@ -493,7 +500,8 @@ def summarize(a: Anomaly, v: Conclusion, recommended: list[str]) -> str:
     who = f"rank{'s' if len(v.ranks) != 1 else ''} {', '.join(map(str, v.ranks[:6]))}" \
         if v.ranks else "the job"
     where = f" on {', '.join(v.hosts[:4])}" if v.hosts else ""
-    reason = next((f.fact for f in reversed(v.facts) if f.source != "detector"
-                   or "stuck" in f.fact or "every rank" in f.fact), a.kind)
+    reason = next((f.fact for f in reversed(v.facts) if f.fact != "traceback signature"
+                   and (f.source != "detector" or "stuck" in f.fact or "every rank" in f.fact)),
+                  a.kind)
     return (f"{who}{where}: {v.cause.replace('_', ' ')} ({reason}); "
             f"recommend {' -> '.join(recommended)}")
