@@ -205,5 +205,18 @@ def test_cpu_contention_without_a_reading() -> None:
         == "9 runnable tasks on 4 CPUs"
 
 
+def test_cpu_contention_counts_only_beyond_the_other_hosts() -> None:
+    """The same load on every host (one machine's, or the fleet's) slows no host alone."""
+    loaded = procfs.CpuSampler(str(FIX / "proc" / "loaded")).sample()
+    idle = procfs.CpuSampler(str(FIX / "proc" / "idle")).sample()
+    steal = procfs.CpuSampler(str(FIX / "proc" / "steal")).sample()
+    assert checks.cpu_contention(loaded, steal_pct=10, load_ratio=1.5, peers=[loaded]) == ""
+    assert checks.cpu_contention(steal, steal_pct=10, load_ratio=1.5, peers=[steal]) == ""
+    alone = checks.cpu_contention(loaded, steal_pct=10, load_ratio=1.5, peers=[idle, idle])
+    assert alone.startswith("1-minute load 37.84 on 4 CPUs (other hosts")
+    assert "stolen" in checks.cpu_contention(steal, steal_pct=10, load_ratio=1.5,
+                                             peers=[idle])
+
+
 def test_disk_result_defaults() -> None:
     assert DiskResult().error == ""

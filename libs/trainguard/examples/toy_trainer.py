@@ -26,8 +26,11 @@ final parameters (sharded: the gathered full state dict) for comparisons.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
+import math
 import os
+import random
 import shutil
 import signal
 import sys
@@ -54,6 +57,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--step-time", type=float, default=0.02,
                    help="seconds of simulated compute per step (default 0.02)")
+    # Irregular steps, as real jobs have them (none by default).
+    p.add_argument("--jitter", type=float, default=0.0, metavar="SIGMA",
+                   help="log-normal sigma of each rank's --step-time sleep, per step")
+    p.add_argument("--eval-every", type=int, default=0, metavar="N",
+                   help="every N steps every rank evaluates first (phase eval)")
+    p.add_argument("--eval-seconds", type=float, default=5.0,
+                   help="how long an evaluation takes (default 5)")
+    p.add_argument("--refill-every", type=int, default=0, metavar="N",
+                   help="about every N steps (seeded) the data loaders refill")
+    p.add_argument("--refill-seconds", type=float, default=1.0,
+                   help="the longest refill; each takes 20-100%% of it (default 1)")
+    p.add_argument("--refill-alone", action="store_true",
+                   help="a refill is one rank's (in turn), its peers waiting for it")
+    p.add_argument("--first-step-seconds", type=float, default=0.0,
+                   help="each process's first step computes this much longer (compiling)")
     p.add_argument("--ddp", action="store_true", help="average gradients with DDP")
     p.add_argument("--parallel", choices=PARALLEL, default="dp",
                    help="dp: replicated model, gradients all-reduced (default); fsdp: FSDP2 "
@@ -119,6 +137,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.ddp and args.parallel != "dp":
         p.error(f"--ddp replicates the model: it does not go with --parallel {args.parallel}")
     return args
+
+
+@dataclasses.dataclass(frozen=True)
+class Irregular:
+    """One step's irregular parts (``--jitter``, ``--eval-every``, ``--refill-every``):
+    seeded by the step, so every rank agrees on an evaluation's or a refill's length."""
+
+    jitter: float = 1.0
+    eval_s: float = 0.0
+    refill_s: float = 0.0
+
+    @classmethod
+    def of(cls, args: argparse.Namespace, step: int, rank: int, world: int) -> Irregular:
+        job = random.Random(args.seed * 1_000_003 + step)
+        mine = random.Random((args.seed * 1_000_003 + step) * 7919 + rank)
+        jitter = math.exp(mine.gauss(0.0, args.jitter)) if args.jitter > 0 else 1.0
+        evaluates = args.eval_every > 0 and step > 0 and step % args.eval_every == 0
+        refill = 0.0
+        if args.refill_every > 0 and step > 0 and job.random() < 1.0 / args.refill_every:
+            alone = step % world if args.refill_alone else rank
+            refill = args.refill_seconds * job.uniform(0.2, 1.0) if alone == rank else 0.0
+        return cls(jitter, args.eval_seconds if evaluates else 0.0, refill)
 
 
 def _rank_step(spec: str | None) -> tuple[int, int]:
@@ -409,6 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         nan_rank, nan_step = _rank_step(args.nan_at)
     slow_rank, _, slow_factor = (args.slow or "-1:1").partition(":")
     slow = float(slow_factor) if int(slow_rank) == rank and first_attempt else 1.0
+    first_step = args.first_step_seconds
     for step in guard.steps(start, args.steps) if args.in_place else range(start, args.steps):
         if rank == fail_rank and step == fail_step and first_attempt:
             progress.fault(step, "crash")
@@ -427,7 +468,12 @@ def main(argv: list[str] | None = None) -> int:
                 with s.phase(args.hang_phase):
                     while True:  # blocked for good: only a signal ends it
                         time.sleep(1.0)
+            irregular = Irregular.of(args, step, rank, dist.get_world_size())
+            if irregular.eval_s:
+                with s.phase("eval"):
+                    time.sleep(irregular.eval_s)
             with s.phase("data"):
+                time.sleep(irregular.refill_s)
                 data = torch.Generator().manual_seed(args.seed * 1_000_003 + rank * 7919 + step)
                 if text is not None:
                     at = torch.randint(0, len(text) - SEQ - 1, (8,), generator=data)
@@ -438,7 +484,8 @@ def main(argv: list[str] | None = None) -> int:
                     target = torch.randint(0, 64, (8,), generator=data)
             with s.phase("compute"):
                 t_compute = time.monotonic()
-                time.sleep(args.step_time)
+                time.sleep(args.step_time * irregular.jitter + first_step)
+                first_step = 0.0
                 loss = forward_backward(model, optimizer, tokens, target)
                 if slow > 1.0 and step >= args.slow_from:
                     time.sleep((time.monotonic() - t_compute) * (slow - 1.0))

@@ -20,7 +20,8 @@ and let through, ``skipped`` says why it could not look. What fails and what war
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import statistics
+from collections.abc import Iterable, Sequence
 from typing import Any, Final, Literal
 
 from trainguard.contract.evidence import CpuLoad, IbPort, KernelLine
@@ -239,19 +240,37 @@ def disk(r: DiskResult | None, floor: float) -> PreflightCheck:
 # -- the straggler checklist's CPU verdict --------------------------------------------------
 
 
-def cpu_contention(load: CpuLoad | None, *, steal_pct: float,
-                   load_ratio: float) -> str:
+def _per_cpu(load: CpuLoad) -> float | None:
+    """The higher of the 1-minute load and the runnable tasks, per CPU."""
+    busy = [float(x) for x in (load.load1, load.runnable) if x is not None]
+    return max(busy) / max(1, load.cpus) if busy else None
+
+
+def cpu_contention(load: CpuLoad | None, *, steal_pct: float, load_ratio: float,
+                   peers: Sequence[CpuLoad] = ()) -> str:
     """Why the host's CPUs are contended ("" if they are not): the hypervisor stealing
     more than ``steal_pct`` of CPU time, or more runnable tasks or 1-minute load than
-    ``load_ratio`` times the CPUs."""
+    ``load_ratio`` times the CPUs.
+
+    ``peers``: the other hosts' readings. Then only contention beyond theirs counts
+    (steal ``steal_pct`` above their median, load ``load_ratio`` times theirs): the same
+    load on every host is the fleet's, or one machine's, not what slows this host alone."""
     if load is None:
         return ""
     why = []
-    if load.steal_pct is not None and load.steal_pct > steal_pct:
-        why.append(f"{load.steal_pct:g}% of CPU time stolen by the hypervisor")
+    steals = [p.steal_pct for p in peers if p.steal_pct is not None]
+    usual_steal = statistics.median(steals) if steals else 0.0
+    if load.steal_pct is not None and load.steal_pct > steal_pct + usual_steal:
+        why.append(f"{load.steal_pct:g}% of CPU time stolen by the hypervisor"
+                   + (f" (other hosts {usual_steal:g}%)" if steals else ""))
+    theirs = [x for x in (_per_cpu(p) for p in peers) if x is not None]
+    usual = statistics.median(theirs) if theirs else 0.0
     cpus = max(1, load.cpus)
-    if load.load1 is not None and load.load1 > load_ratio * cpus:
-        why.append(f"1-minute load {load.load1:g} on {cpus} CPUs")
-    elif load.runnable is not None and load.runnable > load_ratio * cpus:
-        why.append(f"{load.runnable} runnable tasks on {cpus} CPUs")
+    limit = load_ratio * max(1.0, usual) * cpus
+    what = (f"1-minute load {load.load1:g}" if load.load1 is not None and load.load1 > limit
+            else f"{load.runnable} runnable tasks"
+            if load.runnable is not None and load.runnable > limit else "")
+    if what:
+        why.append(f"{what} on {cpus} CPUs"
+                   + (f" (other hosts {usual:.2g} per CPU)" if theirs else ""))
     return ", ".join(why)

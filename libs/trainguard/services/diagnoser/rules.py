@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from trainguard.contract.envelope import uuid7
 from trainguard.contract.evidence import (
     CheckpointSlowEvidence,
+    CpuLoad,
     CrashEvidence,
     DataStallEvidence,
     GpuHealthEvidence,
@@ -378,7 +379,7 @@ class Diagnoser:
         The first that holds names the cause; none: a plain straggler."""
         for host in a.hosts:
             samples = [x for x in self.gpu.get(host, ()) if now - x.time <= self.gpu_window]
-            found = self._throttled(host, samples) or self._host_cause(host, samples)
+            found = self._throttled(host, samples) or self._host_cause(host, samples, now)
             if found is not None:
                 cause, item = found
                 facts.append(item)
@@ -404,8 +405,21 @@ class Diagnoser:
                         source="nvml", value=sorted(reasons))
         return None
 
-    def _host_cause(self, host: str,
-                    samples: list[GpuSample]) -> tuple[Cause, EvidenceItem] | None:
+    def _peer_cpus(self, host: str, now: float) -> list[CpuLoad]:
+        """The other hosts' newest CPU readings within the GPU window (contention counts
+        only beyond theirs)."""
+        out = []
+        for other, samples in self.gpu.items():
+            if other == host:
+                continue
+            cpu = next((x.facts.cpu for x in reversed(samples) if x.facts is not None
+                        and x.facts.cpu is not None and now - x.time <= self.gpu_window), None)
+            if cpu is not None:
+                out.append(cpu)
+        return out
+
+    def _host_cause(self, host: str, samples: list[GpuSample],
+                    now: float) -> tuple[Cause, EvidenceItem] | None:
         """What the host probe's newest reading (``GpuSample.facts``) says."""
         facts = next((x.facts for x in reversed(samples) if x.facts is not None), None)
         if facts is None:
@@ -428,7 +442,7 @@ class Diagnoser:
                 fact=f"foreign process on {host}'s GPUs: {who}", source="nvml",
                 value=[p.pid for p in facts.foreign])
         why = checks.cpu_contention(facts.cpu, steal_pct=self.steal_pct,
-                                    load_ratio=self.load_ratio)
+                                    load_ratio=self.load_ratio, peers=self._peer_cpus(host, now))
         if why:
             return "straggler_cpu", EvidenceItem(fact=f"CPU contention on {host}: {why}",
                                                  source="procfs", value=facts.cpu)
