@@ -70,6 +70,10 @@ class FakeNode:
         self.calls.append(f"gpu:{kind}")
         return kind
 
+    def preflight_summary(self, checks: list[str] | None) -> str:
+        self.calls.append(f"preflight:{checks}")
+        return "preflight ok"
+
 
 def cmd(ident: str, kind: str, **kw: object) -> Command:
     return Command(id=ident, job="j", kind=kind, issuer="remediator", **kw)  # type: ignore[arg-type]
@@ -288,3 +292,15 @@ def test_gpu_probe_is_unavailable_here_and_scripted_evidence_is_well_formed() ->
     (xid,) = scripted.xids()
     assert (xid.gpu, xid.code) == (1, 79) and scripted.xids() == []
     assert throttle_names(0x4 | 0x80) == ["sw_power_cap", "hw_power_brake_slowdown"]
+
+
+def test_a_preflight_command_runs_only_the_checks_that_can_run_beside_training() -> None:
+    node = FakeNode()
+    ex = CommandExecutor(node)
+    out = ex.handle(cmd("p1", "preflight", params={"checks": "nvml, ib"}))
+    assert out is not None and out.outcome == "done"
+    out = ex.handle(cmd("p2", "preflight", params={"checks": ["nvml", "allreduce"]}))
+    assert out is not None and out.outcome == "refused"
+    assert "['allreduce'] cannot run beside training" in out.detail
+    assert ex.handle(cmd("p3", "preflight")).outcome == "done"  # type: ignore[union-attr]
+    assert node.calls == ["preflight:['nvml', 'ib']", "preflight:None"]

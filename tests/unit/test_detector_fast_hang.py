@@ -112,3 +112,26 @@ def test_a_rank_that_has_not_completed_a_step_as_this_process_gets_the_unclear_f
     h.job.revive(h.job.ranks[3], h.clock)
     found = stall_until_hang(h, 3, "compute")
     assert found >= Thresholds().unclear_hang_floor
+
+
+def test_every_rank_waiting_alike_names_no_culprit_and_gets_the_unclear_floor() -> None:
+    """All in a collective, none behind (DDP's buckets in flight on every rank look so):
+    who holds whom is not shown, so the fast floor does not apply."""
+    h = short_job()
+    h.sim.steps(300)
+    onset = h.sim.now
+    h.sim.stall(8.0, lambda r: "comm")
+    [hang] = h.opened("hang")
+    assert hang.evidence.limit_basis == "unclear_hang_floor"
+    assert hang.evidence.unclear == "no rank holds the others up"
+    assert hang.detected_at - onset >= Thresholds().unclear_hang_floor
+    assert hang.evidence.hang_floor == Thresholds().unclear_hang_floor
+
+
+def test_a_rank_behind_in_collectives_is_named_and_judged_fast() -> None:
+    h = short_job()
+    h.sim.steps(300)
+    h.sim.coll_lag[6] = 1
+    found = stall_until_hang(h, 6, "comm")
+    assert found <= 1.5
+    assert h.opened("hang")[0].evidence.culprit_basis == "coll_seq"

@@ -44,7 +44,6 @@ def test_a_healthy_gpu_passes_every_nvml_check() -> None:
     ("ecc-pending", "nvml.ecc:gpu0", "4 uncorrectable"),
     ("ecc-pending", "nvml.remap:gpu0", "wait to be remapped"),
     ("pcie-x8", "nvml.pcie:gpu0", "x8 of x16"),
-    ("foreign-process", "nvml.processes:gpu0", "[3192]"),
 ])
 def test_each_recorded_fault_fails_its_check(reading: str, check: str, words: str) -> None:
     found = {c.name: c for c in checks.nvml([gpu(reading)])}
@@ -53,6 +52,24 @@ def test_each_recorded_fault_fails_its_check(reading: str, check: str, words: st
     others = {n: c.status for n, c in found.items() if n != check and c.status == "fail"}
     if reading != "throttled":  # the throttled GPU also runs a (foreign here) process
         assert others == {} or reading == "ecc-pending", others
+
+
+def test_a_process_already_on_the_gpu_is_a_warning_not_a_failure() -> None:
+    """A previous attempt still exiting, or another tenant: the node is not broken."""
+    found = {c.name: c for c in checks.nvml([gpu("foreign-process")])}
+    assert found["nvml.processes:gpu0"].status == "warn"
+    assert "[3192]" in found["nvml.processes:gpu0"].reason
+    assert checks.processes(gpu("foreign-process"), {3192}).status == "ok"
+
+
+def test_a_fatal_xid_logged_over_an_hour_ago_warns_a_recent_one_fails() -> None:
+    lines = kernlog.parse((FIX / "kernel" / "xid.log").read_text())  # Xid 79 at 1843.3 s
+    assert checks.kernel_log(lines, uptime=1843.3 + 600).status == "fail"
+    old = checks.kernel_log(lines, uptime=1843.3 + 2 * checks.KERNEL_WINDOW_S)
+    assert old.status == "warn" and "over an hour ago" in old.reason
+    stamped = kernlog.parse_line("6,2171,1843308145,-;NVRM: Xid (PCI:0000:44:00): 79, "
+                                 "GPU has fallen off the bus.")
+    assert stamped is not None and stamped.since_boot == 1843.308145
 
 
 def test_a_lower_pcie_generation_on_an_idle_gpu_is_no_fault() -> None:
@@ -157,7 +174,7 @@ def test_disk_throughput_against_its_floor(tmp_path: Path) -> None:
     assert measured.error == "" and measured.mbps > 0 and measured.megabytes == 4
     assert os.listdir(tmp_path / "ckpt") == []  # the test file is gone
     assert checks.disk(measured, 0.001).status == "ok"
-    assert checks.disk(measured, 1e9).status == "fail"
+    assert checks.disk(measured, 1e9).status == "warn"  # often shared: never keeps a node out
     assert checks.disk(None, 50).status == "skipped"
     blocked = tmp_path / "file"
     blocked.write_text("")

@@ -8,8 +8,10 @@ here: drills gated, isolation refused on the rendezvous-store host, ranks that m
 generation; the others keep running): in place (the replacement takes its state from the
 survivors) when every rank declared it can, else, with ``params.fallback = "group"`` (the
 remediator's culprit restart), the whole group, else the rank alone from its checkpoint.
-``preflight`` runs the node's pre-flight checks now (``params.checks``: which; by default
-the passive ones, the ranks running) and publishes the record. ``hold`` is the control
+``preflight`` runs the node's passive pre-flight checks now (``params.checks``: which of
+``PASSIVE_PREFLIGHT_CHECKS``; the bandwidth test, ``dcgmi diag`` and the disk test would
+compete with training, and hold the agent's other commands) and publishes the record.
+``hold`` is the control
 plane ending a job that cannot recover (a crash loop past its
 budget): the workers stop and ``trainguard launch`` exits 80, on every host (the store
 host's too: unlike an isolation, the whole job is meant to end).
@@ -20,7 +22,12 @@ from __future__ import annotations
 from typing import Protocol
 
 from trainguard.contract.errors import TrainguardError
-from trainguard.contract.schemas import AGENT_DRILLS, Command, CommandAck
+from trainguard.contract.schemas import (
+    AGENT_DRILLS,
+    PASSIVE_PREFLIGHT_CHECKS,
+    Command,
+    CommandAck,
+)
 from trainguard.contract.targets import for_agent
 from trainguard.core.receiver import Answer, Drop, Receiver
 
@@ -129,8 +136,12 @@ class CommandExecutor:
                 return "; ".join(node.signal_rank(r, cmd.kind) for r in ranks)
             case "preflight":
                 raw = cmd.params.get("checks")
-                names = [str(c) for c in raw] if isinstance(raw, list) else \
-                    [c for c in str(raw).split(",") if c] if raw else None
+                names = [str(c).strip() for c in raw] if isinstance(raw, list) else \
+                    [c.strip() for c in str(raw).split(",") if c.strip()] if raw else None
+                loud = sorted(set(names or ()) - set(PASSIVE_PREFLIGHT_CHECKS))
+                if loud:  # they would hold this agent's other commands for minutes
+                    raise Refused(f"params.checks {loud} cannot run beside training: a "
+                                  f"preflight command runs {', '.join(PASSIVE_PREFLIGHT_CHECKS)}")
                 return node.preflight_summary(names)
             case "ecc" | "xid" | "throttle":
                 return node.gpu_drill(cmd.kind, dict(cmd.params))

@@ -22,6 +22,7 @@ from typing import Literal
 from trainguard.contract.envelope import uuid7
 from trainguard.contract.evidence import HostFacts
 from trainguard.contract.schemas import (
+    PASSIVE_PREFLIGHT_CHECKS,
     FlightRecorderReport,
     GpuStats,
     PreflightReport,
@@ -381,7 +382,7 @@ class LocalNode:
         bandwidth test and ``dcgmi diag`` would compete with training for the GPUs."""
         if checks is None:
             checks = self.settings.checks() if trigger == "launch" else \
-                [c for c in self.settings.checks() if c not in ("allreduce", "dcgm")]
+                [c for c in self.settings.checks() if c in PASSIVE_PREFLIGHT_CHECKS]
         unknown = [c for c in checks if c not in CHECKS]
         if unknown:
             raise ValueError(f"unknown pre-flight check {unknown[0]!r}; known: "

@@ -380,6 +380,9 @@ class KernelLine(msgspec.Struct, kw_only=True):
     pci: str = ""
     kind: str = ""
     """``xid`` or ``ecc``."""
+    since_boot: float | None = None
+    """When it was logged, seconds since boot (kmsg's or dmesg's own stamp; None: not
+    stamped, as in a wall-clock ``dmesg -T``)."""
 
 
 class ForeignProcess(msgspec.Struct, kw_only=True):
@@ -402,6 +405,8 @@ class HostFacts(msgspec.Struct, kw_only=True):
     cpu: CpuLoad | None = None
     kernel: list[KernelLine] = []
     """Xid and memory-error lines of the kernel log the probe has seen (newest last)."""
+    uptime_s: float | None = None
+    """Seconds since boot when read: what the kernel lines' ``since_boot`` is against."""
     foreign: list[ForeignProcess] = []
 
 

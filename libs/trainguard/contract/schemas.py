@@ -17,7 +17,7 @@ republished with the same ``id``, a higher ``rev`` and a new ``status``.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal, get_args
+from typing import Any, ClassVar, Final, Literal, get_args
 
 import msgspec
 
@@ -201,6 +201,13 @@ TelemetryMessage = Heartbeat | StepReport | Fingerprint | GpuSample | NodeHeartb
 
 # -- durable (JSON + CloudEvents) ------------------------------------------------------
 
+
+PREFLIGHT_CHECKS: Final = ("nvml", "dcgm", "ib", "allreduce", "disk")
+"""Every pre-flight check (``preflight_checks``, a ``preflight`` command's
+``params.checks``), in the order they run."""
+PASSIVE_PREFLIGHT_CHECKS: Final = ("nvml", "ib")
+"""The checks a ``preflight`` command runs beside training: readings only (the bandwidth
+test, ``dcgmi diag`` and the disk test compete with the ranks for the devices)."""
 
 CheckStatus = Literal["ok", "warn", "fail", "skipped"]
 """A pre-flight check's verdict: ``skipped`` says why it could not run (no GPU, no DCGM,

@@ -25,6 +25,12 @@ STALL_CHECK_S = 0.1
 """How often the transport thread asks :meth:`RankState.stalled`."""
 
 
+def usual_after(usual: float | None, seconds: float) -> float:
+    """The moving average of step durations after one of ``seconds`` (one slow step moves
+    it a tenth of the way)."""
+    return seconds if usual is None else usual + 0.1 * (seconds - usual)
+
+
 class RankState:
     """The current step and phase, collective counters and the ``slow`` drill's factor."""
 
@@ -62,8 +68,7 @@ class RankState:
         self.phase = None
         self.step_t0 = None
         if seconds is not None:
-            usual = self.usual_step
-            self.usual_step = seconds if usual is None else usual + 0.1 * (seconds - usual)
+            self.usual_step = usual_after(self.usual_step, seconds)
 
     def stalled(self, now: float) -> bool:
         """True once per step, when it has run well past this rank's usual step.

@@ -116,10 +116,12 @@ def pcie(g: GpuStats) -> PreflightCheck:
 
 
 def processes(g: GpuStats, own: set[int]) -> PreflightCheck:
+    """A warning, never a failure: a previous attempt still exiting, another tenant, or
+    (in a container) host pids NVML reports that are no process here look the same."""
     name = f"nvml.processes:gpu{g.index}"
     foreign = [p for p in g.processes if p not in own]
     if foreign:
-        return result(name, "fail", f"compute process(es) {foreign} already on the GPU",
+        return result(name, "warn", f"compute process(es) {foreign} already on the GPU",
                       foreign, [])
     return result(name, "ok", value=[])
 
@@ -132,16 +134,35 @@ def nvml(gpus: list[GpuStats], own: set[int] | None = None) -> list[PreflightChe
     return out
 
 
-def kernel_log(lines: list[KernelLine], readable: bool = True) -> PreflightCheck:
-    """Xid and memory-error lines the kernel logged: fatal ones (NVIDIA's catalog,
-    :mod:`trainguard.runtime.xids`) fail, others warn."""
+KERNEL_WINDOW_S: Final = 3600.0
+"""A fatal kernel line older than this is history (a GPU reset since may have cleared it):
+a warning in the pre-flight, nothing in the straggler checklist."""
+
+
+def fatal_kernel_line(k: KernelLine) -> bool:
+    """A fatal Xid (NVIDIA's catalog, :mod:`trainguard.runtime.xids`) or a memory error."""
+    entry = xids.lookup(k.xid) if k.xid is not None else None
+    return (entry is not None and entry.fatal) or k.kind == "ecc"
+
+
+def recent(lines: list[KernelLine], uptime: float | None,
+           window: float = KERNEL_WINDOW_S) -> list[KernelLine]:
+    """The lines logged within ``window`` seconds of ``uptime`` (seconds since boot, when
+    read); a line of unknown age counts as recent."""
+    if uptime is None:
+        return list(lines)
+    return [k for k in lines if k.since_boot is None or uptime - k.since_boot <= window]
+
+
+def kernel_log(lines: list[KernelLine], readable: bool = True,
+               uptime: float | None = None) -> PreflightCheck:
+    """Xid and memory-error lines the kernel logged: recent fatal ones fail, older fatal
+    ones and the rest warn."""
     if not readable:
         return result("kernel.xid", "skipped", "the kernel log is not readable here")
-    fatal: list[KernelLine] = []
-    other: list[KernelLine] = []
-    for k in lines:
-        entry = xids.lookup(k.xid) if k.xid is not None else None
-        (fatal if (entry is not None and entry.fatal) or k.kind == "ecc" else other).append(k)
+    now = recent(lines, uptime)
+    fatal = [k for k in now if fatal_kernel_line(k)]
+    other = [k for k in lines if k not in fatal]
     if fatal:
         codes = sorted({k.xid for k in fatal if k.xid is not None})
         return result("kernel.xid", "fail", f"kernel logged {len(fatal)} fatal GPU error(s)"
@@ -149,8 +170,9 @@ def kernel_log(lines: list[KernelLine], readable: bool = True) -> PreflightCheck
                       f"{fatal[-1].text[:160]}", [k.text for k in fatal[-3:]])
     if other:
         return result("kernel.xid", "warn", f"kernel logged Xid "
-                      f"{', '.join(sorted({str(k.xid) for k in other}))}",
-                      [k.text for k in other[-3:]])
+                      f"{', '.join(sorted({str(k.xid) for k in other}))}"
+                      + (" (fatal ones over an hour ago)" if any(map(fatal_kernel_line, other))
+                         else ""), [k.text for k in other[-3:]])
     return result("kernel.xid", "ok", value=[])
 
 
@@ -214,8 +236,8 @@ def bandwidth(r: BandwidthResult, floor: float) -> PreflightCheck:
     name = f"allreduce.{r.backend or 'local'}"
     if r.skipped:
         return result(name, "skipped", r.skipped, threshold=floor)
-    if r.error:
-        return result(name, "fail", r.error, threshold=floor)
+    if r.error:  # the test itself failed (a timeout, a torch build without the backend)
+        return result(name, "warn", r.error, threshold=floor)
     value = {"busbw_gbps": r.busbw_gbps, "ranks": r.ranks}
     if not r.exact:
         return result(name, "fail", "the all-reduce's sums came out wrong: data corrupted "
@@ -227,12 +249,14 @@ def bandwidth(r: BandwidthResult, floor: float) -> PreflightCheck:
 
 
 def disk(r: DiskResult | None, floor: float) -> PreflightCheck:
+    """A warning at worst: the checkpoint root is most often shared, and a slow one would
+    keep every node out of every job."""
     if r is None:
         return result("disk", "skipped", "no checkpoint root set (TRAINGUARD_CHECKPOINT_ROOT)")
     if r.error:
-        return result("disk", "fail", r.error, threshold=floor)
+        return result("disk", "warn", r.error, threshold=floor)
     if r.mbps < floor:
-        return result("disk", "fail", f"checkpoint root writes {r.mbps:g} MB/s "
+        return result("disk", "warn", f"checkpoint root writes {r.mbps:g} MB/s "
                       f"(fsync included), below {floor:g} MB/s", r.mbps, floor)
     return result("disk", "ok", value=r.mbps, threshold=floor)
 

@@ -19,6 +19,10 @@ from trainguard.contract.evidence import KernelLine
 
 XID: Final = re.compile(r"NVRM: Xid \(PCI:([0-9A-Fa-f:.]+)\): (\d+)")
 ECC: Final = re.compile(r"\b(DBE|double bit|uncorrectable|ECC error|UE memory)", re.IGNORECASE)
+KMSG: Final = re.compile(r"^\d+,\d+,(\d+)[^;]*;")
+"""A ``/dev/kmsg`` record's header: priority, sequence, microseconds since boot, flags."""
+DMESG: Final = re.compile(r"^\[\s*(\d+\.\d+)\]")
+"""``dmesg``'s own stamp, seconds since boot (not ``dmesg -T``'s wall clock)."""
 MAX_LINES: Final = 64
 """Lines kept (the newest): a storm of one Xid must not grow a sample without bound."""
 MAX_RECORDS: Final = 10_000
@@ -26,14 +30,23 @@ MAX_RECORDS: Final = 10_000
 
 def parse_line(raw: str) -> KernelLine | None:
     """A kernel log line about GPU or memory health, else None. The kmsg header and a
-    ``[ 123.456]`` timestamp are dropped."""
-    text = raw.split(";", 1)[-1] if re.match(r"^\d+,\d+,\d+", raw) else raw
+    ``[ 123.456]`` stamp become ``since_boot``."""
+    since: float | None = None
+    header = KMSG.match(raw)
+    if header:
+        since, text = int(header.group(1)) / 1e6, raw.split(";", 1)[-1]
+    else:
+        text = raw
+    stamp = DMESG.match(text.strip())
+    if stamp and since is None:
+        since = float(stamp.group(1))
     text = re.sub(r"^\s*\[[^\]]*\]\s*", "", text.strip())
     m = XID.search(text)
     if m:
-        return KernelLine(text=text[:300], xid=int(m.group(2)), pci=m.group(1), kind="xid")
+        return KernelLine(text=text[:300], xid=int(m.group(2)), pci=m.group(1), kind="xid",
+                          since_boot=since)
     if ECC.search(text) and ("NVRM" in text or "EDAC" in text):
-        return KernelLine(text=text[:300], kind="ecc")
+        return KernelLine(text=text[:300], kind="ecc", since_boot=since)
     return None
 
 

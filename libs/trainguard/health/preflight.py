@@ -9,6 +9,7 @@ in a check must not keep every node out of every job.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Literal
@@ -16,7 +17,7 @@ from typing import Literal
 from trainguard.contract.envelope import uuid7
 from trainguard.contract.schemas import GpuStats, PreflightCheck, PreflightReport
 
-from . import bandwidth, checks, dcgm, disk, sysfs
+from . import bandwidth, checks, dcgm, disk, procfs, sysfs
 from .kernlog import KernelLog
 from .settings import PreflightSettings
 
@@ -32,7 +33,8 @@ def _nvml(s: PreflightSettings, gpus: list[GpuStats] | None, gpu_why: str,
         lines = log.read()
     finally:
         log.close()
-    return [*checks.nvml(gpus, own), checks.kernel_log(lines, log.readable)]
+    return [*checks.nvml(gpus, own),
+            checks.kernel_log(lines, log.readable, procfs.uptime(s.proc_root))]
 
 
 def _dcgm(s: PreflightSettings) -> list[PreflightCheck]:
@@ -55,8 +57,17 @@ def _allreduce(s: PreflightSettings, count: int) -> list[PreflightCheck]:
 
 
 def _disk(s: PreflightSettings) -> list[PreflightCheck]:
-    r = disk.write_throughput(s.checkpoint_root, s.preflight_disk_mb) \
-        if s.checkpoint_root else None
+    if not s.checkpoint_root:
+        return [checks.disk(None, s.preflight_disk_floor_mbps)]
+    # In a thread of its own: a write to a stuck network mount never returns, and the
+    # node's start must not wait for it (the thread is left to the mount).
+    done: list[disk.DiskResult] = []
+    worker = threading.Thread(target=lambda: done.append(disk.write_throughput(
+        s.checkpoint_root, s.preflight_disk_mb)), name="preflight-disk", daemon=True)
+    worker.start()
+    worker.join(s.preflight_timeout_s)
+    r = done[0] if done else disk.DiskResult(
+        error=f"no answer from {s.checkpoint_root} within {s.preflight_timeout_s:g} s")
     return [checks.disk(r, s.preflight_disk_floor_mbps)]
 
 

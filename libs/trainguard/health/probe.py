@@ -17,7 +17,7 @@ from trainguard.contract.schemas import GpuStats
 
 from . import sysfs
 from .kernlog import KernelLog
-from .procfs import CpuSampler, process_name
+from .procfs import CpuSampler, process_name, uptime
 from .settings import PreflightSettings
 
 ANCESTRY = 8
@@ -70,6 +70,7 @@ class HostProbe:
         return HostFacts(ib_ports=sysfs.ib_ports(s.sysfs_root),
                          ib_expected_gbps=s.preflight_ib_rate_gbps,
                          cpu=self.cpu.sample(), kernel=list(self.kernel.read()),
+                         uptime_s=uptime(s.proc_root),
                          foreign=foreign_processes(gpus, own, s.proc_root))
 
     def close(self) -> None:

@@ -46,6 +46,15 @@ def cpu_times(proc_root: str, now: float | None = None) -> CpuTimes | None:
                     cpus=cpus or 1, at=time.monotonic() if now is None else now)
 
 
+def uptime(proc_root: str) -> float | None:
+    """``<proc_root>/uptime``: seconds since boot (what kernel log stamps count from)."""
+    lines = _lines(os.path.join(proc_root, "uptime"))
+    try:
+        return float(lines[0].split()[0]) if lines else None
+    except (IndexError, ValueError):
+        return None
+
+
 def loadavg(proc_root: str) -> tuple[float, int] | None:
     """``<proc_root>/loadavg``: the 1-minute load and the runnable tasks now."""
     lines = _lines(os.path.join(proc_root, "loadavg"))

@@ -10,10 +10,10 @@ import dataclasses
 from typing import Final
 
 from trainguard.contract.errors import ConfigError
+from trainguard.contract.schemas import PREFLIGHT_CHECKS
 from trainguard.runtime.config import Settings
 
-CHECKS: Final = ("nvml", "dcgm", "ib", "allreduce", "disk")
-"""Every pre-flight check, in the order they run."""
+CHECKS: Final = PREFLIGHT_CHECKS
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -10,8 +10,10 @@
 * ``hang``: no step completed for max(floor, ``hang_k`` x p99 step interval) while
   heartbeats go on. The floor is ``hang_floor`` (1 s) where the job shows what it waits
   for (every rank heard inside the stall, most of them in a collective: the ranks send a
-  heartbeat as soon as a step runs long), else ``unclear_hang_floor`` (5 s: too few steps
-  learned, a rank not heard since, every rank busy in its own phase). A learned limit
+  heartbeat as soon as a step runs long) on ranks it can name, else ``unclear_hang_floor``
+  (5 s: too few steps learned, a rank not heard since, every rank busy in its own phase or
+  waiting alike, the holder in an irregular phase, on its first step or briefly in D/t;
+  :meth:`Liveness.unclear`). A learned limit
   applies when most ranks are in a phase that is long by nature (checkpoint, eval), and a
   start-up grace before the first step. The
   culprits are the ranks whose phase differs from the majority (the one in ``data`` while
@@ -30,6 +32,8 @@ came back as a new process at the same attempt (replaced in place) is resolved.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 from trainguard.contract.evidence import (
     CrashEvidence,
@@ -52,6 +56,16 @@ from .thresholds import Thresholds
 
 ODD_STATES = STOPPED_STATES | GONE_STATES
 """Process states the rules watch every tick (the others prove nothing either way)."""
+
+
+class HangLimit(NamedTuple):
+    """How long a stall may last, why, the floor under it, and why that floor is the
+    unclear one ("" when the job showed what it waits for)."""
+
+    limit: float
+    basis: str
+    floor: float
+    unclear: str
 
 
 def crash_key(rank: int, attempt: int) -> str:
@@ -198,32 +212,36 @@ class Liveness:
         """How long this stall may last, and why. Without a ``census``: the least it could
         be (when to look closer); with one, and the ranks holding the job up: what the job
         shows it waits for."""
+        limit = self.judge_limit(job, census, culprits or [])
+        return limit.limit, limit.basis
+
+    def judge_limit(self, job: JobState, census: Census | None,
+                    culprits: list[int]) -> HangLimit:
         th = job.th
         if not job.has_stepped:
-            return th.startup_grace, "startup_grace"
-        culprits = culprits or []
-        held = self.held_in(job, census, culprits) if census is not None else set()
-        floor, basis = (
-            (max(th.unclear_hang_floor, th.hang_floor), "unclear_hang_floor")
-            if self.unclear(job, census, culprits) else (th.hang_floor, "hang_floor"))
+            return HangLimit(th.startup_grace, "startup_grace", th.startup_grace, "")
+        why = self.unclear(job, census, culprits)
+        floor, basis = ((max(th.unclear_hang_floor, th.hang_floor), "unclear_hang_floor")
+                        if why else (th.hang_floor, "hang_floor"))
         p99 = job.p99_interval()
         limit = th.hang_k * p99 if p99 is not None else 0.0
         if limit > floor:
             basis = "p99"
         limit = max(limit, floor)
         if census is not None:
+            held = self.held_in(job, census, culprits)
             long = ([census.majority] if census.majority in job.long_phases
                     else sorted(held & job.long_phases))
             if long:
-                limit = max(self.long_phase_limit(job, p, limit) for p in long)
-                basis = f"phase:{long[0]}"
-        return limit, basis
+                limit, phase = max((self.long_phase_limit(job, p, limit), p) for p in long)
+                basis = f"phase:{phase}"
+        return HangLimit(limit, basis, floor, why)
 
     def unclear(self, job: JobState, census: Census | None, culprits: list[int]) -> str:
         """Why the job does not show what it waits for ("" when it does): then the
         ``unclear_hang_floor`` applies. It shows it when the step intervals are learned,
-        every live rank was heard inside the stall, most of them wait in a collective, and
-        the ranks holding them up are neither in an irregular phase nor on their first step
+        every live rank was heard inside the stall, most of them wait in a collective on
+        ranks it can name, and these are neither in an irregular phase nor on their first step
         as this process (a replacement warming up, a first step compiling), nor briefly in
         D or t."""
         learned, need = len(job.intervals), job.th.hang_learn_steps
@@ -235,6 +253,8 @@ class Liveness:
             return f"{census.unheard} ranks not heard since the stall began"
         if 2 * census.waiting <= len(census.live):
             return f"{census.waiting} of {len(census.live)} ranks in a collective"
+        if not culprits:  # all wait alike (every collective in flight): on whom is unclear
+            return "no rank holds the others up"
         irregular = sorted(self.held_in(job, census, culprits) & job.irregular_phases)
         if irregular:
             return f"held in {irregular[0]}"
@@ -280,9 +300,9 @@ class Liveness:
                 or self.exit_pending(job, now) or self.recovering(census, now, job.th):
             return
         culprits = self.culprits(job, census)
-        limit, basis = self.hang_limit(job, census, culprits[0])
-        if stalled > limit:
-            self._hang(job, census, now, stalled_since, (limit, basis), culprits)
+        judged = self.judge_limit(job, census, culprits[0])
+        if stalled > judged.limit:
+            self._hang(job, census, now, stalled_since, judged, culprits)
 
     @staticmethod
     def recovering(census: Census, now: float, th: Thresholds) -> bool:
@@ -303,8 +323,8 @@ class Liveness:
         return bool(job.closing)
 
     def _hang(self, job: JobState, census: Census, now: float, since: float,
-              judged: tuple[float, str], named_by: tuple[list[int], str]) -> None:
-        (limit, basis), (culprits, how) = judged, named_by
+              judged: HangLimit, named_by: tuple[list[int], str]) -> None:
+        culprits, how = named_by
         named = culprits or [r.rank for r in census.live]
         cap = job.th.evidence_max_ranks
         everyone = census.live + census.silent + census.stopped
@@ -313,11 +333,9 @@ class Liveness:
         state = {r.rank: "silent" for r in census.silent}
         state.update((r.rank, "stopped") for r in census.stopped)
         evidence = HangEvidence(
-            stalled_since=since, stalled_for=round(now - since, 3), limit=limit,
-            limit_basis=basis, p99_step_interval=job.p99_interval(),
-            hang_floor=job.th.hang_floor if basis == "hang_floor"
-            else max(job.th.hang_floor, job.th.unclear_hang_floor), hang_k=job.th.hang_k,
-            unclear=self.unclear(job, census, culprits),
+            stalled_since=since, stalled_for=round(now - since, 3), limit=judged.limit,
+            limit_basis=judged.basis, p99_step_interval=job.p99_interval(),
+            hang_floor=judged.floor, hang_k=job.th.hang_k, unclear=judged.unclear,
             last_step=job.max_step, majority_phase=census.majority,
             phase_counts=census.counts, silent=[r.rank for r in census.silent][:cap],
             culprits=culprits[:cap], culprit_basis=how,

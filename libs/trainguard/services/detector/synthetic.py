@@ -27,7 +27,7 @@ from trainguard.contract.schemas import (
     StepReport,
     TelemetryMessage,
 )
-from trainguard.core.rankstate import STALL_BEAT_FACTOR, STALL_BEAT_MIN_S
+from trainguard.core.rankstate import STALL_BEAT_FACTOR, STALL_BEAT_MIN_S, usual_after
 
 from .engine import Detector
 from .job import JobState
@@ -250,8 +250,7 @@ class SimJob:
         self._emit(events, end)
         self.step += 1
         for r in range(cfg.ranks):
-            usual = self.usual[r]
-            self.usual[r] = duration if usual is None else usual + 0.1 * (duration - usual)
+            self.usual[r] = usual_after(self.usual[r], duration)
 
     def stall(self, seconds: float, phase_of: Callable[[int], str]) -> None:
         """No step completes for ``seconds``; heartbeats go on with each rank's phase."""

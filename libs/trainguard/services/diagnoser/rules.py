@@ -424,9 +424,9 @@ class Diagnoser:
         facts = next((x.facts for x in reversed(samples) if x.facts is not None), None)
         if facts is None:
             return None
-        for line in reversed(facts.kernel):
-            xid = xids.lookup(line.xid) if line.xid is not None else None
-            if (xid is not None and xid.fatal) or line.kind == "ecc":
+        for line in reversed(checks.recent(facts.kernel, facts.uptime_s)):
+            if checks.fatal_kernel_line(line):
+                xid = xids.lookup(line.xid) if line.xid is not None else None
                 cause: Cause = xid.cause if xid is not None else "hbm_ecc"
                 return cause, EvidenceItem(fact=f"kernel log on {host}: {line.text[:200]}",
                                            source="kernel_log", value=line.xid)

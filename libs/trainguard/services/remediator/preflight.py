@@ -26,11 +26,20 @@ class Gate:
     reason: str
 
 
-def decide(report: PreflightReport, policy: Policy) -> Gate | None:
-    """The policy's answer to ``report`` (None: nothing to do)."""
+MAX_AGE_S = 300.0
+"""A record older than this (redelivered after an outage, after an ``unblock``) is history:
+it is announced, never acted on."""
+
+
+def decide(report: PreflightReport, policy: Policy, now: float) -> Gate | None:
+    """The policy's answer to ``report`` (None: nothing to do). Only a node's record from
+    before its ranks start (``trigger="launch"``), and a fresh one, keeps it out: a check
+    re-run on a training node (a command, ``trainguard preflight --publish``) or an old
+    record alerts instead."""
     if report.status == "fail" and policy.preflight.on_fail != "none":
-        return Gate(policy.preflight.on_fail, f"preflight failed on {report.host}: "
-                    f"{report.reason()}")
+        why = f"preflight failed on {report.host}: {report.reason()}"
+        gating = report.trigger == "launch" and now - report.time <= MAX_AGE_S
+        return Gate(policy.preflight.on_fail if gating else "alert", why)
     if report.status == "warn" and policy.preflight.on_warn == "alert":
         warned = "; ".join(f"{c.name}: {c.reason}" for c in report.checks if c.status == "warn")
         return Gate("alert", f"preflight warned on {report.host}: {warned}")

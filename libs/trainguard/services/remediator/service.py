@@ -198,18 +198,20 @@ class RemediatorService(Service[RemediatorSettings]):
         before it joins (leader only: the write is fenced), runs the isolate hook, and
         announces it."""
         assert self.leader is not None
-        gate = preflight.decide(report, self.policy)
+        now = time.time()
+        gate = preflight.decide(report, self.policy, now)
         if gate is None:
             return
         if not self.leader.leading:
             raise Retry(delay=1.0, reason="not the leader")
-        now = time.time()
         logger = log.bind(job=report.job, host=report.host)
         if gate.action == "isolate":
+            # An active entry (an isolation, a redelivery of this record) stays as it is.
             fresh = report.host not in await self.store.blocked(now)
-            await self.store.block(report.host, preflight.blocklist_entry(
-                report, gate, now, self.settings.blocklist_ttl))
-            logger.warning("blocklisted %s: %s", report.host, gate.reason)
+            if fresh:
+                await self.store.block(report.host, preflight.blocklist_entry(
+                    report, gate, now, self.settings.blocklist_ttl))
+                logger.warning("blocklisted %s: %s", report.host, gate.reason)
             if fresh and self.isolate_hook is not None:  # a redelivery runs it once
                 run = await self.isolate_hook.run(
                     {"host": report.host, "job": report.job, "incident": "",
