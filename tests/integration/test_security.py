@@ -246,3 +246,24 @@ async def test_jetstream_is_the_services_alone(connect: Any, job: str) -> None:
     await wait_until(lambda: got, what="on-call reading the event history")
     await sub.unsubscribe()
     assert got == [S.event(job, "anomaly")]
+
+
+async def test_an_agent_publishes_its_preflight_record_and_no_other_event(
+        connect: Any, job: str) -> None:
+    """The node's pre-flight goes out from its agent (the remediator keeps a failed node
+    out on it); an agent credential still cannot forge an incident or an action."""
+    agent, reader = await connect("agent"), await connect("detector")
+    got: list[str] = []
+
+    async def on_event(msg: Any) -> None:
+        got.append(msg.subject)
+
+    await reader.nc.subscribe(f"{S.prefix}.{job}.event.>", cb=on_event)
+    await reader.nc.flush()
+    for kind in ("preflight", "incident", "action"):
+        await agent.nc.publish(S.event(job, kind), b"{}")
+    await agent.nc.flush()
+    await wait_until(lambda: S.event(job, "preflight") in got, what="the preflight record")
+    await wait_until(lambda: len(agent.errors) >= 2, what="two permission errors")
+    assert got == [S.event(job, "preflight")]
+    assert all("permissions violation" in e.lower() for e in agent.errors), agent.errors

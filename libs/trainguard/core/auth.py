@@ -93,7 +93,8 @@ def nats_permissions(role: Role, prefix: str = "tg", job: str = "*") -> dict[str
         case "agent":
             publish = [f"{p}.{k}.*" for k in ("gpu", "node", "exit", "fr", "reg", "ack",
                                                "recovery")]
-            publish += [f"{p}.dead", f"{p}.rpc.save", *info,
+            # Its node's pre-flight record is the one event an agent publishes itself.
+            publish += [f"{p}.dead", f"{p}.rpc.save", f"{p}.event.preflight", *info,
                         *consumers_of(stream_name(prefix, "cmds"), pull=True)]
             subscribe += [f"{p}.cmd.all", f"{p}.cmd.host.*"]
         case "detector" | "diagnoser" | "remediator" | "checkpointer" | "service":
