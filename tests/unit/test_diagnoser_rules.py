@@ -155,6 +155,31 @@ def test_peer_errors_are_collateral_of_the_first_exit() -> None:
     assert same.id == root.id and same.cause == "oom" and same.hosts == ["node-b"]
 
 
+def test_a_lost_peer_is_no_fault_of_its_own_hosts_gpu() -> None:
+    """A rank that died because another host's ranks went (isolated: their exits were the
+    control plane's) names no root of its own: its host's earlier ECC drill does not make
+    it ``hbm_ecc``; it joins the lost host's open root failure instead."""
+    d = Diagnoser()
+    d.observe_gpu(gpu("node-a", ecc=0, t=NOW - 30))
+    d.observe_gpu(gpu("node-a", ecc=2, t=NOW - 20))
+    (lost,) = d.on_anomaly(anomaly(GpuHealthEvidence(xids=[XidSeen(code=79)]), [2, 3],
+                                   ["node-b"]), NOW - 5).publish
+    d.observe_exit(exit_of(2, "node-b", "", NOW - 4, by="isolate"))
+    peer = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer"
+    (joined,) = d.on_anomaly(crash(1, "node-a", peer, "c1"), NOW).publish
+    assert joined.id == lost.id and joined.cause == "gpu_lost", joined
+    assert 1 in joined.ranks
+    # With no root open it is a peer error, not the host's ECC.
+    alone = Diagnoser()
+    alone.observe_gpu(gpu("node-a", ecc=0, t=NOW - 30))
+    alone.observe_gpu(gpu("node-a", ecc=2, t=NOW - 20))
+    (guess,) = alone.on_anomaly(crash(1, "node-a", peer, "c1"), NOW).publish
+    assert guess.cause == "network"
+    # Its own words naming its own fault still count.
+    own = alone.on_anomaly(crash(0, "node-a", ECC_TEXT, "c0"), NOW + 30).publish
+    assert [x.cause for x in own if 0 in x.ranks] == ["hbm_ecc"]
+
+
 def test_a_late_root_supersedes_an_earlier_guess() -> None:
     d = Diagnoser()
     (guess,) = d.on_anomaly(hang([0, 1], ["node-a"], "h", **ALL_IN_COMM), NOW).publish

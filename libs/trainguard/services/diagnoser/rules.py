@@ -310,15 +310,21 @@ class Diagnoser:
                hw: list[tuple[Cause, EvidenceItem]], now: float) -> Conclusion:
         text = f"{ev.error}\n{ev.stderr_tail}"
         root = self._root_exit(a.job, now)
-        if PEER_ERROR.search(text) and root is not None and root.rank not in a.ranks:
+        lost_peer = PEER_ERROR.search(text)
+        if lost_peer and root is not None and root.rank not in a.ranks:
             facts.append(EvidenceItem(fact=f"peer error after rank {root.rank} on {root.host} "
                                       "exited first", source="exit", value=root.id))
             return Conclusion("network", 0.5, [root.rank], [root.host], facts, collateral=True)
-        if hw:
+        found = signatures.match(text) or signatures.killed(ev.exit_code, ev.signal)
+        # Its own words say only that a peer went away (a host isolated or lost, whose
+        # ranks' exits say nothing): a symptom, which joins that root when one is open.
+        # Its own host's GPU evidence does not explain another host's going.
+        only_lost_peer = lost_peer is not None and root is None \
+            and (found is None or found.cause == "network")
+        if hw and not only_lost_peer:
             cause, item = hw[0]
             return Conclusion(cause, 0.95, a.ranks, a.hosts, [*facts, item])
         signature = traceback_signature(text)
-        found = signatures.match(text) or signatures.killed(ev.exit_code, ev.signal)
         if found is not None:
             facts.append(EvidenceItem(fact=found.fact, source="exit", value=found.matched))
             ranks, hosts = self._behind(a, found, text, facts, now)
