@@ -264,17 +264,21 @@ def disk(r: DiskResult | None, floor: float) -> PreflightCheck:
 # -- the straggler checklist's CPU verdict --------------------------------------------------
 
 
-def _per_cpu(load: CpuLoad) -> float | None:
-    """The higher of the 1-minute load and the runnable tasks, per CPU."""
-    busy = [float(x) for x in (load.load1, load.runnable) if x is not None]
-    return max(busy) / max(1, load.cpus) if busy else None
+def _busy(load: CpuLoad) -> tuple[float, str] | None:
+    """The 1-minute load, else the runnable tasks (one instant: too noisy to compare when
+    the average is there), with how to say it."""
+    if load.load1 is not None:
+        return load.load1, f"1-minute load {load.load1:g}"
+    if load.runnable is not None:
+        return float(load.runnable), f"{load.runnable} runnable tasks"
+    return None
 
 
 def cpu_contention(load: CpuLoad | None, *, steal_pct: float, load_ratio: float,
                    peers: Sequence[CpuLoad] = ()) -> str:
     """Why the host's CPUs are contended ("" if they are not): the hypervisor stealing
-    more than ``steal_pct`` of CPU time, or more runnable tasks or 1-minute load than
-    ``load_ratio`` times the CPUs.
+    more than ``steal_pct`` of CPU time, or a 1-minute load (without one, runnable tasks)
+    above ``load_ratio`` times the CPUs.
 
     ``peers``: the other hosts' readings. Then only contention beyond theirs counts
     (steal ``steal_pct`` above their median, load ``load_ratio`` times theirs): the same
@@ -287,14 +291,11 @@ def cpu_contention(load: CpuLoad | None, *, steal_pct: float, load_ratio: float,
     if load.steal_pct is not None and load.steal_pct > steal_pct + usual_steal:
         why.append(f"{load.steal_pct:g}% of CPU time stolen by the hypervisor"
                    + (f" (other hosts {usual_steal:g}%)" if steals else ""))
-    theirs = [x for x in (_per_cpu(p) for p in peers) if x is not None]
+    theirs = [b[0] / max(1, p.cpus) for p in peers if (b := _busy(p)) is not None]
     usual = statistics.median(theirs) if theirs else 0.0
     cpus = max(1, load.cpus)
-    limit = load_ratio * max(1.0, usual) * cpus
-    what = (f"1-minute load {load.load1:g}" if load.load1 is not None and load.load1 > limit
-            else f"{load.runnable} runnable tasks"
-            if load.runnable is not None and load.runnable > limit else "")
-    if what:
-        why.append(f"{what} on {cpus} CPUs"
+    mine = _busy(load)
+    if mine is not None and mine[0] > load_ratio * max(1.0, usual) * cpus:
+        why.append(f"{mine[1]} on {cpus} CPUs"
                    + (f" (other hosts {usual:.2g} per CPU)" if theirs else ""))
     return ", ".join(why)
