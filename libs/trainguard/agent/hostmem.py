@@ -13,12 +13,13 @@ evidence, ``host OOM evidence: ...``, that the diagnoser's exit-text knowledge r
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import re
 import time
 from typing import Final
+
+from trainguard.health.kernlog import kmsg_records
 
 log = logging.getLogger("trainguard.agent")
 
@@ -97,22 +98,8 @@ class OomWatch:
     def _kernel_lines(self) -> list[str]:
         if self.fd is None:
             return []
-        lines = []
-        for _ in range(MAX_RECORDS):
-            try:
-                record = os.read(self.fd, 8192)
-            except BlockingIOError:
-                break
-            except OSError as exc:
-                if exc.errno == errno.EPIPE:  # records overwritten under us: read on
-                    continue
-                break
-            if not record:
-                break
-            text = record.decode("utf-8", "replace").split(";", 1)[-1].strip()
-            if OOM_LINE.search(text):
-                lines.append(text.splitlines()[0][:200])
-        return lines
+        texts = (r.split(";", 1)[-1].strip() for r in kmsg_records(self.fd, MAX_RECORDS))
+        return [t[:200] for t in texts if OOM_LINE.search(t)]
 
     @property
     def counting(self) -> bool:

@@ -54,6 +54,25 @@ def parse(text: str) -> list[KernelLine]:
     return [k for k in map(parse_line, text.splitlines()) if k is not None]
 
 
+def kmsg_records(fd: int, limit: int = MAX_RECORDS) -> list[str]:
+    """The records waiting on a non-blocking ``/dev/kmsg`` descriptor, one line each (its
+    ``prio,seq,usec,flags;`` header kept): one ``read`` is one record."""
+    out = []
+    for _ in range(limit):
+        try:
+            record = os.read(fd, 8192)
+        except BlockingIOError:
+            break
+        except OSError as exc:
+            if exc.errno == errno.EPIPE:  # records overwritten under us: read on
+                continue
+            break
+        if not record:
+            break
+        out.append(record.decode("utf-8", "replace").splitlines()[0])
+    return out
+
+
 class KernelLog:
     """Reads ``path`` from where it stopped; unreadable (containers often cannot open
     ``/dev/kmsg``), it reads nothing and :attr:`readable` is False."""
@@ -91,20 +110,7 @@ class KernelLog:
 
     def _records(self) -> list[str]:
         assert self._fd is not None
-        out = []
-        for _ in range(MAX_RECORDS):
-            try:
-                record = os.read(self._fd, 8192)
-            except BlockingIOError:
-                break
-            except OSError as exc:
-                if exc.errno == errno.EPIPE:  # overwritten under us: read on
-                    continue
-                break
-            if not record:
-                break
-            out.append(record.decode("utf-8", "replace").splitlines()[0])
-        return out
+        return kmsg_records(self._fd)
 
     def _tail(self) -> list[str]:
         assert self._fd is not None
