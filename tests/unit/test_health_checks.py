@@ -13,7 +13,7 @@ import pytest
 
 from trainguard.contract.errors import ConfigError
 from trainguard.contract.evidence import CpuLoad
-from trainguard.health import checks, dcgm, kernlog, nvsmi, procfs, sysfs
+from trainguard.health import checks, dcgm, kernlog, nvsmi, preflight, procfs, sysfs
 from trainguard.health.bandwidth import BandwidthResult
 from trainguard.health.disk import DiskResult, write_throughput
 from trainguard.health.probe import foreign_processes
@@ -197,6 +197,27 @@ def test_foreign_processes_spare_the_jobs_ranks_and_their_children() -> None:
         g.processes = [child.pid, 999_999_999]
         found = foreign_processes([g], {os.getpid()}, "/proc")
         assert [p.pid for p in found] == [999_999_999]
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_the_preflight_counts_a_ranks_children_as_the_jobs() -> None:
+
+
+    g = gpu("healthy")
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        g.processes = [child.pid]
+        settings = PreflightSettings(kernel_log="")
+
+        def processes(own: set[int]) -> str:
+            report = preflight.run(settings, job="j", host="h", gpus=[g], own=own,
+                                   only=["nvml"])
+            return {c.name: c.status for c in report.checks}["nvml.processes:gpu0"]
+
+        assert processes({os.getpid()}) == "ok"
+        assert processes(set()) == "warn"
     finally:
         child.kill()
         child.wait()

@@ -19,6 +19,7 @@ from trainguard.contract.schemas import GpuStats, PreflightCheck, PreflightRepor
 
 from . import bandwidth, checks, dcgm, disk, procfs, sysfs
 from .kernlog import KernelLog
+from .probe import foreign_processes
 from .settings import PreflightSettings
 
 Trigger = Literal["launch", "command", "cli"]
@@ -33,7 +34,10 @@ def _nvml(s: PreflightSettings, gpus: list[GpuStats] | None, gpu_why: str,
         lines = log.read()
     finally:
         log.close()
-    return [*checks.nvml(gpus, own),
+    # The job's own: its ranks and what they started (the probe's walk up the parents).
+    foreign = {f.pid for f in foreign_processes(gpus, own, s.proc_root)}
+    ours = {pid for g in gpus for pid in g.processes if pid not in foreign}
+    return [*checks.nvml(gpus, ours),
             checks.kernel_log(lines, log.readable, procfs.uptime(s.proc_root))]
 
 
