@@ -143,7 +143,15 @@ class InPlaceCluster(Cluster):
                                      for h in ("node-a", "node-b")), timeout=timeout,
                          interval=0.5, what="the job to finish on both agents")
         codes = {h: self.procs[h].returncode for h in ("node-a", "node-b")}
-        assert codes == {"node-a": 0, "node-b": 0}, (codes, self.log_tail())
+        assert codes == {"node-a": 0, "node-b": 0}, (codes, self.story(), self.log_tail())
+
+    def story(self) -> list[str]:
+        """Each incident and anomaly in a line: why a host left, when one should not have."""
+        return [*(f"incident {i.cause} {i.status} hosts={i.hosts} ranks={i.ranks} "
+                  f"actions={[(a.action, a.status, a.detail) for a in i.actions]}"
+                  for i in self.observer.incidents.values()),
+                *(f"anomaly {a.kind} ranks={a.ranks} step={a.step}"
+                  for a in self.observer.anomalies)]
 
     def log_tail(self) -> str:
         return "\n".join((self.workdir / f"{h}.log").read_text(errors="replace")[-3000:]
