@@ -767,6 +767,7 @@ def _judge_trainguard(cluster: Any, fault: Any, t0: float, window: float,
     back = [i.recovery for i in obs.incidents.values() if i.recovery is not None
             and i.recovery.back_at is not None and t0 <= i.recovery.back_at <= end]
     out["phases"] = back[0].phases if back else {}
+    out["agent_phases"] = back[0].agent_phases if back else {}
     return out
 
 
@@ -948,6 +949,9 @@ def main() -> int:
         if r.get("phases"):
             print(f"\n{r['fault']}, {r['label']}: recovery phases (rank 0) "
                   + ", ".join(f"{k} {v:.2f} s" for k, v in r["phases"].items()))
+        if r.get("agent_phases"):
+            print(f"{r['fault']}, {r['label']}: inside replacement, the failed rank's agent: "
+                  + ", ".join(f"{k} {v:.3f} s" for k, v in r["agent_phases"].items()))
     print(f"\njob: 4 ranks (2 agents x 2), toy_trainer --model lm --step-time {STEP_TIME} "
           f"--parallel {spread.parallel} --optimizer {spread.optimizer}, "
           f"checkpoint every {CKPT_EVERY} steps; faults at step {FAULT_STEP} (baselines), "

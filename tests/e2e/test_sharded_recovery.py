@@ -25,6 +25,7 @@ import torch
 from tests.conftest import wait_until
 from tests.e2e.conftest import job_env, torchrun
 from tests.e2e.test_in_place import InPlaceCluster, survivors_kept
+from trainguard.contract.timeline import RESTART_PHASES
 
 pytestmark = pytest.mark.timeout(480)
 STEPS = 100
@@ -81,6 +82,11 @@ async def test_a_crashed_fsdp_rank_restarts_the_group_from_the_checkpoint_at_onc
                if r.path == "restart" and r.kind == "replace"), c.recoveries
     [resume] = [r for r in c.recoveries if r.kind == "resume"]
     assert resume.resumed_step >= 20  # from the committed checkpoint, not from step 0
+    # The way back, from the agent's word of the failure to the first step, in order.
+    assert list(resume.phases) == list(RESTART_PHASES), resume.phases
+    assert resume.seconds == pytest.approx(sum(resume.phases.values()), abs=1e-3)
+    assert "rank(s) on its host warm" in resume.reason
+    assert inc.recovery.phases == resume.phases
     await c.finished(timeout=240)
     no_false_sdc(c)
     assert all(len(c.pids[r]) == 2 for r in range(4)), c.pids  # the group restarted once
@@ -124,6 +130,9 @@ async def test_a_crashed_hsdp_rank_takes_its_shard_from_its_replica_in_place(
                                          "gathered", "formed", "rebuilt", "agreed", "state",
                                          "after"], inc.recovery.phases
     assert all(v >= 0 for v in inc.recovery.phases.values())
+    # Inside "replacement": the failed rank's agent, from its exit found to the spare.
+    assert list(inc.recovery.agent_phases) == ["decision", "generation", "spare"], \
+        inc.recovery.agent_phases
     survivors_kept(c, {2})
     [done] = [r for r in c.recoveries if r.path == "in_place" and r.kind == "replace"
               and r.source_rank is not None]

@@ -128,3 +128,24 @@ def test_phase_accounting_adjusts_the_report() -> None:
     g.close(timeout=0.1)
     (report,) = queued(g, StepReport)
     assert set(report.phases) == {"comm"}
+
+
+def test_after_step_runs_once_at_the_next_step_that_ends_or_at_close() -> None:
+    g = offline_guard()
+    calls: list[float | None] = []
+    g.after_step(calls.append)
+    try:
+        with g.step(0):
+            raise ValueError("a failed step is not the way back")
+    except ValueError:
+        pass
+    assert calls == []
+    before = time.time()
+    with g.step(1):
+        pass
+    with g.step(2):
+        pass
+    assert len(calls) == 1 and calls[0] is not None and calls[0] >= before
+    g.after_step(calls.append)
+    g.close(timeout=0.1)
+    assert calls[1:] == [None]  # no step ended before close

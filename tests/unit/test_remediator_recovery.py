@@ -210,3 +210,25 @@ def test_budget_entries_tell_in_place_failures_apart() -> None:
     assert endings.attempt_member(3, 7) == "attempt:3:7" != endings.attempt_member(3, 8)
     assert endings.attempt_of("attempt:3:7") == 3 == endings.attempt_of("attempt:3")
     assert endings.attempt_of("restart:x") is None
+
+
+@pytest.mark.parametrize("agent_first", [True, False])
+def test_the_agents_phases_join_the_groups_account_whichever_came_first(
+        agent_first: bool) -> None:
+    inc = crash()
+    agent = RecoveryReport(id="ag", job="j", rank=2, kind="replace", path="in_place",
+                           generation=5, previous_generation=4, world_size=4, joined=[2],
+                           phases={"decision": 0.002, "generation": 0.001, "spare": 0.01},
+                           time=NOW - 9)
+    group = report("r", NOW - 8)
+    other = RecoveryReport(id="ot", job="j", rank=3, kind="replace", path="in_place",
+                           generation=6, previous_generation=5, world_size=4, joined=[3],
+                           phases={"decision": 9.0}, time=NOW - 9)  # another re-form
+    first, then = ([agent, other], [agent, other, group]) if agent_first \
+        else ([group], [group, other, agent])
+    assert recovery.apply(inc, first)
+    assert recovery.apply(inc, then)
+    assert inc.recovery is not None and inc.recovery.report_id == "r"
+    assert inc.recovery.agent_phases == agent.phases
+    assert inc.recovery.phases == group.phases
+    assert not recovery.apply(inc, then)  # nothing new

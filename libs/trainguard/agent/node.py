@@ -236,17 +236,19 @@ class LocalNode:
             reason=reason, generation=self.generation, previous_generation=self.generation,
             world_size=world_size, attempt=self.restart_count, time=time.time()))
 
-    def report_replaced(self, rank: int, generation: int, world_size: int, detail: str) -> None:
+    def report_replaced(self, rank: int, generation: int, world_size: int, detail: str, *,
+                        phases: Mapping[str, float] | None = None) -> None:
         """Say that ``rank`` was replaced in place at ``generation``: the launcher's restart
-        of the failure, done (the re-formed group's lowest rank reports the rest once it
-        runs: source, resumed step, steps lost, seconds)."""
+        of the failure, done, and where its time went (``phases``: from the exit found to
+        the replacement started); the re-formed group's lowest rank reports the rest once
+        it runs: source, resumed step, steps lost, seconds."""
         if self.publish_recovery is None:
             return
         self.publish_recovery(RecoveryReport(
             id=uuid7(), job=self.settings.job, rank=rank, kind="replace", path="in_place",
             reason=detail, generation=generation, previous_generation=generation - 1,
-            world_size=world_size, joined=[rank], attempt=self.restart_count,
-            time=time.time()))
+            world_size=world_size, joined=[rank], phases=dict(phases or {}),
+            attempt=self.restart_count, time=time.time()))
 
     def report_resized(self, rank: int, generation: int, world_size: int, detail: str, *,
                        kind: Literal["resize", "grow"] = "resize") -> None:

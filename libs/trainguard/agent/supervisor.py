@@ -28,7 +28,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from trainguard.contract import envnames
+from trainguard.contract import envnames, timeline
 from trainguard.contract.errors import TrainguardError
 from trainguard.recovery import groupstore
 from trainguard.recovery import path as inplace
@@ -120,6 +120,9 @@ class Supervisor:
         self._refill_at: float | None = None
         self._left = False
         """:meth:`leaving` ran (it runs once)."""
+        self._ended: tuple[float, float, float] | None = None
+        """The last group's end: failure seen, group restart decided, ranks stopped (the
+        next group's ranks get it with the round's forming, :func:`restart_stamps`)."""
 
     # -- the loop ---------------------------------------------------------------------
     def run(self) -> int:
@@ -131,13 +134,14 @@ class Supervisor:
             while True:
                 rnd = self.rdzv.next_round(self.nproc, running, host=self.node.host,
                                            attempt=self.restart_count)
+                formed = time.time()
                 if rnd.carried:
                     self._carry_on(rnd)
                 else:
                     if running is not None:  # the round could not take the new node in place
                         self.node.restart_began()
                         self._end_group([])
-                    self._start_group(rnd, prefer)
+                    self._start_group(rnd, prefer, formed)
                 running = None
                 kind, failures = self._watch()
                 if kind == "take_in" and self.round is not None:
@@ -175,8 +179,10 @@ class Supervisor:
         while True:
             codes = {lr: p.popen.poll() for lr, p in self.group.items()}
             failed = [self.group[lr] for lr, c in codes.items() if c not in (None, 0)]
-            if failed and not self._recover_in_place(failed):
-                return "failed", self._end_group(failed)
+            if failed:
+                seen = time.time()
+                if not self._recover_in_place(failed, seen):
+                    return "failed", self._end_group(failed, seen=seen)
             if all(c == 0 for c in codes.values()):
                 return "succeeded", {}
             now = time.monotonic()
@@ -196,19 +202,27 @@ class Supervisor:
             if self._refill_at is not None and now >= self._refill_at:
                 self.spares.fill()
                 self._refill_at = now + 1.0  # keep it full (a spare may die idle)
-            time.sleep(self.monitor_interval)
+            procs.wait_exit([p.pid for p in self.group.values() if p.popen.returncode is None],
+                            self.monitor_interval)
 
     # -- starting ranks ---------------------------------------------------------------
-    def _start_group(self, rnd: Round, prefer: list[int]) -> None:
+    def _start_group(self, rnd: Round, prefer: list[int], formed: float) -> None:
         self.round = rnd
         self.node.generation = rnd.generation
         if rnd.joins and rnd.attempt is not None:
             self.restart_count = rnd.attempt  # the running group's attempt, as a replacement
         order = prefer + [lr for lr in range(self.nproc) if lr not in prefer]
+        extra: dict[str, str] = {}
+        if self._ended is not None and not rnd.joins:
+            warm = min(self.nproc, len(self.spares.ready_pids())) \
+                if self.program.warmable else 0
+            extra[timeline.RESTART_STAMPS] = timeline.encode_stamps(restart_stamps(
+                self._ended, formed, warm=warm, ranks=self.nproc))
+        self._ended = None
         self.group = {}
         for lr in order:
             self.group[lr] = self._spawn(lr, rnd.base_rank + lr, rnd.generation,
-                                         self.restart_count, join=rnd.joins)
+                                         self.restart_count, join=rnd.joins, extra=extra)
         self.node.workers_started([self._worker(p) for p in self.group.values()],
                                   self.restart_count)
         self._refill_at = time.monotonic() + self.refill_delay
@@ -253,6 +267,7 @@ class Supervisor:
         (``join``: as the in-place replacement of a failed rank, from its peers' state)."""
         env = dict(os.environ)
         env.pop(envnames.JOIN, None)
+        env.pop(timeline.RESTART_STAMPS, None)
         if join:
             env[envnames.JOIN] = "peers"
         env.update({
@@ -275,12 +290,14 @@ class Supervisor:
         return env
 
     def _spawn(self, local_rank: int, rank: int, generation: int,
-               restart_count: int, *, join: bool = False) -> RankProc:
+               restart_count: int, *, join: bool = False,
+               extra: Mapping[str, str] | None = None) -> RankProc:
         assert self.round is not None
         stdout, stderr = rank_files(self.log_dir, restart_count, local_rank, generation)
         error_file = os.path.join(os.path.dirname(stderr), "error.json")
         env = self.rank_env(self.round, local_rank, rank, generation, restart_count,
                             error_file, join=join)
+        env.update(extra or {})
         spare = self.spares.take() if self.program.warmable else None
         if spare is not None:
             p = self.program
@@ -321,10 +338,16 @@ class Supervisor:
     def stop_group(self) -> None:
         self._stop(list(self.group.values()))
 
-    def _end_group(self, failed: list[RankProc]) -> dict[int, Failure]:
+    def _end_group(self, failed: list[RankProc], *, seen: float | None = None
+                   ) -> dict[int, Failure]:
         """Report ``failed`` at once (the detector's crash evidence must not wait for the
         teardown), stop the rest (the launcher's doing, unless a command's already) and
-        report their exits; the failures of all that did not exit 0."""
+        report their exits; the failures of all that did not exit 0. ``seen``: when the
+        failure was found (else now, or a restart command's arrival); the restart's
+        timeline starts there (:attr:`_ended`)."""
+        decided = time.time()
+        since = self.node.restarting_since
+        seen = min(seen or decided, since or decided)
         first = {p.rank: self._failure(p) for p in failed}
         self.node.initiate_pids([p.pid for p in self.group.values() if p not in failed],
                                 LAUNCHER, keep=True)
@@ -335,6 +358,7 @@ class Supervisor:
         rest = {p.rank: self._failure(p) for p in self.group.values()
                 if p.rank not in first and p.popen.returncode != 0}
         self.node.workers_exited(rest, succeeded=False)
+        self._ended = (seen, decided, time.time())
         return {**first, **rest}
 
     @staticmethod
@@ -507,12 +531,14 @@ class Supervisor:
                               initiated=[p.rank for p in initiated],
                               restarts_left=self.remaining, generation=generation, keys=keys)
 
-    def _recover_in_place(self, failed: list[RankProc]) -> bool:
-        """A rank failed by itself: replace it in place if the group can take it (True),
-        else say why (for the incident) and let the group restart (False)."""
+    def _recover_in_place(self, failed: list[RankProc], seen: float) -> bool:
+        """A rank failed by itself (found at ``seen``): replace it in place if the group
+        can take it (True), else say why (for the incident) and let the group restart
+        (False)."""
         initiated = [p for p in failed if self.node.initiated_by(p.pid)]
         decision = self._decide(failed, initiated)
-        if decision.in_place and self._replace_in_place(failed[0], self.node.generation):
+        if decision.in_place and self._replace_in_place(failed[0], self.node.generation,
+                                                        seen=seen):
             return True
         if not initiated and self.node.ended_by is None:
             reason = decision.reason or "another agent replaced a rank at the same moment"
@@ -521,27 +547,42 @@ class Supervisor:
                                           if self.round is not None else 0)
         return False
 
-    def _replace_in_place(self, old: RankProc, seen: int) -> RankProc | None:
+    def _replace_in_place(self, old: RankProc, known: int, *,
+                          seen: float | None = None) -> RankProc | None:
         """Start ``old``'s replacement at the next generation, the others untouched. None
-        when the generation did not rise by exactly one from ``seen`` (another agent
-        replaced a rank meanwhile: two failures, too many for in place)."""
+        when the generation did not rise by exactly one from ``known`` (another agent
+        replaced a rank meanwhile: two failures, too many for in place). ``seen``: when
+        the failure was found; the report says where the time went from there."""
+        decided = time.time()
         generation = self.rdzv.bump_generation()
-        if generation != seen + 1:
+        if generation != known + 1:
             log.warning("generation rose from %d to %d meanwhile: two replacements at once, "
-                        "restarting the group instead", seen, generation)
+                        "restarting the group instead", known, generation)
             return None
+        raised = time.time()
         # The exit first: the detector's crash evidence must not wait for the replacement.
         self.node.workers_exited({old.rank: self._failure(old)}, succeeded=False)
         self.remaining -= 1
         new = self._spawn(old.local_rank, old.rank, generation, self.restart_count, join=True)
         self._took_over(new, generation)
+        phases = {"decision": decided - (seen or decided), "generation": raised - decided,
+                  "spare": time.time() - raised}
         detail = (f"rank {old.rank} replaced in place on {self.node.host}: pid {old.pid} -> "
                   f"{new.pid} ({'warm spare' if new.warm else 'cold start'}), generation "
                   f"{generation}")
-        log.info("%s", detail)
+        log.info("%s (%s)", detail, ", ".join(f"{k} {v:.3f} s" for k, v in phases.items()))
         assert self.round is not None
-        self.node.report_replaced(old.rank, generation, self.round.world_size, detail)
+        self.node.report_replaced(old.rank, generation, self.round.world_size, detail,
+                                  phases={k: round(v, 4) for k, v in phases.items()})
         return new
+
+
+def restart_stamps(ended: tuple[float, float, float], formed: float, *, warm: int,
+                   ranks: int) -> timeline.RestartStamps:
+    """The agent's side of a group restart for the ranks it starts (:mod:`..timeline`)."""
+    seen, decided, stopped = ended
+    return timeline.RestartStamps(seen=seen, decided=decided, stopped=stopped,
+                                  formed=max(formed, stopped), warm=warm, ranks=ranks)
 
 
 def error_message(path: str) -> str:

@@ -45,7 +45,7 @@ from trainguard.core.rankstate import STALL_CHECK_S, RankState
 from trainguard.recovery.handle import RESUME_TIMEOUT, Handler
 from trainguard.recovery.loop import CommandState, Loop, Recovery, iterate
 
-from . import frdump
+from . import fastexit, frdump
 from .commands import CommandDesk
 from .drills import Drills
 from .reports import Reports
@@ -100,6 +100,7 @@ class Guard:
         seed: int | None = None,
         collective_timeout: float = 30.0,
         enabled: bool | None = None,
+        fast_exit: bool | None = None,
     ) -> None:
         env = os.environ
         self.identity: Identity = resolve_identity(job, rank, world_size, host)
@@ -117,6 +118,10 @@ class Guard:
         self.nats_url = nats_url or env.get(envnames.NATS_URL) or "nats://127.0.0.1:4222"
         self.heartbeat_interval = heartbeat_interval
         self.close_timeout = close_timeout
+        self.fast_exit = fast_exit if fast_exit is not None else \
+            env.get(envnames.FAST_EXIT, "1").lower() not in envnames.FALSE
+        """A crash ends the process once reported, while peers wait to recover in place
+        (:mod:`.fastexit`)."""
         self.seed = seed
         self.allow_drills = allow_drills if allow_drills is not None else \
             envnames.flag(env, envnames.ALLOW_DRILLS)
@@ -149,6 +154,7 @@ class Guard:
         self._started = False
         self._closed = False
         self._close_hooks: list[Callable[[], None]] = []
+        self._stepped_hooks: list[Callable[[float | None], None]] = []
         self._lock = threading.Lock()
         self._recovery: Recovery | None = None
         self._loop: Loop | None = None
@@ -192,6 +198,7 @@ class Guard:
         if self._closed:
             return
         self._closed = True
+        self._run_stepped_hooks(None)
         for hook in self._close_hooks:
             try:
                 hook()
@@ -248,6 +255,9 @@ class Guard:
         if recovery is not None:
             self.commands.watch_generation(recovery.watched_generation,
                                            self._generation_agreed)
+            if self.fast_exit:
+                fastexit.install(lambda: self.close(min(self.close_timeout,
+                                                        fastexit.FLUSH_S)))
 
     def _generation_agreed(self, generation: int) -> None:
         """The ranks agreed that the job's group is at ``generation``: above this rank's,
@@ -342,6 +352,20 @@ class Guard:
         (``trainguard.torch.instrument_ddp`` moves the collective wait into ``comm``)."""
         self._phase_accounting = fn
 
+    def after_step(self, fn: Callable[[float | None], None]) -> None:
+        """Run ``fn(now)`` once, when the next step of this process ends (a report that
+        says how long the way back to training took); ``fn(None)`` at :meth:`close` if no
+        step ended by then."""
+        self._stepped_hooks.append(fn)
+
+    def _run_stepped_hooks(self, now: float | None) -> None:
+        hooks, self._stepped_hooks = self._stepped_hooks, []
+        for hook in hooks:
+            try:
+                hook(now)
+            except Exception:  # a report must not fail the step
+                log.debug("after-step hook failed", exc_info=True)
+
     def on_close(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` first thing in :meth:`close` (a Checkpointer finishes its save)."""
         self._close_hooks.append(fn)
@@ -424,6 +448,8 @@ class Guard:
         self.state.end_step(None if failed else duration)
         if failed:
             return self._absorb(step.n, error)
+        if self._stepped_hooks:
+            self._run_stepped_hooks(time.time())
         if not self.enabled:  # still tracked: a Checkpointer warms up after the first step
             self.commands.note_completed(step.n)
             return False

@@ -43,12 +43,18 @@ and step from the survivors (``trainguard.torch``'s in-place recovery), not from
 checkpoint."""
 JOIN_PEERS: Final = "peers"
 """The :data:`JOIN` value of a replacement rank."""
+RESTART_STAMPS: Final = setting("restart_stamps")
+"""The agent's side of the group restart that started the rank (JSON,
+:class:`trainguard.contract.timeline.RestartStamps`)."""
 
 # -- read by the Guard only --------------------------------------------------------------
 DISABLED: Final = setting("disabled")
 CHECKPOINT_ROOT: Final = setting("checkpoint_root")
 """Where ``<root>/<job>/LATEST`` lives when the coordinator cannot be asked."""
 REDIS_URL: Final = setting("redis_url")
+FAST_EXIT: Final = setting("fast_exit")
+"""``0`` keeps other libraries' exit handlers on a crash in place (``trainguard.client.
+fastexit``); on by default."""
 
 # -- torchrun's, read by the Guard -------------------------------------------------------
 RANK: Final = "RANK"
@@ -63,20 +69,21 @@ ACCESS: Final = frozenset(setting(f) for f in (
 """Who a process is to the servers (:class:`trainguard.runtime.config.Settings` fields): never
 inherited from the agent by its ranks except as the agent hands them on, never published."""
 CONNECTION: Final = frozenset({NATS_URL, REDIS_URL, SUBJECT_PREFIX, JOB, HOST, GENERATION,
-                               JOIN, FR_REQUEST, *ACCESS})
+                               JOIN, RESTART_STAMPS, FR_REQUEST, *ACCESS})
 """Where and who (and which incarnation, and this node's dump-request file), not how to
 judge the job: kept out of
 :func:`job_settings`."""
 
 GUARD_KEYS: Final = frozenset({JOB, HOST, NATS_URL, SUBJECT_PREFIX, ALLOW_DRILLS, CREDENTIALS,
-                               NATS_TLS_CA, FR_REQUEST, GENERATION, JOIN,
-                               DISABLED, CHECKPOINT_ROOT, REDIS_URL})
+                               NATS_TLS_CA, FR_REQUEST, GENERATION, JOIN, RESTART_STAMPS,
+                               DISABLED, CHECKPOINT_ROOT, REDIS_URL, FAST_EXIT})
 """The names the Guard reads (above). With every settings field's name they are what
 :func:`trainguard.runtime.config.known_variables` accepts; the per-job keys a job forwards in its
 hello (:func:`job_settings`) are detector settings (``TRAINGUARD_HANG_FLOOR``), known as
 such."""
 
 TRUE: Final = ("1", "true", "yes", "on")
+FALSE: Final = ("0", "false", "no", "off")
 
 
 def flag(env: Mapping[str, str], name: str) -> bool:

@@ -468,7 +468,11 @@ class RecoveryReport(Durable, kw_only=True):
     """Where that time went, as this rank saw it: consecutive named phases in seconds, in
     order (in place: ``seen``, ``release``, ``teardown``, ``replacement`` (the agents'
     decision and the replacement's start), ``gathered``, ``formed``, ``rebuilt``,
-    ``agreed``, ``state``, ``after``)."""
+    ``agreed``, ``state``, ``after``; a restarted group's ``resume``: from its agent's
+    word of the failure to its first step, ``decision``, ``stop``, ``rendezvous``,
+    ``spawn``, ``load``, ``first_step``, :mod:`trainguard.contract.timeline`; an agent's
+    in-place ``replace``: from the failed rank's exit found to its replacement started,
+    ``decision``, ``generation``, ``spare``)."""
     attempt: int = 0
     time: float = 0.0
 
@@ -620,6 +624,9 @@ class RecoveryNote(msgspec.Struct, kw_only=True):
     """When the job was back at work: ready in place, or (cold) training past the failure."""
     phases: dict[str, float] = {}
     """Where the time went (:attr:`RecoveryReport.phases`)."""
+    agent_phases: dict[str, float] = {}
+    """In place: the failed rank's agent's side, from the exit found to the replacement
+    started (the phases of its ``replace`` report), inside the group's ``replacement``."""
     report_id: str = ""
 
 

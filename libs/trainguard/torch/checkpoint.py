@@ -41,6 +41,7 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.staging import DefaultStager
 
+from trainguard.contract import timeline
 from trainguard.contract.checksum import METADATA_FILE, file_digest
 from trainguard.contract.codec import decode_durable, encode_durable
 from trainguard.contract.envelope import uuid7
@@ -466,7 +467,7 @@ class Checkpointer:
         checkpoints that all fail to load raise :class:`NoCheckpointLoads`: a start from
         step 0 is a failure, never a recovery.
         """
-        t0 = time.perf_counter()
+        ready = time.time()
         point = self.resume_point(timeout)
         newest = point.step if point is not None else None
         failures: list[str] = []
@@ -480,7 +481,7 @@ class Checkpointer:
                 failures.append(f"step {point.step}: {why}")
                 point = self.resume_point(timeout, below_step=point.step)
                 continue
-            self._report_resume(point, newest, failures, time.perf_counter() - t0)
+            self._report_resume(point, newest, failures, ready, time.time())
             return step + 1
         if failures:
             raise NoCheckpointLoads(
@@ -490,21 +491,34 @@ class Checkpointer:
         return 0
 
     def _report_resume(self, point: ResumePoint, newest: int | None, failures: list[str],
-                       seconds: float) -> None:
-        """Group rank 0 tells the incident where the restarted job came back, and what it
-        could not load."""
+                       ready: float, loaded: float) -> None:
+        """Group rank 0 tells the incident where the restarted job came back, what it
+        could not load and where the time went (:mod:`trainguard.contract.timeline`: its
+        agent's stamps, then its own), once its first step ended."""
         if self.group_rank != 0:
             return
         saved = point.topology.describe() if point.topology is not None else "layout unknown"
         reason = f"loaded step {point.step} ({saved}) at world size {self.world_size}"
         if failures:
             reason = f"{reason}, not the newer {'; '.join(failures)}"
+        stamps = timeline.decode_stamps(os.environ.get(timeline.RESTART_STAMPS))
+        if stamps is not None and stamps.ranks:
+            reason = f"{reason}; {stamps.warm} of {stamps.ranks} rank(s) on its host warm"
         attempt = self.guard.identity.attempt
-        self.guard.publish_recovery(recovery_report(
-            self.guard, kind="resume", path="restart", reason=reason[:2000],
-            generation=attempt.generation, previous_generation=attempt.generation,
-            world_size=self.world_size, resumed_step=point.step + 1,
-            steps_lost=max(0, (newest or point.step) - point.step), seconds=seconds))
+
+        def publish(first_step: float | None) -> None:
+            phases = timeline.restart_phases(stamps, ready=ready, loaded=loaded,
+                                             first_step=first_step or loaded)
+            if first_step is None:
+                phases.pop("first_step")  # the job ended (or broke) before a step did
+            self.guard.publish_recovery(recovery_report(
+                self.guard, kind="resume", path="restart", reason=reason[:2000],
+                generation=attempt.generation, previous_generation=attempt.generation,
+                world_size=self.world_size, resumed_step=point.step + 1,
+                steps_lost=max(0, (newest or point.step) - point.step),
+                seconds=round(sum(phases.values()), 4), phases=phases))
+
+        self.guard.after_step(publish)
 
     def resume_point(self, timeout: float = RESUME_TIMEOUT, *,
                      below_step: int | None = None) -> ResumePoint | None:

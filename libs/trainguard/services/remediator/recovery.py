@@ -96,16 +96,34 @@ def note_of(report: RecoveryReport) -> RecoveryNote:
 def apply(inc: Incident, reports: Iterable[RecoveryReport]) -> bool:
     """Record on ``inc`` the recovery its newest matching report describes; True when that
     changed the incident (a new revision is due)."""
+    reports = list(reports)
     report = matching(inc, reports)
-    if report is None or (inc.recovery is not None and inc.recovery.report_id == report.id):
+    if report is None:
         return False
-    note = note_of(report)
+    agent = _agent_phases(report, reports)
     earlier = inc.recovery
+    if earlier is not None and earlier.report_id == report.id:
+        if agent == earlier.agent_phases:
+            return False
+        earlier.agent_phases = agent  # the agent's report came after the group's
+        return True
+    note = note_of(report)
+    note.agent_phases = agent
     if report.kind == RESUMED and earlier is not None and earlier.kind != RESUMED \
             and earlier.path == "restart" and earlier.reason:
         note.reason = f"{earlier.reason}; {note.reason}"  # why it restarted, then how it came back
     inc.recovery = note
     return True
+
+
+def _agent_phases(report: RecoveryReport, reports: list[RecoveryReport]) -> dict[str, float]:
+    """The failed rank's agent's part of the re-form ``report`` tells of (its ``replace``
+    report at the same generation), whichever of the two came first."""
+    if report.path != "in_place" or under_way(report):
+        return dict(report.phases) if under_way(report) else {}
+    agent = next((r for r in reports if under_way(r) and r.phases
+                  and r.generation == report.generation), None)
+    return dict(agent.phases) if agent is not None else {}
 
 
 def in_place(inc: Incident) -> bool:
