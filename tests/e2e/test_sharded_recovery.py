@@ -34,12 +34,16 @@ SHARDED = ["--parallel", "fsdp", "--optimizer", "adamw", "--sync-every", "1000",
 
 
 HYBRID = ["--parallel", "hsdp", *SHARDED[2:]]
+HYBRID_OFTEN_SYNC = [*HYBRID[:4], "--sync-every", "5", "--pg-timeout", "30"]
+"""A host taken back joins at the running ranks' next command agreement."""
 
 
 @pytest.fixture
 async def cluster(tmp_path: Path, job: str, request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
-    trainer = HYBRID if "hsdp" in request.node.name else SHARDED
-    c = InPlaceCluster(tmp_path, job, trainer, steps=STEPS)
+    name = request.node.name
+    back = "comes_back" in name  # long enough for a host to leave and come back
+    trainer = (HYBRID_OFTEN_SYNC if back else HYBRID) if "hsdp" in name else SHARDED
+    c = InPlaceCluster(tmp_path, job, trainer, steps=100_000 if back else STEPS)
     try:
         await c.start(timeout=180)
         await c.watch()
@@ -144,3 +148,40 @@ async def test_a_crashed_hsdp_rank_takes_its_shard_from_its_replica_in_place(
     baseline = uninterrupted(tmp_path, nats_url, prefix, HYBRID)
     assert final.keys() == baseline.keys()
     assert [k for k, v in baseline.items() if not torch.equal(final[k], v)] == []
+
+
+async def test_an_hsdp_replica_host_that_leaves_and_comes_back_stays_in_place(
+        cluster: InPlaceCluster) -> None:
+    """HSDP 2x2, node-b holding the second replica. Isolated, it leaves node-a's replica
+    with every shard: node-a's ranks re-mesh at 1x2 and go on in place. Started again, its
+    ranks take their shards from node-a's and the group re-forms at 2x2, node-a's
+    processes untouched; the replicas then agree (fingerprints, no sdc_mismatch)."""
+    c = cluster
+    resize = await c.isolate_in_place("node-b")
+    assert (resize.path, resize.world_size, resize.steps_lost) == ("in_place", 2, 0), resize
+    await wait_until(lambda: {h.rank for h in c.hellos if h.world_size == 2} == {0, 1},
+                     timeout=60, interval=0.5, what="node-a's ranks at world size 2")
+    shrunk = len(c.hellos)
+    survivors = {r: list(c.pids[r]) for r in (0, 1)}
+    c.come_back("node-b")
+    [grow] = await wait_until(lambda: [r for r in c.recoveries if r.kind == "grow"
+                                       and r.source_rank is not None],
+                              timeout=150, interval=0.5, what="the group grown in place")
+    assert (grow.path, grow.world_size, grow.steps_lost, grow.joined) == (
+        "in_place", 4, 0, [2, 3]), grow
+    await wait_until(lambda: {h.rank for h in c.hellos[shrunk:] if h.world_size == 4}
+                     == {0, 1, 2, 3}, timeout=60, interval=0.5,
+                     what="every rank at world size 4")
+    assert grow.resumed_step is not None
+    past = grow.resumed_step + 12
+    await wait_until(lambda: all((v := c.observer.ranks.get(r)) is not None
+                                 and (v.step or -1) >= past for r in range(4)),
+                     timeout=90, interval=0.5, what="the four ranks training on past it")
+    assert {r: c.pids[r] for r in (0, 1)} == survivors, c.pids  # node-a never restarted
+    assert not [r for r in c.recoveries if r.path == "restart"], c.recoveries
+    # Each shard's two replicas (ranks 0 and 2, 1 and 3) hold the same state after the grow.
+    after = await wait_until(lambda: [sums for step, sums in c.observer.fingerprints.items()
+                                      if step > grow.resumed_step and len(sums) == 4],
+                             timeout=60, interval=0.5, what="fingerprints after the grow")
+    assert all(sums[0] == sums[2] and sums[1] == sums[3] for sums in after), after
+    assert [a for a in c.observer.anomalies if a.kind == "sdc_mismatch"] == []

@@ -93,15 +93,30 @@ def test_a_replacement_goes_in_place_only_where_a_peer_holds_its_state(
     assert said in d.reason if said else d.reason == ""
 
 
-@pytest.mark.parametrize(("declared", "why"), [
-    ({r: "replicated 4 dp" for r in range(4)}, None),
-    ({0: "1", 1: "1", 3: "1"}, "rank(s) 2 did not declare"),
-    (HSDP4, "the job's state is hybrid: resizing in place hands replicated state over"),
+HSDP4_REBUILT = {r: f"{d} rebuilds" for r, d in HSDP4.items()}
+
+
+@pytest.mark.parametrize(("declared", "leaving", "why"), [
+    ({r: "replicated 4 dp" for r in range(4)}, [2, 3], None),
+    ({0: "1", 1: "1", 3: "1"}, [2], "rank(s) 2 did not declare"),
+    (FSDP4, [], "sharded with no replica: a resize in place would reshard every parameter"),
+    (HSDP4, [2, 3], "rank(s) 0, 1, 2, 3 cannot rebuild their sharded model on a new group"),
+    ({**HSDP4_REBUILT, 1: HSDP4[1]}, [], "rank(s) 1 cannot rebuild"),
+    (HSDP4_REBUILT, [2, 3], None),  # one replica leaves: every shard keeps a holder
+    (HSDP4_REBUILT, [0, 1], None),
+    (HSDP4_REBUILT, [], None),  # a host taken back: its ranks take their shards
+    (HSDP4_REBUILT, [1, 3], "no rank that stays holds the shard(s) shard=1"),
+    ({r: f"hybrid 2 shard={r // 2} rebuilds" for r in range(4)}, [2, 3],
+     "no rank that stays holds the shard(s) shard=1"),  # the host held a whole shard
+    # HSDP down to one replica: it may grow again, not lose a host.
+    ({r: f"sharded 1 shard={r} rebuilds" for r in range(2)}, [], None),
+    ({r: f"sharded 1 shard={r} rebuilds" for r in range(2)}, [1],
+     "no rank that stays holds the shard(s) shard=1"),
 ])
-def test_resizing_in_place_needs_every_rank_and_replicated_state(
-        declared: dict[int, str], why: str | None) -> None:
-    blocker = resize_blocker(read_keys(job_store(declared), 7, 4))
-    assert blocker is None if why is None else why in (blocker or "")
+def test_resizing_in_place_needs_every_rank_and_every_shard_kept(
+        declared: dict[int, str], leaving: list[int], why: str | None) -> None:
+    blocker = resize_blocker(read_keys(job_store(declared), 7, len(declared)), leaving)
+    assert blocker is None if why is None else why in (blocker or ""), blocker
     assert resize_blocker(None) == "the in-place keys cannot be read"
 
 

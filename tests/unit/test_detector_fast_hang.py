@@ -104,14 +104,17 @@ def test_ten_minutes_of_irregular_50_ms_steps_raise_no_hang(seed: int) -> None:
     assert [a for a in h.events if a.kind in ("hang", "unresponsive")] == []
 
 
-def test_a_rank_that_has_not_completed_a_step_as_this_process_gets_the_unclear_floor() -> None:
+def test_a_rank_that_has_not_completed_a_step_as_this_process_gets_the_startup_grace() -> None:
     """A replacement's first step (warming up, compiling) holds the rest: no step of its own
-    says how long that should take."""
+    says how long that should take, and a first step compiling takes as long as a job's."""
     h = short_job()
     h.sim.steps(300)
     h.job.revive(h.job.ranks[3], h.clock)
-    found = stall_until_hang(h, 3, "compute")
-    assert found >= Thresholds().unclear_hang_floor
+    found = stall_until_hang(h, 3, "compute", most=Thresholds().startup_grace + 12.0)
+    assert found >= Thresholds().startup_grace
+    [hang] = h.opened("hang")
+    assert hang.evidence.limit_basis == "startup_grace"
+    assert hang.evidence.unclear == "rank 3 on its first step"
 
 
 def test_every_rank_waiting_alike_names_no_culprit_and_gets_the_unclear_floor() -> None:

@@ -18,7 +18,18 @@ CHILD = textwrap.dedent("""
     fastexit.install(lambda: (out / "stale").write_text("replaced"))
     fastexit.install(lambda: (out / "flushed").write_text("ran"))  # the newest flush
     kind = sys.argv[2]
-    if kind == "error":
+    if kind == "wrapped":  # what every init_process_group does to sys.excepthook
+        below = sys.excepthook
+        def collecting(*args):
+            import io
+            saved, sys.stderr = sys.stderr, io.StringIO()
+            try:
+                below(*args)
+            finally:
+                text, sys.stderr = sys.stderr.getvalue(), saved
+            sys.stderr.write("".join(f"[rank0]: {line}" for line in text.splitlines(True)))
+        sys.excepthook = collecting
+    if kind in ("error", "wrapped"):
         raise RuntimeError("injected crash")
     if kind == "interrupt":
         raise KeyboardInterrupt
@@ -31,11 +42,13 @@ def run(tmp_path: Path, kind: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.parametrize("kind", ["error", "wrapped"])
 def test_an_unhandled_error_prints_its_traceback_flushes_and_ends_at_once(
-        tmp_path: Path) -> None:
-    done = run(tmp_path, "error")
+        tmp_path: Path, kind: str) -> None:
+    done = run(tmp_path, kind)
     assert done.returncode == 1, done.stderr
     assert "RuntimeError: injected crash" in done.stderr  # the traceback came first
+    assert "RuntimeError ended this rank" in done.stderr
     assert (tmp_path / "flushed").read_text() == "ran"
     assert not (tmp_path / "stale").exists()
     assert not (tmp_path / "atexit").exists()  # the point: no interpreter teardown

@@ -149,3 +149,19 @@ def test_after_step_runs_once_at_the_next_step_that_ends_or_at_close() -> None:
     g.after_step(calls.append)
     g.close(timeout=0.1)
     assert calls[1:] == [None]  # no step ended before close
+
+
+def test_a_step_that_ended_holds_none_of_the_trainers_tensors() -> None:
+    import weakref
+
+    g = offline_guard()
+    loss, norm = torch.tensor(1.5), torch.tensor(0.25)
+    refs = [weakref.ref(loss), weakref.ref(norm)]
+    with g.step(0) as s:
+        s.report(loss=loss, grad_norm=norm, extra_metric=torch.tensor(3.0))
+    del loss, norm
+    assert [r() for r in refs] == [None, None]  # `s` lives on in the trainer's frame
+    assert s.extra is None
+    g.close(timeout=0.1)
+    (report,) = queued(g, StepReport)
+    assert (report.loss, report.grad_norm) == (1.5, 0.25)

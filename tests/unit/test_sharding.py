@@ -9,6 +9,7 @@ from trainguard.recovery.sharding import (
     MeshDim,
     declaration,
     group_of,
+    holding,
     read_declaration,
     replica_groups,
 )
@@ -59,3 +60,12 @@ def test_a_declaration_round_trips(rebuilds: bool) -> None:
 def test_replica_groups_of_a_mesh(ranks: list[list[int]], dim: int,
                                   groups: list[list[int]]) -> None:
     assert replica_groups(ranks, dim) == groups
+
+
+def test_what_a_rank_holds_names_the_shard_and_how_many_there_are() -> None:
+    hsdp = group_of([D("replicate", 2, 1, False), D("shard", 2, 0, True)], 4)
+    one_replica = group_of([D("replicate", 1, 0, False), D("shard", 2, 0, True)], 2)
+    fsdp = group_of([D("shard", 4, 0, True)], 4)
+    assert holding(hsdp) == holding(one_replica) == "shard=0 of 2"  # re-meshed, same shard
+    assert holding(fsdp) == "shard=0 of 4"  # shard 0 of 4 is not shard 0 of 2
+    assert holding(group_of([], 4)) == "dp"

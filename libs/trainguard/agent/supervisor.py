@@ -510,7 +510,8 @@ class Supervisor:
         self._follow(generation)  # an earlier change of the group first
         rnd = self.round
         assert rnd is not None
-        blocker = inplace.resize_blocker(self.rdzv.in_place_keys(generation, rnd.world_size))
+        blocker = inplace.resize_blocker(self.rdzv.in_place_keys(generation, rnd.world_size),
+                                         leaving=[p.rank for p in self.group.values()])
         if blocker is not None:
             return blocker
         return groupstore.plan_shrink(
@@ -536,6 +537,8 @@ class Supervisor:
         can take it (True), else say why (for the incident) and let the group restart
         (False)."""
         initiated = [p for p in failed if self.node.initiated_by(p.pid)]
+        log.info("rank(s) exited: %s", ", ".join(f"{p.rank} (pid {p.pid}, exit "
+                                                   f"{p.popen.returncode})" for p in failed))
         decision = self._decide(failed, initiated)
         if decision.in_place and self._replace_in_place(failed[0], self.node.generation,
                                                         seen=seen):

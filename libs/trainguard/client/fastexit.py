@@ -17,8 +17,10 @@ always.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import sys
+import traceback
 from collections.abc import Callable
 from types import TracebackType
 from typing import Final
@@ -43,10 +45,11 @@ def install(flush: Callable[[], None]) -> None:
 
     def hook(kind: type[BaseException], value: BaseException,
              tb: TracebackType | None) -> None:
-        previous(kind, value, tb)
         if not issubclass(kind, Exception):
+            previous(kind, value, tb)
             return
         try:
+            _report(previous, kind, value, tb)
             _installed[0]()
         finally:
             for stream in (sys.stdout, sys.stderr):
@@ -55,3 +58,27 @@ def install(flush: Callable[[], None]) -> None:
             os._exit(EXIT_CODE)
 
     sys.excepthook = hook
+
+
+def _report(previous: Callable[[type[BaseException], BaseException, TracebackType | None],
+                               object],
+            kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+    """Print what ``previous`` would (a user's hook still runs) straight to the process's
+    own stderr. The hooks above this one may not finish: each ``init_process_group`` wraps
+    ``sys.excepthook`` in one that collects the text in a buffer and writes it, with the
+    rank's prefix, only once the hooks below it return, which this one's exit prevents."""
+    buffer = io.StringIO()
+    shown, sys.stderr = sys.stderr, buffer
+    try:
+        previous(kind, value, tb)
+    except Exception:  # a broken hook must not hide the error
+        buffer.write("".join(traceback.format_exception(kind, value, tb)))
+    finally:
+        sys.stderr = shown
+    text = buffer.getvalue() or "".join(traceback.format_exception(kind, value, tb))
+    text += (f"trainguard: {kind.__name__} ended this rank; its peers wait for its exit, so "
+             "it exits now (TRAINGUARD_FAST_EXIT=0 runs the exit handlers)\n")
+    data = text.encode(errors="replace")
+    with contextlib.suppress(OSError):
+        while data:
+            data = data[os.write(2, data):]

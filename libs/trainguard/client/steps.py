@@ -109,5 +109,11 @@ class Step:
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
                  tb: TracebackType | None) -> bool:
-        return self._on_exit(self, time.perf_counter() - self._t0, failed=et is not None,
-                             error=ev)
+        try:
+            return self._on_exit(self, time.perf_counter() - self._t0, failed=et is not None,
+                                 error=ev)
+        finally:
+            # Read and reported by now: a step that ended holds none of the trainer's
+            # tensors (a sharded model's gradient norm is a DTensor that holds its mesh,
+            # whose groups an in-place re-form must be able to close).
+            self.loss = self.grad_norm = self.extra = None

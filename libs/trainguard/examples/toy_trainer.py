@@ -406,9 +406,9 @@ def main(argv: list[str] | None = None) -> int:
     if sharded and args.in_place:
         # Built again on the new mesh after an in-place re-form (HSDP: a lost shard comes
         # from its replica).
-        world = dist.get_world_size()
+        # The mesh is sized by the group as it is then: a resize in place changes it.
         model = tgt.fsdp(lambda mesh: shard(make(), mesh), guard,
-                         mesh=lambda: mesh_of(args.parallel, world))
+                         mesh=lambda: mesh_of(args.parallel, dist.get_world_size()))
     elif sharded:
         model = shard(make(), mesh_of(args.parallel, dist.get_world_size()))
     elif args.ddp and args.in_place:

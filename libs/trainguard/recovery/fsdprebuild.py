@@ -58,10 +58,12 @@ class InPlaceFSDP(nn.Module):
             the values it would set are replaced by the rank's own.
         guard: the rank's Guard (with ``trainguard.torch.init_process_group`` installed);
             ``guard.attach(model, optimizer)`` names the optimizer that follows the model.
-        mesh: makes the job's mesh on the current group, e.g. ``lambda:
-            init_device_mesh("cuda", (2, 4), mesh_dim_names=("replicate", "shard"))``. An
-            HSDP mesh (a replicate dimension) is what lets a lost rank's shard come from
-            its replica in place; without one the group restarts from the checkpoint.
+        mesh: makes the job's mesh on the current group, sized by it, e.g. ``lambda:
+            init_device_mesh("cuda", (dist.get_world_size() // 8, 8),
+            mesh_dim_names=("replicate", "shard"))``, so a group that shrank or grew in
+            place gets fewer or more replicas. An HSDP mesh (a replicate dimension) is what
+            lets a lost rank's shard come from its replica in place; without one the group
+            restarts from the checkpoint.
 
     ``module`` is the current FSDP2 module (``state_dict()`` keys start with ``module.``);
     ``mesh`` the current mesh.

@@ -35,7 +35,7 @@ from trainguard.contract.schemas import RECOVERING_PHASE, StateKind
 from . import groupstore
 from .handle import GuardHandle, recovery_report
 from .peerloss import is_peer_loss
-from .sharding import declaration, layout_of, replica_dim, replica_groups
+from .sharding import declaration, holding, layout_of, replica_dim, replica_groups
 from .statesync import StateAgreement, agree, share_state, source_within
 
 log = logging.getLogger("trainguard.inplace")
@@ -189,6 +189,8 @@ class InPlace:
         self.rebuilds_model = False
         """A regroup hook builds the sharded model again (``trainguard.torch.fsdp``)."""
         self._rebuildable = False
+        self._holds: str | None = None
+        """The part of the state this rank held when it last declared (:func:`holding`)."""
         self.init_kwargs = dict(init_kwargs or {})
         self.phases = Phases(time.monotonic())
         """The current re-form's phases (:meth:`_reform`)."""
@@ -248,7 +250,9 @@ class InPlace:
         # from a peer (the agent restarts the group at once where none holds it).
         layout = layout_of(self.guard.model, self.guard.world_size)
         self.kind = layout.topology.kind
-        self._rebuildable = self.rebuilds_model and self.kind == "hybrid" and \
+        self._holds = holding(layout)
+        # HSDP down to one replica declares "sharded": still rebuilt, so it may grow again.
+        self._rebuildable = self.rebuilds_model and self.kind != "replicated" and \
             _hands_over_along_one_dim(self.guard.model)
         self.job_store.set(groupstore.in_place_key(self._generation, self.guard.rank),
                            declaration(layout, rebuilds=self._rebuildable))
@@ -466,7 +470,7 @@ class InPlace:
             for fn in self._before:
                 fn()
             self.phases.mark("rebuilt")
-        completed = None if joined else (
+        completed = None if joined or self._moved() else (
             g.last_completed_step if g.last_completed_step is not None else self._start - 1)
         device = comm_device(self.backend)
         agreed = agree(completed, failed_step, failure_time, g.command_state, device)
@@ -494,6 +498,18 @@ class InPlace:
         log.info("in place: generation %d, source rank %d, continuing at step %d",
                  self._generation, source, step)
         return step
+
+    def _moved(self) -> bool:
+        """Whether this rank, rebuilt on a resized group, now holds another shard than the
+        state it kept: it then takes its shard from a holder, as a replacement does."""
+        if self._holds is None or self.kind == "replicated" or self.guard.model is None:
+            return False
+        now = holding(layout_of(self.guard.model, self.guard.world_size))
+        if now == self._holds:
+            return False
+        log.warning("trainguard: this rank holds %s on the re-formed group, not %s: it takes "
+                    "that shard from a rank that holds it", now, self._holds)
+        return True
 
     def _share(self, agreed: StateAgreement, device: torch.device) -> int:
         """Hand the state over: replicated state from the source to every rank; sharded

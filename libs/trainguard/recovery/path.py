@@ -116,16 +116,33 @@ def read_keys(store: Any, generation: int, world_size: int) -> InPlaceKeys | Non
     return InPlaceKeys([], {r: read_declaration(bytes(v)) for r, v in enumerate(values)})
 
 
-def resize_blocker(keys: InPlaceKeys | None) -> str | None:
+def resize_blocker(keys: InPlaceKeys | None, leaving: Collection[int] = ()) -> str | None:
     """Why the group cannot shrink or grow in place, given :func:`read_keys`' answer (None:
-    it can): every rank must have declared, and the state must be replicated (a sharded
-    state would have to be resharded across the new group, not handed over)."""
+    it can), ``leaving``: the ranks that go. Every rank must have declared. Replicated
+    state goes on as it is. A hybrid state (HSDP) goes on when every rank rebuilds its
+    model on the new group and every shard keeps a holder: the survivors re-mesh, a rank
+    whose shard moved (and a host taken back) takes it from a holder, as a replacement
+    does; so does an HSDP state down to one replica (declared ``sharded``) when it grows
+    again. A sharded state otherwise (FSDP over the world) loses its shards with the host,
+    and growing it would reshard every parameter: the group restarts and the checkpoint
+    reshards."""
     if keys is None:
         return "the in-place keys cannot be read"
     if keys.missing:
         return f"rank(s) {_ranks(keys.missing)} did not declare in-place recovery"
-    sharded = sorted(r for r, d in keys.declared.items() if d.kind != "replicated")
-    if sharded:
-        return (f"the job's state is {keys.declared[sharded[0]].kind}: resizing in place "
-                "hands replicated state over and does not reshard yet")
+    declared = keys.declared
+    fixed = sorted(r for r, d in declared.items() if d.kind != "replicated" and not d.rebuilds)
+    if any(declared[r].kind == "sharded" for r in fixed):
+        return ("the job's state is sharded with no replica: a resize in place would "
+                "reshard every parameter, so the group restarts and the checkpoint reshards")
+    if fixed:
+        return (f"rank(s) {_ranks(fixed)} cannot rebuild their sharded model on a new group "
+                "(build it with trainguard.torch.fsdp)")
+    if all(d.kind == "replicated" for d in declared.values()):
+        return None
+    gone = set(leaving)
+    lost = sorted({d.group for r, d in declared.items()
+                   if all(q in gone for q, e in declared.items() if e.group == d.group)})
+    if lost:
+        return f"no rank that stays holds the shard(s) {', '.join(lost)}"
     return None

@@ -52,6 +52,17 @@ class Layout:
         return self.topology.replicas
 
 
+def holding(layout: Layout) -> str:
+    """Which part of the state a rank holds: its replica group with the sizes of the
+    sharded dimensions (shard 0 of 2 is not shard 0 of 4). A rank whose holding changed
+    across a re-form took its kept state to the wrong place."""
+    t = layout.topology
+    if not t.sharded_dims:
+        return layout.group
+    sizes = dict(zip(t.mesh_dims, t.mesh_shape, strict=True))
+    return f"{layout.group} of " + "x".join(str(sizes[d]) for d in t.sharded_dims)
+
+
 def group_of(dims: Iterable[MeshDim], world_size: int) -> Layout:
     """The layout ``dims`` describe, for the rank whose coordinates they carry."""
     dims = list(dims)

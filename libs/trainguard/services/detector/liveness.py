@@ -221,6 +221,10 @@ class Liveness:
         if not job.has_stepped:
             return HangLimit(th.startup_grace, "startup_grace", th.startup_grace, "")
         why = self.unclear(job, census, culprits)
+        if self.first_step(job, culprits) is not None:
+            # A process's first step (a replacement or a host taken back warming up, its
+            # first step compiling) may take as long as a job's: the same grace.
+            return HangLimit(th.startup_grace, "startup_grace", th.startup_grace, why)
         floor, basis = ((max(th.unclear_hang_floor, th.hang_floor), "unclear_hang_floor")
                         if why else (th.hang_floor, "hang_floor"))
         p99 = job.p99_interval()
@@ -258,14 +262,20 @@ class Liveness:
         irregular = sorted(self.held_in(job, census, culprits) & job.irregular_phases)
         if irregular:
             return f"held in {irregular[0]}"
-        first = [i for i in culprits if i in job.ranks and job.ranks[i].last_step is None]
-        if first:
-            return f"rank {first[0]} on its first step"
+        first = self.first_step(job, culprits)
+        if first is not None:
+            return f"rank {first} on its first step"
         brief = [r for r in census.stopped if r.proc_state != "T"
                  and census.time - r.proc_since < job.th.dstate_grace]
         if brief:  # D and t are often brief: they count once they last (``dstate_grace``)
             return f"rank {brief[0].rank} in {brief[0].proc_state} for less than dstate_grace"
         return ""
+
+    @staticmethod
+    def first_step(job: JobState, culprits: list[int]) -> int | None:
+        """A rank holding the job up that has not completed a step as this process."""
+        return next((i for i in culprits if i in job.ranks and job.ranks[i].last_step is None),
+                    None)
 
     @staticmethod
     def held_in(job: JobState, census: Census, culprits: list[int]) -> set[str]:
