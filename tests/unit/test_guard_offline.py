@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 
+import pytest
 import torch
 
 from trainguard import Guard
@@ -165,3 +166,27 @@ def test_a_step_that_ended_holds_none_of_the_trainers_tensors() -> None:
     g.close(timeout=0.1)
     (report,) = queued(g, StepReport)
     assert (report.loss, report.grad_norm) == (1.5, 0.25)
+
+
+def test_the_fast_exit_is_installed_only_where_peers_wait_to_recover_in_place(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from trainguard.client import fastexit
+
+    class Off:  # what init_process_group installs under a plain torchrun
+        enabled = False
+        watched_generation = 0
+
+    class On(Off):
+        enabled = True
+
+    monkeypatch.setattr(fastexit, "_installed", [])
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    hook = sys.excepthook
+    offline_guard().set_recovery(Off())  # type: ignore[arg-type]
+    assert sys.excepthook is hook
+    offline_guard(fast_exit=False).set_recovery(On())  # type: ignore[arg-type]
+    assert sys.excepthook is hook
+    offline_guard().set_recovery(On())  # type: ignore[arg-type]
+    assert sys.excepthook is not hook and len(fastexit._installed) == 1

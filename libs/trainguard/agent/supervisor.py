@@ -216,7 +216,7 @@ class Supervisor:
         if self._ended is not None and not rnd.joins:
             warm = min(self.nproc, len(self.spares.ready_pids())) \
                 if self.program.warmable else 0
-            extra[timeline.RESTART_STAMPS] = timeline.encode_stamps(restart_stamps(
+            extra[envnames.RESTART_STAMPS] = timeline.encode_stamps(restart_stamps(
                 self._ended, formed, warm=warm, ranks=self.nproc))
         self._ended = None
         self.group = {}
@@ -267,7 +267,7 @@ class Supervisor:
         (``join``: as the in-place replacement of a failed rank, from its peers' state)."""
         env = dict(os.environ)
         env.pop(envnames.JOIN, None)
-        env.pop(timeline.RESTART_STAMPS, None)
+        env.pop(envnames.RESTART_STAMPS, None)
         if join:
             env[envnames.JOIN] = "peers"
         env.update({

@@ -255,7 +255,7 @@ class Guard:
         if recovery is not None:
             self.commands.watch_generation(recovery.watched_generation,
                                            self._generation_agreed)
-            if self.fast_exit:
+            if self.fast_exit and recovery.enabled:  # only where peers wait for its exit
                 fastexit.install(lambda: self.close(min(self.close_timeout,
                                                         fastexit.FLUSH_S)))
 

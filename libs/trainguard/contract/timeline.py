@@ -3,8 +3,9 @@
 The agent knows when it learned of the failure and what it then did (chose the group
 restart, stopped the old ranks, formed the next round with the other agents, started each
 rank); the rank knows when it was ready to load, when it had loaded and when its first
-step ended. The agent hands its part to each rank it starts in :data:`RESTART_STAMPS`
-(JSON of :class:`RestartStamps`) and the restarted group's rank 0 reports the whole way
+step ended. The agent hands its part to each rank it starts in
+``TRAINGUARD_RESTART_STAMPS`` (:data:`~trainguard.contract.envnames.RESTART_STAMPS`, JSON of
+:class:`RestartStamps`) and the restarted group's rank 0 reports the whole way
 back as consecutive phases (:func:`restart_phases`, ``RecoveryReport.phases``). Both
 halves are wall-clock instants of one host (the rank's own agent), so no clock is
 compared across hosts.
@@ -17,11 +18,6 @@ from typing import Final
 
 import msgspec
 
-from .envnames import RESTART_STAMPS
-
-__all__ = ["RESTART_PHASES", "RESTART_STAMPS", "RestartStamps", "decode_stamps",
-           "encode_stamps", "restart_phases"]
-
 RESTART_PHASES: Final = ("decision", "stop", "rendezvous", "spawn", "load", "first_step")
 """The group restart's phases, in order: the agent learned of the failure -> chose the
 group restart (``decision``) -> the old ranks on its host were gone (``stop``) -> the
@@ -30,7 +26,7 @@ process started (cold or a warm spare), its process group and model built (``spa
 its checkpoint loaded (``load``) -> its first step ended (``first_step``)."""
 
 
-class RestartStamps(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
+class RestartStamps(msgspec.Struct, kw_only=True):
     """The agent's side of one group restart, as wall-clock instants of its host."""
 
     seen: float
@@ -70,13 +66,9 @@ def restart_phases(stamps: RestartStamps | None, *, ready: float, loaded: float,
     """Consecutive seconds of :data:`RESTART_PHASES`, in order; without the agent's stamps
     only the rank's own (``load``, ``first_step``). A phase a clock step would make
     negative counts 0."""
-    marks: list[tuple[str, float]] = []
-    if stamps is not None:
-        marks = [("seen", stamps.seen), ("decision", stamps.decided),
-                 ("stop", stamps.stopped), ("rendezvous", stamps.formed),
-                 ("spawn", ready)]
-    else:
-        marks = [("ready", ready)]
-    marks += [("load", loaded), ("first_step", first_step)]
+    agent = [("seen", stamps.seen), ("decision", stamps.decided), ("stop", stamps.stopped),
+             ("rendezvous", stamps.formed), ("spawn", ready)] if stamps is not None \
+        else [("ready", ready)]
+    marks = [*agent, ("load", loaded), ("first_step", first_step)]
     return {name: round(max(0.0, t - marks[i - 1][1]), 4)
             for i, (name, t) in enumerate(marks) if i > 0}

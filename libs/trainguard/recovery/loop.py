@@ -38,6 +38,12 @@ class Recovery(Protocol):
     """What the Guard needs of an in-place recovery (``trainguard.recovery.inplace.InPlace``)."""
 
     @property
+    def enabled(self) -> bool:
+        """This rank recovers in place (under ``trainguard launch``); False under a plain
+        torchrun, where no peer waits for its replacement."""
+        ...
+
+    @property
     def generation(self) -> int:
         """The generation of the process group this rank is in now."""
         ...

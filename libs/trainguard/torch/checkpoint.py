@@ -41,7 +41,7 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.staging import DefaultStager
 
-from trainguard.contract import timeline
+from trainguard.contract import envnames, timeline
 from trainguard.contract.checksum import METADATA_FILE, file_digest
 from trainguard.contract.codec import decode_durable, encode_durable
 from trainguard.contract.envelope import uuid7
@@ -501,7 +501,7 @@ class Checkpointer:
         reason = f"loaded step {point.step} ({saved}) at world size {self.world_size}"
         if failures:
             reason = f"{reason}, not the newer {'; '.join(failures)}"
-        stamps = timeline.decode_stamps(os.environ.get(timeline.RESTART_STAMPS))
+        stamps = timeline.decode_stamps(os.environ.get(envnames.RESTART_STAMPS))
         if stamps is not None and stamps.ranks:
             reason = f"{reason}; {stamps.warm} of {stamps.ranks} rank(s) on its host warm"
         attempt = self.guard.identity.attempt
