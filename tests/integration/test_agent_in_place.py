@@ -28,7 +28,8 @@ import json, os, sys, time
 from datetime import timedelta
 import torch.distributed as dist
 from trainguard.recovery import groupstore
-env, out, declare = os.environ, sys.argv[1], sys.argv[2] == "declare"
+env, out, mode = os.environ, sys.argv[1], sys.argv[2]
+declare = mode == "declare"
 store = dist.PrefixStore(groupstore.job_prefix(env["TORCHELASTIC_RUN_ID"]), dist.TCPStore(
     env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
     timeout=timedelta(seconds=60)))
@@ -46,6 +47,8 @@ if rank == 1:
     if env.get("TRAINGUARD_JOIN"):
         sys.exit(0)  # the replacement: joined, done
     store.wait([f"test/seen/{gen}/0"])
+    if mode == "marked":  # as another node's agent does before a command's group restart
+        store.set(groupstore.restart_key(gen), "cmd-7")
     sys.exit(3)  # the fault, once rank 0 is up
 deadline = time.time() + 90
 while time.time() < deadline:  # rank 0: waits for the replacement's generation
@@ -122,3 +125,18 @@ def test_a_group_that_did_not_declare_restarts_and_says_why(
     assert "no restarts left" in reports[1].reason
     assert all(r.rank == 1 and r.world_size == 2 for r in reports)
     assert all(s["TRAINGUARD_JOIN"] == "" for s in seen)
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_that_fails_after_a_commanded_group_restart_is_the_commands(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another node's agent stopped its ranks for a command's group restart (its mark is
+    in the group store): a rank here that fails on its lost peers is that command's, not
+    a crash of its own, and nothing falls back."""
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    (tmp_path / "logs").mkdir()
+    code, exits, reports, _ = supervise(tmp_path, "marked", 1)
+    assert code == 1  # rank 1 fails on every start; one restart allowed
+    fault = [e for e in exits if e.exit_code == 3]
+    assert [(e.rank, e.initiated_by) for e in fault] == [(1, "cmd-7"), (1, "cmd-7")]
+    assert reports == []

@@ -273,6 +273,7 @@ def launch(settings: AgentSettings, torchrun_argv: list[str]) -> int:
                                 in_place=settings.in_place)
         supervisor_box.append(supervisor)
         node.rank_restarter = supervisor.restart_rank
+        node.mark_group_restart = rdzv.mark_group_restart
         print(f"trainguard launch: job {settings.job} on host {settings.host} "
               f"(rendezvous {plan.endpoint}, store host: {hosts_store}, "
               f"warm spares: {spares.size}, logs {log_dir})", flush=True)

@@ -103,6 +103,10 @@ class LocalNode:
         self.rank_restarter: Callable[[int, str, float, str], str] | None = None
         """Restarts one local rank alone: (local rank, command id, timeout, fallback) ->
         detail."""
+        self.mark_group_restart: Callable[[str], None] = lambda by: None
+        """Says in the job store that command ``by`` stops this node's ranks so the group
+        restarts (the rendezvous'): the other nodes' ranks' exits on their lost peers are
+        then the command's."""
         self.restarting_since: float | None = None
         """Since when the worker group is restarting (a failure seen or a ``restart``
         command), until the new group started: the node heartbeat says so, so the detector
@@ -271,6 +275,7 @@ class LocalNode:
 
     def restart(self, command_id: str) -> str:
         self.restart_began()
+        self.mark_group_restart(command_id)
         pids = self._mark(command_id)
         procs.terminate(pids, self.settings.stop_grace)
         return f"stopped {len(pids)} local worker(s); the launcher restarts the group"

@@ -330,6 +330,30 @@ class JobRendezvous:
             log.debug("could not mark this node as leaving: %r", exc)
         return False
 
+    def mark_group_restart(self, by: str) -> None:
+        """Say in the group store that command ``by`` stops this node's ranks so the group
+        restarts (:func:`trainguard.recovery.groupstore.restart_key`). Best effort: without
+        it, the other nodes' ranks' exits on their lost peers read as failures of their own."""
+        try:
+            group = self._group()
+            generation = int(group.add(groupstore.GENERATION, 0))
+            group.set(groupstore.restart_key(generation), by)
+        except Exception as exc:
+            log.debug("could not mark the group restart: %r", exc)
+
+    def group_restart_by(self) -> str | None:
+        """The command that stops the current generation's group, if one does (None also
+        when the store does not answer)."""
+        try:
+            group = self._group()
+            key = groupstore.restart_key(int(group.add(groupstore.GENERATION, 0)))
+            if not group.check([key]):
+                return None
+            return bytes(group.get(key)).decode(errors="replace")
+        except Exception as exc:
+            log.debug("group restart mark unreadable: %r", exc)
+            return None
+
     def resizes(self, after: int, upto: int) -> list[tuple[int, groupstore.Resize]] | None:
         """The resize records of generations ``after+1 .. upto``, oldest first (None: the
         store did not answer)."""

@@ -434,6 +434,7 @@ class Supervisor:
         """Stop every local rank for command ``by``: the next poll sees them gone and
         restarts the group (their exits are the command's)."""
         self.node.restart_began()
+        self.node.mark_group_restart(by)
         self.node.initiate_pids([p.pid for p in self.group.values()], by)
         self._stop(list(self.group.values()))
 
@@ -536,6 +537,11 @@ class Supervisor:
         """A rank failed by itself (found at ``seen``): replace it in place if the group
         can take it (True), else say why (for the incident) and let the group restart
         (False)."""
+        if not all(self.node.initiated_by(p.pid) for p in failed) \
+                and (by := self.rdzv.group_restart_by()) is not None:
+            # Another node's ranks were stopped for a command's group restart: ours failed
+            # on their lost peers, and their exits are that command's.
+            self.node.initiate_pids([p.pid for p in failed], by, keep=True)
         initiated = [p for p in failed if self.node.initiated_by(p.pid)]
         log.info("rank(s) exited: %s", ", ".join(f"{p.rank} (pid {p.pid}, exit "
                                                    f"{p.popen.returncode})" for p in failed))

@@ -22,6 +22,11 @@ reach at ``MASTER_ADDR:MASTER_PORT`` (``services/agent/rendezvous.py``). Under
   preempted) to why: its ranks of that generation will not be replaced, so a survivor
   waiting to re-form gives up in place at once and its agent restarts the group at the
   world size that is left, instead of waiting out the rejoin timeout.
+- :func:`restart_key`: set by an agent that stops its ranks so that the group restarts
+  (a command's group restart, for a rank that cannot be replaced in place) to the
+  command's id, *before* it stops them. The other agents' ranks fail on their lost
+  peers moments later; their agents read the key and report those exits as the
+  command's, so the detector raises no crash of its own for them.
 - :func:`resize_key`: written by an agent whose host leaves while the job can go on in
   place without it (:func:`plan_shrink`), *before* it raises the generation: the
   :class:`Resize` of that generation. A survivor that sees the generation rise reads the
@@ -79,6 +84,12 @@ def all_here_key(generation: int) -> str:
 def left_key(generation: int) -> str:
     """Set to why by an agent whose ranks of ``generation`` leave the job for good."""
     return f"left/{generation}"
+
+
+def restart_key(generation: int) -> str:
+    """Set to the command id by an agent that stops its ranks of ``generation`` so that
+    the group restarts."""
+    return f"restart/{generation}"
 
 
 def resize_key(generation: int) -> str:
