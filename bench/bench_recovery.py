@@ -583,10 +583,12 @@ def _trainguard_faults() -> dict[str, Any]:
     }
 
 
-TRAINGUARD_VARIANTS = {"in-place": "trainguard, in place", "restart": "trainguard, group restart"}
+TRAINGUARD_VARIANTS = {"in-place": "trainguard, in place", "restart": "trainguard, group restart",
+                       "in-place-disk": "trainguard, in place, no memory snapshots"}
 """The trainer recovering in place (``--in-place``: survivors stay, a warm spare takes the
-lost rank's state from them) and the same trainer without it (every rank restarts from the
-committed checkpoint, through warm spares)."""
+lost rank's state from them), the same trainer without it (every rank restarts from the
+committed checkpoint, through warm spares), and in place without memory snapshots (a
+rollback goes to the committed checkpoint: what the memory tier is measured against)."""
 
 
 async def run_trainguard(faults: list[str], windows: dict[str, float], root: Path,
@@ -608,7 +610,9 @@ async def run_trainguard(faults: list[str], windows: dict[str, float], root: Pat
 
         def launch_argv(self, host: str) -> list[str]:
             return [*super().launch_argv(host), "--progress-file", str(self.progress_file),
-                    *(["--in-place"] if variant == "in-place" else []), *spread.flags]
+                    *(["--in-place"] if variant.startswith("in-place") else []),
+                    *(["--memory-snapshots", "off"] if variant == "in-place-disk" else []),
+                    *spread.flags]
 
         def env(self) -> dict[str, str]:
             env = super().env()

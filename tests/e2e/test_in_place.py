@@ -257,6 +257,10 @@ async def test_a_nan_rolls_back_in_place_with_no_process_restarted(
                                                           ("restart", "skipped")], inc.actions
     assert inc.recovery is not None and inc.recovery.kind == "rollback"
     assert inc.recovery.path == "in_place"
+    # From the ranks' memory snapshots: the step before the onset, not a checkpoint
+    # interval back.
+    assert inc.recovery.tier == "memory", inc.recovery
+    assert inc.failure_step is not None and inc.recovery.resumed_step == inc.failure_step
     await c.finished()
     survivors_kept(c, set())
 

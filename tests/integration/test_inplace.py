@@ -227,6 +227,41 @@ async def test_a_rollback_reloads_the_checkpoint_in_every_process(
     assert same_params(run.final_params(), baseline) == []
 
 
+async def test_a_rollback_below_a_nan_restores_the_memory_snapshot_before_it(
+        baseline: dict[str, Any], tmp_path: Path, nats_url: str, prefix: str,
+        job: str) -> None:
+    """Rank 1's parameters turn NaN at step 20 (the all-reduce spreads it); a rollback
+    below step 20 takes every rank's memory snapshot of step 19, not the disk's step 9:
+    six steps run again instead of sixteen, and the run ends as one that never failed."""
+    ckpt = tmp_path / "ckpt"
+    args = [*ARGS, "--ckpt-root", str(ckpt), "--ckpt-every", "10", "--sync-every", "5",
+            "--nan-at", "1:20"]
+    async with recoveries(nats_url, prefix, job) as (reports, tap, bus):
+        run = Job(tmp_path, WORLD, args, env=bus_env(nats_url, prefix, job))
+        await asyncio.to_thread(run.start)
+        pids = {r: p.pid for r, p in run.procs.items()}
+        try:
+            await asyncio.to_thread(run.wait_for_step, 12)
+            await wait_until(lambda: len(tap.hellos) == WORLD, what="the ranks' hellos")
+            await bus.publish_durable(Subjects(prefix).cmd_all(job), Command(
+                id="reload-1", job=job, kind="reload", issuer="cli", at_step=25,
+                params={"step": 9, "path": str(ckpt / job / "step-9"), "below": 20}))
+            codes = await asyncio.to_thread(run.wait)
+        finally:
+            run.stop()
+        await wait_until(lambda: acked(tap) == ["done"] * WORLD, what="the reload acks")
+        await wait_until(lambda: reports, what="the recovery report")
+    assert codes == dict.fromkeys(range(WORLD), 0), run.logs()
+    assert {r: p.pid for r, p in run.procs.items()} == pids  # no process restarted
+    assert run.steps_done() == [*range(26), *range(20, STEPS)]
+    [report] = reports.values()
+    assert (report.kind, report.path, report.tier, report.steps_lost) == (
+        "rollback", "in_place", "memory", 6), report
+    assert "the snapshot of step 19" in report.reason
+    assert all("from memory" in a.detail for a in tap.acks if a.command_id == "reload-1")
+    assert same_params(run.final_params(), baseline) == []
+
+
 def acked(tap: Tap) -> list[str]:
     return [a.outcome for a in tap.acks if a.command_id == "reload-1"]
 

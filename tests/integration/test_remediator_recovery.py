@@ -173,7 +173,7 @@ async def test_a_rollback_reloads_in_place_on_every_rank(
         await wait_until(lambda: any(i.status == "resolved" for i in seen), timeout=30,
                          what="resolved")
     assert [(c.params, c.target, c.seq > 0) for c in reloads] == [
-        ({"step": 100, "path": "/ckpt/step-100"}, "all", True)]
+        ({"step": 100, "path": "/ckpt/step-100", "below": 120}, "all", True)]  # below: the onset
     final = seen[-1]
     assert [(a.action, a.status) for a in final.actions] == [("rollback", "done"),
                                                             ("restart", "skipped")]

@@ -155,6 +155,7 @@ class Guard:
         self._closed = False
         self._close_hooks: list[Callable[[], None]] = []
         self._stepped_hooks: list[Callable[[float | None], None]] = []
+        self._step_done_hooks: list[Callable[[int], None]] = []
         self._lock = threading.Lock()
         self._recovery: Recovery | None = None
         self._loop: Loop | None = None
@@ -244,7 +245,8 @@ class Guard:
         self.start()
         loop = self._loop = Loop()
         try:
-            yield from iterate(loop, start, stop, self._recovery, self._regrouped)
+            yield from iterate(loop, start, stop, self._recovery, self._regrouped,
+                               self._step_done)
         finally:
             self._loop = None
             self.joining = False
@@ -276,6 +278,12 @@ class Guard:
         after ``with guard.step(n)`` skips its per-step work when it is ``n``."""
         return self._loop.abandoned if self._loop is not None else None
 
+    @property
+    def nonfinite_at(self) -> int | None:
+        """The first step this rank reported a non-finite loss or gradient norm since its
+        state was last restored (:meth:`rewind`); None when there was none."""
+        return self.reports.nonfinite_at
+
     def rewind(self, next_step: int) -> None:
         """Continue the ``guard.steps`` loop at ``next_step`` (a rollback in place has just
         restored the state after ``next_step - 1``). Raises when the trainer does not
@@ -284,6 +292,7 @@ class Guard:
             raise RuntimeError("the trainer does not iterate guard.steps(): it cannot go "
                                "back to a checkpoint in place")
         self._loop.next_step = next_step
+        self.reports.nonfinite_at = None  # the state is restored from before it
         self.commands.note_completed(next_step - 1, timed=False)
 
     def await_commands(self, timeout: float) -> bool:
@@ -357,6 +366,18 @@ class Guard:
         says how long the way back to training took); ``fn(None)`` at :meth:`close` if no
         step ended by then."""
         self._stepped_hooks.append(fn)
+
+    def each_step(self, fn: Callable[[int], None]) -> None:
+        """Run ``fn(step)`` after every step the ``guard.steps`` loop completed and goes on
+        from (a memory snapshot's moment: the optimizer stepped, nothing rewound)."""
+        self._step_done_hooks.append(fn)
+
+    def _step_done(self, step: int) -> None:
+        for hook in self._step_done_hooks:
+            try:
+                hook(step)
+            except Exception:  # a snapshot must not fail the step
+                log.warning("per-step hook failed", exc_info=True)
 
     def _run_stepped_hooks(self, now: float | None) -> None:
         hooks, self._stepped_hooks = self._stepped_hooks, []

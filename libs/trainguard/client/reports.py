@@ -113,6 +113,9 @@ class Reports:
         self.seq = 0
         self.pending: list[Pending] = []
         self.aggregated: list[StepReport] = []
+        self.nonfinite_at: int | None = None
+        """The first step this rank reported a non-finite loss or gradient norm, since its
+        state was last restored (:meth:`Guard.rewind` clears it)."""
         self._replicas: tuple[int, tuple[str, int] | None] | None = None
         """(id of the last fingerprinted model, its replica group and size, or None where no
         other rank holds this rank's state)."""
@@ -184,6 +187,8 @@ class Reports:
                   if v is not None and not math.isfinite(v))
         if bad:
             report.nonfinite = bad
+            if self.nonfinite_at is None:
+                self.nonfinite_at = report.step
             model = self.model()
             if report.grad_norm is not None and not math.isfinite(report.grad_norm) \
                     and model is not None:

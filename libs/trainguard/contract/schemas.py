@@ -425,6 +425,8 @@ class Topology(msgspec.Struct, kw_only=True):
 RecoveryPath = Literal["in_place", "restart"]
 """How a job got back to work: its survivors kept running and re-formed the group with a
 replacement (``in_place``), or every rank restarted from the last committed checkpoint."""
+RecoveryTier = Literal["memory", "disk", "peer"]
+"""Where a recovery's state came from: memory snapshots, a committed checkpoint, a peer."""
 RecoveryKind = Literal["replace", "rollback", "resize", "grow", "resume"]
 """What the ranks recovered from: a lost rank replaced, a rollback to a committed
 checkpoint, the group shrinking in place (a host left) or growing (a host taken back); or
@@ -473,6 +475,9 @@ class RecoveryReport(Durable, kw_only=True):
     ``spawn``, ``load``, ``first_step``, :mod:`trainguard.contract.timeline`; an agent's
     in-place ``replace``: from the failed rank's exit found to its replacement started,
     ``decision``, ``generation``, ``spare``)."""
+    tier: RecoveryTier | Literal[""] = ""
+    """Where the state came back from: ``memory`` (the ranks' memory snapshots),
+    ``disk`` (a committed checkpoint), ``peer`` (a peer's live state); "" unknown."""
     attempt: int = 0
     time: float = 0.0
 
@@ -627,6 +632,8 @@ class RecoveryNote(msgspec.Struct, kw_only=True):
     agent_phases: dict[str, float] = {}
     """In place: the failed rank's agent's side, from the exit found to the replacement
     started (the phases of its ``replace`` report), inside the group's ``replacement``."""
+    tier: RecoveryTier | Literal[""] = ""
+    """Where the state came back from (:attr:`RecoveryReport.tier`)."""
     report_id: str = ""
 
 

@@ -81,6 +81,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="sgd (lr 0.05, default) or adamw (lr 1e-3; sharded state under FSDP)")
     p.add_argument("--model", choices=("tiny", "lm"), default="tiny")
     p.add_argument("--ckpt-root", help="save checkpoints here and resume from them")
+    p.add_argument("--memory-snapshots", default="auto", type=_memory_every,
+                   help="memory snapshots every N steps, 'auto' (from their measured cost) "
+                        "or 'off': the tier a rollback in place takes before the disk")
     p.add_argument("--ckpt-every", type=int, default=20,
                    help="steps between checkpoints until the coordinator sets the interval")
     p.add_argument("--heartbeat", type=float, default=0.25)
@@ -159,6 +162,14 @@ class Irregular:
             alone = step % world if args.refill_alone else rank
             refill = args.refill_seconds * job.uniform(0.2, 1.0) if alone == rank else 0.0
         return cls(jitter, args.eval_seconds if evaluates else 0.0, refill)
+
+
+def _memory_every(value: str) -> int | str | None:
+    if value in ("auto", "off"):
+        return None if value == "off" else value
+    if value.isdigit() and int(value) >= 1:
+        return int(value)
+    raise argparse.ArgumentTypeError(f"{value!r}: give a number of steps >= 1, 'auto' or 'off'")
 
 
 def _rank_step(spec: str | None) -> tuple[int, int]:
@@ -422,7 +433,8 @@ def main(argv: list[str] | None = None) -> int:
     optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3) \
         if args.optimizer == "adamw" else torch.optim.SGD(model.parameters(), lr=0.05)
     guard.attach(model, optimizer)
-    ckpt = tgt.Checkpointer(guard, args.ckpt_root) if args.ckpt_root else None
+    ckpt = tgt.Checkpointer(guard, args.ckpt_root, memory=args.memory_snapshots) \
+        if args.ckpt_root else None
     start = 0
     if ckpt is not None:
         start = ckpt.resume(model, optimizer)  # the newest committed checkpoint that loads
@@ -460,6 +472,7 @@ def main(argv: list[str] | None = None) -> int:
         if rank == nan_rank and step == nan_step and first_attempt:
             progress.fault(step, "nan")
             tgt.poison_with_nan(model)
+            nan_rank = -1  # a transient fault: a rollback in place runs the step clean
         if slow > 1.0 and step == args.slow_from:
             progress.fault(step, "slow")
         with guard.step(step) as s:

@@ -112,12 +112,14 @@ class Loop:
 
 
 def iterate(loop: Loop, start: int, stop: int, recovery: Recovery | None,
-            regrouped: Callable[[int], None]) -> Iterator[int]:
+            regrouped: Callable[[int], None],
+            done: Callable[[int], None] = lambda step: None) -> Iterator[int]:
     """The steps ``start..stop-1``, repeated or rewound where a recovery or a rollback says
     so. ``regrouped(next_step)`` runs after every recovery and after a replacement's first
     agreement (the Guard rebuilds its command agreement and notes the step the group
     completed). A regroup the ranks agreed on (``loop.regroup``) re-forms the group after
-    the step that agreed on it."""
+    the step that agreed on it. ``done(step)`` runs after every step that completed and
+    is followed by the next one (not after one a recovery or a rollback replaced)."""
     joining = recovery is not None and recovery.joining
     step = recovery.begin(start) if recovery is not None else start
     if joining or step != start:
@@ -139,4 +141,5 @@ def iterate(loop: Loop, start: int, stop: int, recovery: Recovery | None,
         elif loop.next_step is not None:
             step, loop.next_step = loop.next_step, None
         else:
+            done(step)
             step += 1

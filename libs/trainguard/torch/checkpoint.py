@@ -55,6 +55,7 @@ from trainguard.contract.schemas import (
 )
 from trainguard.recovery.handle import RESUME_TIMEOUT, GuardHandle, recovery_report
 
+from .snapshots import Every, MemorySnapshots
 from .stats import state_layout
 from .trusted import (
     CheckpointRefused,
@@ -186,13 +187,20 @@ class Checkpointer:
         cache_staging: keep the staging copy's CPU memory between saves (one copy of this
             rank's state stays allocated) instead of allocating it anew for every save:
             for a 1.2 GB state on a CPU host this cuts the loop's stall several-fold.
-        extra_fn: returns this rank's ``extra`` for saves the coordinator asks for.
+        extra_fn: returns this rank's ``extra`` for saves the coordinator asks for (and
+            for memory snapshots).
+        memory: memory snapshots every this many steps of ``guard.steps`` (``"auto"``:
+            from the measured copy cost, at most 5% of step time), the tier a rollback in
+            place takes before the disk (:mod:`.snapshots`); None: none.
+        memory_keep: memory snapshots kept (host memory: this many copies of the state);
+            besides the newest, they lie at least 10 s apart.
     """
 
     def __init__(self, guard: GuardHandle, root: str | os.PathLike[str], *,
                  process_group: dist.ProcessGroup | None = None, timeout: float = 60.0,
                  use_async: bool = True, cache_staging: bool = True,
-                 extra_fn: ExtraFn | None = None) -> None:
+                 extra_fn: ExtraFn | None = None, memory: Every | None = "auto",
+                 memory_keep: int = 3) -> None:
         self.guard = guard
         self.root = Path(root)
         self.use_async = use_async
@@ -230,6 +238,11 @@ class Checkpointer:
         # DCP loads once the first step is done, so it takes nothing from the rank's start.
         warm_up(lambda: guard.last_completed_step is not None)
         self._lock = threading.Lock()
+        self.memory = MemorySnapshots(memory, memory_keep, rng=_rng_state,
+                                      set_rng=_set_rng_state) if memory is not None else None
+        """This rank's memory snapshots (None: off)."""
+        if self.memory is not None:
+            guard.each_step(self._snapshot)
         guard.checkpoint_root = str(self.root)
         guard.on("save_now", self._on_save_now)
         guard.on("reload", self._on_reload)
@@ -246,6 +259,8 @@ class Checkpointer:
         except _save_errors() as exc:
             log.warning("the save in flight at the re-form failed: %s", _describe(exc))
             self._pending = None
+        if self.memory is not None:
+            self.memory.clear()  # ranks and shards may have moved
         if not self._own_group:
             self._broken = "the process group passed to the Checkpointer did not survive " \
                            "the in-place re-form; let it make its own"
@@ -361,6 +376,8 @@ class Checkpointer:
             self.wait()
         finally:
             self._finisher.shutdown(wait=True)
+            if self.memory is not None:
+                self.memory.close()
             if self._stager is not None:
                 self._stager.close()
                 self._stager = None
@@ -649,6 +666,7 @@ class Checkpointer:
         step on every rank), and let ``guard.steps`` continue after it."""
         step = int(cmd.params["step"])
         path = str(cmd.params.get("path") or self.path_for(step))
+        below = cmd.params.get("below")
         model = self.guard.model if self.guard.model is not None else self._model
         optimizer = self.guard.optimizer if self.guard.optimizer is not None else self._optimizer
         if model is None:
@@ -656,11 +674,19 @@ class Checkpointer:
         last = self.guard.last_completed_step
         t0 = time.perf_counter()
         self.guard.rewind(step + 1)  # raises first when the loop is not guard.steps
+        snapshot, why_not = (None, "") if below is None else \
+            self._agree_snapshot(int(below), step, model, optimizer)
         try:
-            loaded = self.load(path, model, optimizer)
+            if snapshot is not None:
+                loaded, source, tier = self._restore_snapshot(snapshot, model, optimizer), \
+                    "memory", "memory"
+            else:
+                loaded, source, tier = self.load(path, model, optimizer), path, "disk"
         except BaseException:
             self.guard.rewind((last if last is not None else step) + 1)
             raise
+        if self.memory is not None:
+            self.memory.restored(loaded)
         if loaded != step:
             self.guard.rewind(loaded + 1)
         seconds = time.perf_counter() - t0
@@ -668,14 +694,69 @@ class Checkpointer:
         if self.group_rank == 0:
             generation = recovery.generation if recovery is not None else \
                 self.guard.identity.attempt.generation
+            reason = str(cmd.params.get("reason") or "reload")
+            reason += f"; from memory: the snapshot of step {loaded}" if tier == "memory" \
+                else (f"; from disk: {why_not}" if why_not else "")
             self.guard.publish_recovery(recovery_report(
-                self.guard, kind="rollback", path="in_place",
-                reason=str(cmd.params.get("reason") or "reload"),
+                self.guard, kind="rollback", path="in_place", reason=reason, tier=tier,
                 generation=generation, previous_generation=generation,
                 world_size=self.world_size, last_completed=last, resumed_step=loaded + 1,
                 steps_lost=max(0, (last if last is not None else loaded) - loaded),
                 seconds=seconds))
-        return f"step={loaded} reloaded in place from {path}"
+        return f"step={loaded} reloaded in place from {source}"
+
+    def _agree_snapshot(self, below: int, disk_step: int, model: Any, optimizer: Any
+                        ) -> tuple[int | None, str]:
+        """The memory snapshot every rank restores instead of disk checkpoint
+        ``disk_step``: the newest step below ``below`` (the onset) that every rank holds
+        and verified, when it is not older than the disk's (collective). None, and why,
+        when there is none: the disk is the next tier."""
+        mine = self.memory.held(below) if self.memory is not None else []
+        held = self._gather(mine)
+        common = set.intersection(*(set(h) for h in held)) if held else set()
+        if not common:
+            lacking = [r for r, h in enumerate(held) if not h]
+            return None, (f"no memory snapshot below step {below} on every rank"
+                          + (f" (none on rank(s) {lacking[:8]})" if lacking else ""))
+        chosen = max(common)
+        if chosen < disk_step:
+            return None, f"the newest memory snapshot (step {chosen}) is older than the disk's"
+        why = self.memory.verify(chosen, model, optimizer) if self.memory is not None \
+            else "no memory snapshots"
+        verdicts = self._gather(why)
+        bad = [(r, v) for r, v in enumerate(verdicts) if v]
+        if bad:
+            rank, reason = bad[0]
+            log.warning("memory snapshot of step %d not used: rank %d: %s", chosen, rank, reason)
+            return None, f"rank {rank}'s memory snapshot of step {chosen} was refused: {reason}"
+        return chosen, ""
+
+    def _restore_snapshot(self, step: int, model: Any, optimizer: Any) -> int:
+        assert self.memory is not None
+        started = time.time()
+        self.loaded_extra = self.memory.restore(step, model, optimizer)
+        self.state_since = started
+        self._last_step = step  # a later save of a step past it is the replayed one's
+        return step
+
+    def _gather(self, mine: Any) -> list[Any]:
+        """Every rank's ``mine`` on the side group, by group rank."""
+        if not self.distributed or self.world_size < 2:
+            return [mine]
+        box: list[Any] = [None] * self.world_size
+        dist.all_gather_object(box, mine, group=self.group)
+        return box
+
+    def _snapshot(self, step: int) -> None:
+        """After each completed step of ``guard.steps``: a memory snapshot when due."""
+        model = self.guard.model if self.guard.model is not None else self._model
+        optimizer = self.guard.optimizer if self.guard.optimizer is not None else self._optimizer
+        if self.memory is None or model is None or step == self.guard.abandoned:
+            return
+        if self.guard.nonfinite_at is not None:
+            return  # the state after a non-finite step is suspect: keep the clean ones
+        self.memory.step_done(step, model, optimizer,
+                              self.extra_fn() if self.extra_fn is not None else None)
 
     def _completed_step(self) -> int | None:
         # The Guard has no public accessor for the last completed step yet.

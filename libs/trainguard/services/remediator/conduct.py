@@ -293,12 +293,16 @@ def reload_point(step: IncidentStep, reply: RollbackReply | None) -> tuple[int, 
 
 
 def reload(step: IncidentStep, view: JobView, at: int, path: str) -> Reload | None:
-    """The ``reload`` of checkpoint ``at``; None (noted on the step) when the job's world
-    size is unknown: the plan's restart rolls back instead."""
+    """The ``reload`` of checkpoint ``at``, or of the ranks' newest memory snapshot below
+    the rollback's ``below_step`` where every rank holds one at least as new; None (noted on
+    the step) when the job's world size is unknown: the plan's restart rolls back instead."""
     if view.world_size <= 0:
         step.detail += "; no reload in place: the job's world size is unknown"
         return None
-    return Reload({"step": at, "path": path}, recovery.reload_responders(view.world_size))
+    params: dict[str, Any] = {"step": at, "path": path}
+    if "below_step" in step.params:
+        params["below"] = int(step.params["below_step"])
+    return Reload(params, recovery.reload_responders(view.world_size))
 
 
 def reloaded(step: IncidentStep, acks: Sequence[CommandAck], world_size: int) -> None:

@@ -90,7 +90,8 @@ def note_of(report: RecoveryReport) -> RecoveryNote:
         steps_lost=report.steps_lost if back else None,
         seconds=report.seconds if back else None,
         back_at=report.time if back else None,
-        phases=dict(report.phases) if back else {}, report_id=report.id)
+        phases=dict(report.phases) if back else {}, tier=report.tier,
+        report_id=report.id)
 
 
 def apply(inc: Incident, reports: Iterable[RecoveryReport]) -> bool:

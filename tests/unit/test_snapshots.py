@@ -1,0 +1,159 @@
+"""Memory snapshots (``trainguard.torch.snapshots``) with a real model and AdamW: a restore
+puts back exactly the state of its step (parameters, optimizer moments and step counts,
+learning rate, RNG), in place; a snapshot that fails its checksum, holds a non-finite
+value or no longer fits the state is refused and says why; the kept ones reach back in
+time; ``every="auto"`` spaces them by the copy's measured cost."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from trainguard.torch.checkpoint import _rng_state, _set_rng_state
+from trainguard.torch.snapshots import (
+    MemorySnapshots,
+    SnapshotRefused,
+    auto_interval,
+    live_state,
+)
+
+
+def trainer(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def train(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+    x = torch.randn(5, 8)
+    loss = model(x).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    for g in opt.param_groups:
+        g["lr"] = 1e-2 / (1 + step)  # a schedule: restored with the state
+
+
+def state_of(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    return {**{n: t.clone() for n, t in live_state(model, opt)},
+            "lr": opt.param_groups[0]["lr"], "rng": torch.get_rng_state().clone()}
+
+
+def same(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    return [k for k in a if not (torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor)
+                                 else a[k] == b[k])]
+
+
+def snapshots(**kw: Any) -> MemorySnapshots:
+    return MemorySnapshots(**{"every": 1, "keep": 3, "spacing": 0.0, "rng": _rng_state,
+                              "set_rng": _set_rng_state, **kw})
+
+
+def test_a_restore_puts_back_the_state_of_its_step_in_place() -> None:
+    model, opt = trainer()
+    mem = snapshots()
+    params = [p for p in model.parameters()]
+    expected: dict[int, dict[str, Any]] = {}
+    for step in range(6):
+        train(model, opt, step)
+        expected[step] = state_of(model, opt)
+        mem.step_done(step, model, opt, {"data": step})
+    assert mem.held(below=100) == [3, 4, 5]  # keep=3
+    assert mem.held(below=5) == [3, 4]
+    assert mem.restore(4, model, opt) == {"data": 4}
+    assert same(expected[4], state_of(model, opt)) == []
+    assert [p for p in model.parameters()] == params  # the same tensors, restored in place
+    # Training on from the restored state repeats what followed it.
+    train(model, opt, 5)
+    assert same(expected[5], state_of(model, opt)) == []
+    assert mem.held(below=100) == [3, 4]  # step 5's snapshot was of the abandoned timeline
+    mem.close()
+
+
+def test_a_corrupted_snapshot_is_refused_and_says_why() -> None:
+    model, opt = trainer()
+    mem = snapshots()
+    for step in range(3):
+        train(model, opt, step)
+        mem.step_done(step, model, opt)
+    mem.held(below=100)  # waits for the checks
+    before = state_of(model, opt)
+    snap = mem.ring[-1]
+    flipped = snap.tensors[0].view(-1)[:1].view(torch.int32)
+    flipped ^= 1 << 20  # one bit of host memory
+    assert "failed its checksum" in mem.verify(2, model, opt)
+    with pytest.raises(SnapshotRefused, match="failed its checksum"):
+        mem.restore(2, model, opt)
+    assert same(before, state_of(model, opt)) == []  # nothing was touched
+    assert mem.verify(1, model, opt) == ""
+    assert "no snapshot of step 7" in mem.verify(7, model, opt)
+    mem.close()
+
+
+def test_a_snapshot_with_non_finite_values_is_never_restored_and_keeps_the_clean_ones() -> None:
+    model, opt = trainer()
+    mem = snapshots()
+    for step in range(4):
+        train(model, opt, step)
+        mem.step_done(step, model, opt)
+    with torch.no_grad():
+        next(model.parameters()).view(-1)[0] = float("nan")
+    assert mem.step_done(4, model, opt)
+    assert mem.held(below=100) == [2, 3]
+    assert "non-finite" in mem.verify(4, model, opt)
+    for step in range(5, 9):  # frozen: the clean ones stay
+        assert not mem.step_done(step, model, opt)
+    assert [s.step for s in mem.ring] == [2, 3, 4]
+    mem.restore(3, model, opt)
+    assert bool(torch.isfinite(next(model.parameters())).all())
+    train(model, opt, 4)
+    assert mem.step_done(4, model, opt)  # taking snapshots again
+    assert mem.held(below=100) == [2, 3, 4]
+    mem.close()
+
+
+def test_a_snapshot_that_no_longer_fits_the_state_is_refused() -> None:
+    model, opt = trainer()
+    mem = snapshots()
+    mem.step_done(0, model, opt)  # before the first optimizer step: no moments yet
+    train(model, opt, 0)
+    assert "tensors changed" in mem.verify(0, model, opt)
+    other, other_opt = torch.nn.Sequential(torch.nn.Linear(8, 3)), None
+    mem.step_done(1, other, other_opt)
+    assert "tensors changed" in mem.verify(1, model, opt)
+    mem.close()
+
+
+def test_the_kept_snapshots_reach_back_by_spacing() -> None:
+    """The newest slot moves at every snapshot; an older one is kept once the newest is
+    ``spacing`` younger than it (the clock here is each snapshot's own stamp)."""
+    model, opt = trainer()
+    mem = snapshots(spacing=10.0)
+    clock = iter(range(0, 1000, 2))  # a snapshot every 2 s
+    for step in range(40):
+        snap = mem.take(step, model, opt)
+        snap.taken = float(next(clock))
+    taken = [s.taken for s in mem.ring]
+    assert len(taken) == 3 and taken[-1] == 78.0
+    assert taken[1] - taken[0] >= 10.0  # the older ones at least spacing apart
+    assert taken[-1] - taken[0] >= 10.0  # a rollback 10 s back finds one below its onset
+    mem.close()
+
+
+def test_auto_spaces_the_snapshots_by_their_measured_cost() -> None:
+    # A 10 ms copy and 20 ms steps: 5% of a step is 1 ms, so every 10 steps.
+    assert auto_interval(0.010, 0.020, 0.05) == 10
+    assert auto_interval(0.0001, 0.020, 0.05) == 1
+    model, opt = trainer()
+    mem = MemorySnapshots("auto", keep=2)
+    taken = []
+    for step in range(20):
+        train(model, opt, step)
+        if mem.step_done(step, model, opt):
+            taken.append(step)
+    assert taken[0] == 0  # the first at once; then as the measured cost allows
+    with pytest.raises(ValueError, match="whole number of steps"):
+        MemorySnapshots(0)
+    mem.close()
