@@ -20,9 +20,23 @@ from trainguard.torch.snapshots import (
 )
 
 
+class Masked(torch.nn.Module):
+    """Two layers and a buffer that is -inf by design (a causal mask's upper triangle)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                       torch.nn.Linear(16, 4))
+        self.register_buffer("mask", torch.full((4, 4), float("-inf")).triu(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.net(x)
+        return out
+
+
 def trainer(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    model = Masked()
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 

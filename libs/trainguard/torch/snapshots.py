@@ -12,8 +12,9 @@ onset to detection) without reading storage. Why it is built the way it is:
 * Never trusted blindly: a restore recomputes the checksum first and refuses a snapshot
   that does not match, or whose tensors no longer fit the live state (a re-formed mesh);
   the ranks then take the next tier, the committed disk checkpoint, and say why.
-* A snapshot holding a non-finite value is poisoned: never restored, and no later snapshot
-  replaces the clean ones kept until the state is restored. A snapshot after the onset of
+* A snapshot whose parameters or optimizer state hold a non-finite value is poisoned:
+  never restored, and no later snapshot replaces the clean ones kept until the state is
+  restored. A snapshot after the onset of
   a corruption that left the values finite is excluded by the rollback's ``below`` step.
 * ``every="auto"``: K is the smallest number of steps whose time covers the copy ``budget``
   times over (a copy costing 5% of a step's time at most, by default), measured as it runs.
@@ -311,12 +312,14 @@ def _crc(tensors: list[torch.Tensor]) -> int:
 
 
 def _check(snap: Snapshot, event: Any) -> None:
-    """Background: the checksum, and whether any value is non-finite."""
+    """Background: the checksum, and whether a parameter or optimizer state holds a
+    non-finite value (buffers may by design: a causal mask of -inf)."""
     try:
         if event is not None:
             event.synchronize()
         bad = next((n for n, t in zip(snap.names, snap.tensors, strict=True)
-                    if t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
+                    if not n.startswith("buffer.") and t.is_floating_point()
+                    and not bool(torch.isfinite(t).all())), None)
         poisoned = f"the snapshot of step {snap.step} holds non-finite values ({bad})" \
             if bad else ""
         snap.check.set_result((_crc(snap.tensors), poisoned))
