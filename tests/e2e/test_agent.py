@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 from tests.conftest import wait_until
 from tests.e2e.conftest import job_env, launch
 from tests.tap import Tap, tapped
-from trainguard.agent.launcher import EXIT_ISOLATED
+from trainguard.agent.exitcodes import EXIT_ISOLATED, EXIT_STOPPED
 from trainguard.contract.schemas import (
     Command,
     GpuSample,
@@ -134,7 +134,8 @@ async def test_freeze_is_a_true_hang_and_kill_is_a_sigkill_exit(
                          timeout=60, what="SIGKILL exit of rank 1")
         await bus.publish_durable(s.cmd_host(job, "node-a"), Command(
             id="stop", job=job, kind="stop", issuer="cli"))
-        assert await exit_code(procs[0]) == 0, log.read_text()[-3000:]
+        # Stopped is not finished: a scheduler must not read it as a success.
+        assert await exit_code(procs[0]) == EXIT_STOPPED, log.read_text()[-3000:]
     killed = next(e for e in tap.exits if e.rank == 1 and e.signal == "SIGKILL")
     assert killed.initiated_by is None and killed.exit_code == -9
     assert {a.command_id: a.outcome for a in tap.acks} == {"freeze": "done", "kill": "done",

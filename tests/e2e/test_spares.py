@@ -17,6 +17,7 @@ from tests.conftest import wait_until
 from tests.e2e.conftest import launch
 from tests.e2e.test_agent import env_for, exit_code
 from tests.tap import Tap, tapped
+from trainguard.agent.exitcodes import EXIT_STOPPED
 from trainguard.contract.schemas import Command, Heartbeat, NodeHeartbeat, RankHello, StepReport
 from trainguard.contract.subjects import Subjects
 
@@ -89,7 +90,7 @@ async def test_a_crash_is_recovered_through_a_warm_spare(
         after = await recovered_through_the_spare(tap, before)
         await bus.publish_durable(s.cmd_host(job, "node-a"), Command(
             id="stop", job=job, kind="stop", issuer="cli"))
-        assert await exit_code(procs[0]) == 0, log.read_text()[-3000:]
+        assert await exit_code(procs[0]) == EXIT_STOPPED, log.read_text()[-3000:]
         await wait_until(lambda: any(e.initiated_by == "stop" and e.rank == 1
                                      for e in tap.exits), what="the stop's exits")
     crash = next(e for e in tap.exits if e.rank == 1 and e.signal == "SIGKILL")
@@ -120,7 +121,7 @@ async def test_a_sigstop_is_recovered_through_a_warm_spare(
         await recovered_through_the_spare(tap, before)
         await bus.publish_durable(s.cmd_host(job, "node-a"), Command(
             id="stop", job=job, kind="stop", issuer="cli"))
-        assert await exit_code(procs[0]) == 0, log.read_text()[-3000:]
+        assert await exit_code(procs[0]) == EXIT_STOPPED, log.read_text()[-3000:]
     stuck = next(e for e in tap.exits if e.pid == before.pids[1])
     assert stuck.signal == "SIGKILL" and stuck.initiated_by == "restart"
 
@@ -160,7 +161,7 @@ async def test_the_launcher_restarts_one_rank_alone(
                          timeout=60, what="rank 0 beating on, same process")
         await bus.publish_durable(s.cmd_host(job, "node-a"), Command(
             id="stop", job=job, kind="stop", issuer="cli"))
-        assert await exit_code(procs[0]) == 0, log.read_text()[-3000:]
+        assert await exit_code(procs[0]) == EXIT_STOPPED, log.read_text()[-3000:]
     assert [h.pid for h in tap.hellos if h.rank == 0] == [before.pids[0]]
     gone = [e for e in tap.exits if e.initiated_by == "one"]
     assert [(e.rank, e.pid) for e in gone] == [(1, before.pids[1])]

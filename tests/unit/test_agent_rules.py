@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,7 +16,7 @@ from trainguard.agent.executor import CommandExecutor
 from trainguard.agent.exitcodes import EXIT_HELD
 from trainguard.agent.gpu import ScriptedSource, open_source, throttle_names
 from trainguard.agent.launcher import prepare_torchrun, worker_environment
-from trainguard.agent.node import Failure, LocalNode, Worker
+from trainguard.agent.node import FLIGHT_RECORDER_PREFIX, Failure, LocalNode, Worker
 from trainguard.agent.settings import AgentSettings
 from trainguard.contract import envnames
 from trainguard.contract.envnames import setting
@@ -259,6 +261,21 @@ def test_exits_name_the_root_and_the_collateral() -> None:
     assert {e.initiated_by for e in sent} == {"cmd-1"}
 
 
+def test_an_exit_names_its_own_flight_recorder_dumps_only(tmp_path: Path) -> None:
+    """Rank 1's exit names rank 1's dump, never rank 10's or 11's (same leading digits)."""
+    for name in ("1", "1.pipe", "10", "11", "2"):
+        (tmp_path / f"{FLIGHT_RECORDER_PREFIX}{name}").write_text("x")
+    sent: list[WorkerExit] = []
+    node = LocalNode(settings(), hosts_store=False, gpu=None, publish_exit=sent.append,
+                     log_dir=str(tmp_path))
+    node.workers_started([Worker(1, 1, 101, None), Worker(10, 0, 110, None)], 0)
+    node.workers_exited({1: Failure(1, 1, 101, 1, "RuntimeError: boom"),
+                         10: Failure(10, 0, 110, 1, "RuntimeError: boom")}, succeeded=False)
+    named = {e.rank: e.error.partition("flight recorder: ")[2] for e in sent}
+    prefix = tmp_path / FLIGHT_RECORDER_PREFIX
+    assert named == {1: f"{prefix}1, {prefix}1.pipe", 10: f"{prefix}10"}
+
+
 def test_a_hold_marks_the_workers_and_ends_the_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
     sent: list[WorkerExit] = []
     signals: list[tuple[int, int]] = []
@@ -304,3 +321,37 @@ def test_a_preflight_command_runs_only_the_checks_that_can_run_beside_training()
     assert "['allreduce'] cannot run beside training" in out.detail
     assert ex.handle(cmd("p3", "preflight")).outcome == "done"  # type: ignore[union-attr]
     assert node.calls == ["preflight:['nvml', 'ib']", "preflight:None"]
+
+
+RANK_STARTING = """
+import faulthandler, signal, sys, time
+sys.stdin.readline()  # still starting: no handler for SIGUSR1 yet
+faulthandler.register(signal.SIGUSR1, all_threads=True)
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_dump_signals_only_ranks_whose_handler_is_installed(tmp_path: Path) -> None:
+    """SIGUSR1's default action ends a process: a rank still starting is not signalled
+    (it lives on, and the answer says why it has no stack), one with its handler is."""
+    err = tmp_path / "rank0.err"
+    with open(err, "wb") as fh, subprocess.Popen(
+            [sys.executable, "-c", RANK_STARTING], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=fh) as proc:
+        try:
+            node = LocalNode(settings(), hosts_store=False, gpu=None,
+                             publish_exit=lambda e: None)
+            node.workers_started([Worker(0, 0, proc.pid, str(err))], 0)
+            answer = node.dump([0], timeout=1.0)
+            assert "handler is not installed yet" in answer
+            assert proc.poll() is None  # alive: the dump did not kill it
+            assert proc.stdin is not None and proc.stdout is not None
+            proc.stdin.write(b"go\n")
+            proc.stdin.flush()
+            assert proc.stdout.readline() == b"ready\n"
+            answer = node.dump([0], timeout=10.0)
+            assert "most recent call first" in answer and "not installed" not in answer
+            assert proc.poll() is None
+        finally:
+            proc.kill()

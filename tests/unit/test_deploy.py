@@ -20,7 +20,7 @@ import pytest
 import yaml
 from helm_python import chart as helm
 
-from trainguard.agent.exitcodes import EXIT_HELD, EXIT_ISOLATED
+from trainguard.agent.exitcodes import EXIT_HELD, EXIT_ISOLATED, EXIT_STOPPED
 from trainguard.core.auth import role_of_service
 from trainguard.runtime.config import known_variables
 from trainguard.services.bridge.settings import BridgeSettings
@@ -40,6 +40,9 @@ def test_the_exit_codes_are_ones_a_scheduler_can_tell_apart() -> None:
     assert 128 + 64 < EXIT_ISOLATED <= 255
     assert 2 < EXIT_HELD < 126 and not 64 <= EXIT_HELD <= 78
     assert EXIT_HELD < EXIT_ISOLATED
+    # A stop is final too, and neither a success nor a hold.
+    assert 2 < EXIT_STOPPED < 126 and not 64 <= EXIT_STOPPED <= 78
+    assert len({0, 1, EXIT_HELD, EXIT_STOPPED, EXIT_ISOLATED}) == 5
 
 
 # -- the Dockerfile ---------------------------------------------------------------------------
@@ -363,14 +366,14 @@ def test_the_pytorchjob_retries_isolation_and_not_a_hold() -> None:
     worker = _example("pytorchjob.yaml")["spec"]["pytorchReplicaSpecs"]["Worker"]
     # ExitCode: 128-255 restart the pod, 1-127 fail the job.
     assert worker["restartPolicy"] == "ExitCode"
-    assert EXIT_ISOLATED >= 128 > EXIT_HELD
+    assert EXIT_ISOLATED >= 128 > max(EXIT_HELD, EXIT_STOPPED)
 
 
 def test_the_jobset_policy_acts_on_the_launchers_codes() -> None:
     job = _example("jobset.yaml")["spec"]["replicatedJobs"][0]["template"]["spec"]
     rules = {r["action"]: r for r in job["podFailurePolicy"]["rules"] if "onExitCodes" in r}
     assert rules["Ignore"]["onExitCodes"]["values"] == [EXIT_ISOLATED]
-    assert rules["FailJob"]["onExitCodes"]["values"] == [EXIT_HELD]
+    assert rules["FailJob"]["onExitCodes"]["values"] == [EXIT_HELD, EXIT_STOPPED]
     assert {r["onExitCodes"]["containerName"] for r in rules.values()} == {"trainer"}
     assert job["template"]["spec"]["restartPolicy"] == "Never"
 
@@ -399,6 +402,8 @@ else:  # trainguard launch ...: exits as FAKE_CODES says for its node
     ((EXIT_HELD,) * 4, EXIT_HELD),
     ((EXIT_ISOLATED, EXIT_HELD, EXIT_HELD, EXIT_HELD), EXIT_HELD),
     ((EXIT_ISOLATED, 1, 1, 1), EXIT_ISOLATED),  # it could not go on without the node
+    ((EXIT_STOPPED, 0, 0, EXIT_STOPPED), EXIT_STOPPED),  # stopped is not finished
+    ((EXIT_STOPPED, EXIT_HELD, 1, 1), EXIT_HELD),
     ((1, 1, 1, 1), 1),
 ])
 def test_the_sbatch_script_runs_one_agent_per_node_and_folds_their_codes(

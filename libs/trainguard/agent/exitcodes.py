@@ -12,4 +12,7 @@ EXIT_ISOLATED: Final = 200
 EXIT_HELD: Final = 80
 """Held by the control plane (a ``hold``: the job failed past its restart budget). Below
 128 (Kubeflow's permanent range) and outside sysexits' 64-78 ("retry later")."""
+EXIT_STOPPED: Final = 81
+"""Stopped by a ``stop`` command (an operator or the control plane ended the job): not a
+success, and not to be retried. Beside 80, below 128 (Kubeflow's permanent range)."""
 EXIT_SIGTERM: Final = 128 + signal.SIGTERM

@@ -34,6 +34,18 @@ REQUEST_FILE: Final = "fr-request"
 WAIT_S: Final = 5.0
 
 
+def dump_files(log_dir: str, prefix: str, rank: int) -> list[str]:
+    """``rank``'s dump files in ``log_dir``: ``<prefix><rank>`` and ``<prefix><rank>.<any>``,
+    never another rank's whose number starts with the same digits (rank 1's, not 10's)."""
+    mine = f"{prefix}{rank}"
+    try:
+        names = os.listdir(log_dir)
+    except OSError:
+        return []
+    return sorted(os.path.join(log_dir, n) for n in names
+                  if n == mine or n.startswith(f"{mine}."))
+
+
 def request_path(log_dir: str) -> str:
     return os.path.join(log_dir, REQUEST_FILE)
 

@@ -45,7 +45,7 @@ from trainguard.health import preflight
 from trainguard.runtime.embedded import free_port, port_taken
 
 from . import flightrec, logdirs
-from .exitcodes import EXIT_HELD, EXIT_ISOLATED
+from .exitcodes import EXIT_HELD, EXIT_ISOLATED, EXIT_STOPPED
 from .gpu import GpuSource, ScriptedSource, open_source
 from .link import AgentLink
 from .node import FLIGHT_RECORDER_PREFIX, LocalNode
@@ -282,7 +282,8 @@ def launch(settings: AgentSettings, torchrun_argv: list[str]) -> int:
         by = node.ended_by
         if by is not None:
             node.workers_stopped(by)
-        code = EXIT_ISOLATED if node.isolating else 0 if node.stopping else 128 + stop.signum
+        code = EXIT_ISOLATED if node.isolating else EXIT_STOPPED if node.stopping \
+            else 128 + stop.signum
     except RendezvousFailed as exc:
         print(f"trainguard launch: {exc}", flush=True)
         code = 1
@@ -293,6 +294,9 @@ def launch(settings: AgentSettings, torchrun_argv: list[str]) -> int:
         code = EXIT_HELD  # also when the hold landed as the launcher gave up by itself
         print(f"trainguard launch: job {settings.job} held by the control plane; exit "
               f"{EXIT_HELD} (do not retry blindly: see the incident)", flush=True)
+    if code == EXIT_STOPPED:
+        print(f"trainguard launch: job {settings.job} stopped by command {node.stopping}; "
+              f"exit {EXIT_STOPPED} (stopped, not finished: do not retry)", flush=True)
     if code == EXIT_ISOLATED:
         print(f"trainguard launch: host {settings.host} isolated; exit {EXIT_ISOLATED} "
               "(do not retry on this node)", flush=True)

@@ -9,7 +9,6 @@ that follows another worker's failure.
 
 from __future__ import annotations
 
-import glob
 import logging
 import os
 import signal
@@ -182,8 +181,7 @@ class LocalNode:
             if oom:
                 error = (error + "\n" if error else "") + oom
         if self.log_dir:
-            dumps = sorted(glob.glob(os.path.join(self.log_dir,
-                                                  f"{FLIGHT_RECORDER_PREFIX}{w.rank}*")))
+            dumps = flightrec.dump_files(self.log_dir, FLIGHT_RECORDER_PREFIX, w.rank)
             if dumps:
                 error = (error + "\n" if error else "") + "flight recorder: " + ", ".join(dumps)
         return WorkerExit(id=uuid7(), job=self.settings.job, host=self.host, rank=w.rank,
@@ -322,13 +320,17 @@ class LocalNode:
         with self._lock:
             files = {r: self.workers[r].stderr for r in ranks if r in self.workers}
         before = {r: procs.file_size(f) for r, f in files.items()}
+        # SIGUSR1's default action ends the process: only ranks whose stack-dump handler is
+        # installed get it (a rank still importing would die of the dump).
+        unready = [r for r in ranks if r in pids and not procs.catches(pids[r], signal.SIGUSR1)]
         for r in ranks:
-            procs.send(pids[r], signal.SIGUSR1)
+            if r in pids and r not in unready:
+                procs.send(pids[r], signal.SIGUSR1)
         # faulthandler writes from a C signal handler: wait until every rank's stack has
         # landed in its stderr file (or the timeout). A stopped rank cannot write: skip it.
         deadline = time.monotonic() + timeout
-        waiting = {r: f for r, f in files.items()
-                   if r in pids and not is_stopped(procs.state_of(pids[r]))}
+        waiting = {r: f for r, f in files.items() if r in pids and r not in unready
+                   and not is_stopped(procs.state_of(pids[r]))}
         while waiting and time.monotonic() < deadline:
             for r, f in list(waiting.items()):
                 if procs.STACK_MARK in procs.read_from(f, before[r]):
@@ -336,7 +338,9 @@ class LocalNode:
             if waiting:
                 time.sleep(0.05)
         parts = [f"--- rank {r} (pid {pids[r]}) stderr tail ---\n"
-                 f"{procs.stderr_tail(files.get(r), 6000)}" for r in ranks]
+                 + ("(no stack dump: its handler is not installed yet, so it was not "
+                    "signalled)\n" if r in unready else "")
+                 + procs.stderr_tail(files.get(r), 6000) for r in ranks]
         if self.log_dir and self.publish_fr is not None:  # every local rank's, for the diagnoser
             stopped = {r for r, p in pids.items() if is_stopped(procs.state_of(p))}
             fr = flightrec.collect(self.log_dir, os.path.join(self.log_dir,

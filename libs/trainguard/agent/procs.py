@@ -59,6 +59,20 @@ def send(pid: int, sig: signal.Signals) -> bool:
         return False
 
 
+def catches(pid: int, sig: signal.Signals) -> bool:
+    """Whether ``pid`` has a handler for ``sig`` now (its ``SigCgt`` mask): a signal whose
+    default action ends the process (SIGUSR1) must not reach a rank before it installed
+    its handler. False when it is gone or unreadable."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (int(sig) - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
 def signal_group(pid: int, sig: signal.Signals) -> bool:
     """Signal a worker and the processes it started (it leads its own session, so its pid
     is its process group's id); False if it is already gone."""
