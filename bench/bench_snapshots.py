@@ -1,11 +1,13 @@
 """Memory snapshots' cost: the training loop's step time with and without them, same run.
 
 A model of linear layers with AdamW trains on the CPU; the same loop runs ``--steps``
-steps without snapshots (the baseline), then as many with ``MemorySnapshots("auto")``
-(what ``Checkpointer`` takes by default), alternating in rounds so drift in the machine's
-load falls on both. Reported per model size: the median step time of each, the overhead,
-the copy's own time on the training thread, the interval ``auto`` chose, and host memory
-held against the rank's state (``keep`` copies).
+steps without snapshots (the baseline, half before and half after), and as many with
+``MemorySnapshots("auto")`` (what ``Checkpointer`` takes by default) after ``--settle``
+steps in which ``auto`` finds its interval. Reported per model size: the snapshot's cost
+(the copy on the training thread, the background check's CPU time, which a CPU-trained
+state pays too), the interval ``auto`` chose, that cost per step as a share of the
+baseline's step time, the measured mean step times (noisier than the share on a busy
+machine), and host memory held against the rank's state (``keep`` copies).
 """
 
 from __future__ import annotations
@@ -38,42 +40,48 @@ def step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
     opt.step()
 
 
-def run(params: int, steps: int, rounds: int) -> dict[str, Any]:
+def run(params: int, steps: int, settle: int) -> dict[str, Any]:
     model, opt = trainer(params)
     x = torch.randn(16, WIDTH)
-    for _ in range(2):  # warm-up: allocations, the optimizer's state
+    for _ in range(10):  # warm-up: allocations, the optimizer's state, page faults
         step(model, opt, x)
     state = sum(t.numel() * t.element_size() for _, t in live_state(model, opt))
-    mem = MemorySnapshots("auto")
     base: list[float] = []
-    snap: list[float] = []
-    copies: list[float] = []
-    taken = 0
-    n = 0
-    for _ in range(rounds):
-        for _ in range(steps):
+
+    def baseline(n: int) -> None:
+        for _ in range(n):
             t0 = time.perf_counter()
             step(model, opt, x)
             base.append(time.perf_counter() - t0)
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            step(model, opt, x)
-            if mem.step_done(n, model, opt):
+
+    baseline(steps // 2)
+    mem = MemorySnapshots("auto")
+    snap: list[float] = []
+    copies: list[float] = []
+    taken = 0
+    for n in range(settle + steps):  # ``auto`` settles on its interval first
+        t0 = time.perf_counter()
+        step(model, opt, x)
+        done = mem.step_done(n, model, opt)
+        if n >= settle:
+            snap.append(time.perf_counter() - t0)
+            if done:
                 taken += 1
                 copies.append(mem.copy_seconds)
-            snap.append(time.perf_counter() - t0)
-            n += 1
-    mem.held(below=n + 1)  # the last checks done
-    held = mem.nbytes
+    mem.held(below=settle + steps)  # the last checks done
+    held, check = mem.nbytes, mem.check_seconds
     mem.close()
-    b, s = statistics.median(base), statistics.mean(snap)
-    mean_base = statistics.mean(base)
+    baseline(steps - steps // 2)  # before and after: drift falls on both
+    without, with_ = statistics.mean(base), statistics.mean(snap)
+    every = len(snap) / taken if taken else float("inf")
+    copy = statistics.median(copies) if copies else 0.0
     return {
         "params": sum(p.numel() for p in model.parameters()), "state_bytes": state,
-        "step_s_median_without": b, "step_s_mean_without": mean_base, "step_s_mean_with": s,
-        "overhead_pct": 100 * (s - mean_base) / mean_base,
+        "step_s_mean_without": without, "step_s_mean_with": with_,
+        "overhead_pct": 100 * (with_ - without) / without,
+        "cost_share_pct": 100 * (copy + check) / every / statistics.median(base),
         "copy_s_median": statistics.median(copies) if copies else None,
-        "snapshots": taken, "steps_with": len(snap),
+        "check_cpu_s": check, "snapshots": taken, "steps_with": len(snap),
         "every_auto": round(len(snap) / taken, 1) if taken else None,
         "held_bytes": held, "held_x_state": held / state,
     }
@@ -82,21 +90,23 @@ def run(params: int, steps: int, rounds: int) -> dict[str, Any]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--params", default="4e6,40e6", help="model sizes, comma-separated")
-    p.add_argument("--steps", type=int, default=15, help="steps per round and mode")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=40, help="steps measured per mode")
+    p.add_argument("--settle", type=int, default=20,
+                   help="steps with snapshots before measuring (auto finds its interval)")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args()
     results = {}
-    print("| parameters | state | step without | step with | overhead | copy | every "
-          "(auto) | host memory |")
+    print("| parameters | state | copy (loop) | check (background CPU) | every (auto) | cost "
+          "per step | step without / with (measured) | host memory |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for size in (int(float(v)) for v in args.params.split(",")):
-        r = run(size, args.steps, args.rounds)
+        r = run(size, args.steps, args.settle)
         results[str(size)] = r
         copy = f"{1000 * r['copy_s_median']:.1f} ms" if r["copy_s_median"] else "-"
-        print(f"| {r['params'] / 1e6:.0f}M | {r['state_bytes'] / 2**20:.0f} MiB | "
-              f"{1000 * r['step_s_mean_without']:.0f} ms | {1000 * r['step_s_mean_with']:.0f} ms "
-              f"| {r['overhead_pct']:+.1f}% | {copy} | {r['every_auto']} steps | "
+        print(f"| {r['params'] / 1e6:.0f}M | {r['state_bytes'] / 2**20:.0f} MiB | {copy} | "
+              f"{1000 * r['check_cpu_s']:.0f} ms | {r['every_auto']} steps | "
+              f"{r['cost_share_pct']:.1f}% | {1000 * r['step_s_mean_without']:.0f} / "
+              f"{1000 * r['step_s_mean_with']:.0f} ms ({r['overhead_pct']:+.0f}%) | "
               f"{r['held_x_state']:.1f}x state |", flush=True)
     if args.out:
         with open(args.out, "w") as fh:

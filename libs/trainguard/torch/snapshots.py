@@ -16,8 +16,9 @@ onset to detection) without reading storage. Why it is built the way it is:
   never restored, and no later snapshot replaces the clean ones kept until the state is
   restored. A snapshot after the onset of
   a corruption that left the values finite is excluded by the rollback's ``below`` step.
-* ``every="auto"``: K is the smallest number of steps whose time covers the copy ``budget``
-  times over (a copy costing 5% of a step's time at most, by default), measured as it runs.
+* ``every="auto"``: K is the smallest number of steps whose time covers the snapshot's cost
+  ``1/budget`` times over (5% of the step time at most, by default), measured as it runs:
+  the copy, and for a state trained on the CPU the background check too.
 
 The ranks agree on which snapshot to restore (:meth:`Checkpointer._on_reload`): the newest
 step below the onset that every rank holds and verified.
@@ -135,6 +136,11 @@ class MemorySnapshots:
         """Oldest first."""
         self.copy_seconds = 0.0
         """The last snapshot's cost on the training thread."""
+        self.check_seconds = 0.0
+        """The last checked snapshot's checksum and finiteness check, in CPU seconds. A
+        state trained on the CPU pays it too (torch's threads use every core); one trained
+        on a GPU does not (the host's spare cores run it)."""
+        self._on_cpu = True
         self._last_done: float | None = None
         self._step_seconds: float | None = None
         self._next: int | None = None
@@ -163,7 +169,8 @@ class MemorySnapshots:
     def _interval(self) -> int:
         if not self.auto or not self._step_seconds:
             return self.every
-        return auto_interval(self.copy_seconds, self._step_seconds, self.budget)
+        cost = self.copy_seconds + (self.check_seconds if self._on_cpu else 0.0)
+        return auto_interval(cost, self._step_seconds, self.budget)
 
     def poisoned(self) -> bool:
         """Whether the newest snapshot holds a non-finite value (waits for its check)."""
@@ -185,7 +192,8 @@ class MemorySnapshots:
         for dst, (_, src) in zip(tensors, live, strict=True):
             dst.copy_(src.detach(), non_blocking=src.is_cuda)
         event = None
-        if any(t.is_cuda for _, t in live):
+        self._on_cpu = not any(t.is_cuda for _, t in live)
+        if not self._on_cpu:
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record()
         values = {**_values(optimizer), "rng": self._rng() if self._rng else None,
@@ -193,7 +201,7 @@ class MemorySnapshots:
         snap = Snapshot(step=step, names=[n for n, _ in live], tensors=tensors, values=values,
                         taken=time.time(), nbytes=sum(t.numel() * t.element_size()
                                                       for t in tensors))
-        self._checker.submit(_check, snap, event)
+        self._checker.submit(self._check, snap, event)
         with self._lock:
             if reuse is not None:
                 self.ring.remove(reuse)
@@ -297,6 +305,26 @@ class MemorySnapshots:
         self._checker.shutdown(wait=True)
         self.clear()
 
+    def _check(self, snap: Snapshot, event: Any) -> None:
+        """Background: the checksum, and whether a parameter or optimizer state holds a
+        non-finite value (buffers may by design: a causal mask of -inf)."""
+        t0 = time.thread_time()
+        try:
+            if event is not None:
+                event.synchronize()
+            # A sum is NaN or infinite when any element is (20x cheaper than isfinite).
+            bad = next((n for n, t in zip(snap.names, snap.tensors, strict=True)
+                        if not n.startswith("buffer.") and t.is_floating_point()
+                        and not math.isfinite(float(t.sum()))), None)
+            poisoned = f"the snapshot of step {snap.step} holds non-finite values ({bad})" \
+                if bad else ""
+            snap.check.set_result((_crc(snap.tensors), poisoned))
+        except Exception as exc:  # an unreadable snapshot is one that is never used
+            snap.check.set_result((0, f"the snapshot of step {snap.step} could not be "
+                                      f"checked: {exc!r}"))
+        finally:
+            self.check_seconds = time.thread_time() - t0
+
 
 def auto_interval(copy_seconds: float, step_seconds: float, budget: float) -> int:
     """Steps between snapshots so the copy takes at most ``budget`` of the step time."""
@@ -309,20 +337,3 @@ def _crc(tensors: list[torch.Tensor]) -> int:
         if t.numel():
             crc = zlib.crc32(_bytes(t), crc)
     return crc
-
-
-def _check(snap: Snapshot, event: Any) -> None:
-    """Background: the checksum, and whether a parameter or optimizer state holds a
-    non-finite value (buffers may by design: a causal mask of -inf)."""
-    try:
-        if event is not None:
-            event.synchronize()
-        bad = next((n for n, t in zip(snap.names, snap.tensors, strict=True)
-                    if not n.startswith("buffer.") and t.is_floating_point()
-                    and not bool(torch.isfinite(t).all())), None)
-        poisoned = f"the snapshot of step {snap.step} holds non-finite values ({bad})" \
-            if bad else ""
-        snap.check.set_result((_crc(snap.tensors), poisoned))
-    except Exception as exc:  # an unreadable snapshot is one that is never used
-        snap.check.set_result((0, f"the snapshot of step {snap.step} could not be checked: "
-                                  f"{exc!r}"))
