@@ -107,11 +107,19 @@ class AnomalyOutbox:
         """What a new owner of ``job`` starts from: its open anomalies and last progress.
 
         Changes stored but not marked published are queued to be published again. Our own
-        pending writes go first (up to ``settle`` seconds), so what is read is current.
+        pending writes go first (up to ``settle`` seconds), so what is read is current; what
+        is still pending then (Redis just back, not yet known to be) is laid over what was
+        read: an anomaly opened during the outage, its job dropped when its lease lapsed,
+        is still open when the job is taken back, and resolves.
         """
         await self.writes.settle(settle)
-        stored = {_text(k): _text(v)
-                  for k, v in (await self.redis.hgetall(self.keys.dedupe(ROLE, job))).items()}
+        key = self.keys.dedupe(ROLE, job)
+        stored = {_text(k): _text(v) for k, v in (await self.redis.hgetall(key)).items()}
+        for field, value in self.writes.unwritten(key).items():
+            if value is None:
+                stored.pop(field, None)
+            else:
+                stored[field] = value
         raw_progress = await self.redis.get(self.keys.progress(job))
         open_: dict[str, Anomaly] = {}
         for field, value in stored.items():

@@ -53,6 +53,10 @@ class FieldWrites:
             del self._fields[next(iter(self._fields))]
             self.dropped += 1
 
+    def of_key(self, key: str) -> dict[str, str | None]:
+        """The pending values of ``key``'s fields (None: to delete), leaving them pending."""
+        return {field: value for (k, field), value in self._fields.items() if k == key}
+
     def take(self) -> dict[Field, str | None]:
         """Everything pending, leaving nothing (the caller writes it or gives it back)."""
         out, self._fields = self._fields, {}
@@ -97,6 +101,15 @@ class WriteBehind:
         self.pending = FieldWrites()
         self._task: asyncio.Task[None] | None = None
         self._started = 0.0
+        self._writing: dict[Field, str | None] = {}
+        """The batch the write under way carries (taken from ``pending``)."""
+
+    def unwritten(self, key: str) -> dict[str, str | None]:
+        """``key``'s field values not known to be stored yet: the write under way's, then
+        the newer pending ones (None: to delete)."""
+        out = {field: value for (k, field), value in self._writing.items() if k == key}
+        out.update(self.pending.of_key(key))
+        return out
 
     def kick(self) -> asyncio.Task[None] | None:
         """Start writing what is pending, unless a write is under way; returns that write."""
@@ -122,7 +135,7 @@ class WriteBehind:
         return True
 
     async def _write(self) -> None:
-        batch = self.pending.take()
+        batch = self._writing = self.pending.take()
         try:
             pipe = self.redis.pipeline(transaction=True)
             for (key, field), value in batch.items():
@@ -138,6 +151,7 @@ class WriteBehind:
             self.outage.answered()
         finally:
             self._task = None
+            self._writing = {}
 
     async def close(self, wait: float) -> None:
         """Store what is left if Redis lets us within ``wait``; then stop trying."""
