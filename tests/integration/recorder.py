@@ -6,6 +6,8 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
 
+import redis.exceptions
+
 from trainguard.contract.errors import Reject
 from trainguard.contract.schemas import Anomaly
 from trainguard.runtime.config import Settings, load_settings
@@ -41,6 +43,10 @@ class Recorder(Service):
         self.attempts[anomaly.id] = self.attempts.get(anomaly.id, 0) + 1
         if anomaly.id.startswith("reject"):
             raise Reject("recorder refuses ids starting with 'reject'")
+        if anomaly.id.startswith("badauth"):  # wrong credentials: no retry mends them
+            raise redis.exceptions.AuthenticationError("invalid username-password pair")
+        if anomaly.id.startswith("away"):  # a dependency that never comes back
+            raise redis.exceptions.ConnectionError("Redis is away")
         if anomaly.id.startswith("poison") or self.fail_times.get(anomaly.id, 0) > 0:
             self.fail_times[anomaly.id] = self.fail_times.get(anomaly.id, 0) - 1
             raise RuntimeError(f"cannot record {anomaly.id}")

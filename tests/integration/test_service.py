@@ -109,6 +109,28 @@ async def test_failing_handler_is_retried_then_dead_lettered_and_service_goes_on
         assert rt.metrics.dead.labels("recorder", "handler_failed")._value.get() == 1
 
 
+async def test_wrong_credentials_and_an_outage_that_lasts_end_in_dead_letters(
+        nats_url: str, redis_url: str, prefix: str, job: str, nc: Any) -> None:
+    """An authentication error is no outage: it fails ``max_deliver`` times and is
+    dead-lettered; a transient error is redelivered until the message is
+    ``transient_max_s`` old, then dead-lettered (kept for a replay), never retried for good."""
+    svc = Recorder(recorder_settings(nats_url, redis_url, prefix, transient_max_s=1.0))
+    dead = await collect_dead(nc, prefix, job)
+    async with running(svc) as rt:
+        bus = Bus(nc, Subjects(prefix), source="test")
+        subject = Subjects(prefix).event(job, "anomaly")
+        for ident in ("badauth-1", "away-1"):
+            await bus.publish_durable(subject, anomaly(job, ident))
+        await wait_until(lambda: len(dead) >= 2, timeout=60, what="two dead letters")
+        by_id = {decode_durable(d.payload, Anomaly).id: d for d in dead}
+        assert "handler failed 3 times" in by_id["badauth-1"].reason
+        assert "AuthenticationError" in by_id["badauth-1"].reason
+        assert svc.attempts["badauth-1"] == 3
+        assert "transient failures for" in by_id["away-1"].reason
+        assert "ConnectionError" in by_id["away-1"].reason and svc.attempts["away-1"] >= 2
+        assert rt.metrics.dead.labels("recorder", "transient_expired")._value.get() == 1
+
+
 async def test_malformed_and_wrong_type_go_to_dead_letters_at_once(
         nats_url: str, redis_url: str, prefix: str, job: str, nc: Any) -> None:
     svc = Recorder(recorder_settings(nats_url, redis_url, prefix))

@@ -63,6 +63,10 @@ class Settings:
     carries the same message id, so the stream dedupes one that did land."""
     max_deliver: int = 5
     """Deliveries of a message whose handler keeps failing before it is dead-lettered."""
+    transient_max_s: float = 3600.0
+    """How old a message may grow while its handler meets a transient dependency error
+    (Redis or NATS away) before it is dead-lettered (kept for a replay) instead of
+    redelivered."""
     ack_wait: float = 30.0
     fetch_batch: int = 64
     otel_exporter: str = ""

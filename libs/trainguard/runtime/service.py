@@ -267,7 +267,7 @@ class Runtime:
                                           access=access.redis_options())
         self._settler = Settler(service=service.name, bus=self._bus, metrics=self.metrics,
                                 tracer=self.tracer, max_deliver=s.max_deliver,
-                                log_for=self.log_for)
+                                log_for=self.log_for, transient_max_s=s.transient_max_s)
         service._runtime = self  # from here on its handlers may run
         await provision(self.bus.js, streams(s.prefix, replicas=s.stream_replicas))
         for consumer in service.consumers():

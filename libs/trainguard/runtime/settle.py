@@ -1,9 +1,11 @@
 """Settling durable messages: a message's failure is that message's, never its consumer's.
 
 * ok -> ``ack`` after the handler returns;
-* :class:`Retry`, or a transient Redis/NATS error -> delayed redelivery (never
-  dead-lettered, so a dependency outage delays work instead of losing it); a Retry's
-  delay is jittered (:func:`retry_delay`);
+* :class:`Retry`, or a transient Redis/NATS error -> delayed redelivery (a dependency
+  outage delays work instead of losing it) until the message is ``transient_max_s`` old,
+  then the dead-letter subject, which keeps it for a replay; a Retry's delay is jittered
+  (:func:`retry_delay`). Wrong Redis credentials raise as a connection error but are no
+  outage: they count as a handler failure;
 * :class:`Reject`, an undecodable, wrongly typed or oversized message, a handler whose
   publish was refused as too large, or one that failed ``max_deliver`` times -> the
   dead-letter subject with the reason (published *before* the ``term``: in an interest
@@ -43,7 +45,7 @@ from .bus import UNACKED_PUBLISH_ERRORS, Bus
 from .deadletter import MAX_REASON, clip
 from .logs import Log
 from .metrics import ErrorReason, Metrics
-from .store import TRANSIENT_REDIS_ERRORS
+from .store import PERMANENT_REDIS_ERRORS, TRANSIENT_REDIS_ERRORS
 
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
     *TRANSIENT_REDIS_ERRORS, *UNACKED_PUBLISH_ERRORS, nats.errors.ConnectionClosedError,
@@ -119,16 +121,26 @@ def delivery_facts(msg: Msg) -> tuple[dict[str, str], int]:
     return headers, deliveries
 
 
+def message_age(msg: Msg) -> float | None:
+    """Seconds since JetStream stored ``msg`` (None when it does not say)."""
+    try:
+        return time.time() - msg.metadata.timestamp.timestamp()
+    except Exception:
+        return None
+
+
 class Settler:
     """Settles the messages of one service's durable consumers."""
 
     def __init__(self, *, service: str, bus: Bus, metrics: Metrics, tracer: trace.Tracer,
-                 max_deliver: int, log_for: Callable[[str], Log]) -> None:
+                 max_deliver: int, log_for: Callable[[str], Log],
+                 transient_max_s: float = 3600.0) -> None:
         self.service = service
         self.bus = bus
         self.metrics = metrics
         self.tracer = tracer
         self.max_deliver = max_deliver
+        self.transient_max_s = transient_max_s
         self.log_for = log_for
 
     async def settle(self, consumer: Consumer, msg: Msg) -> None:
@@ -183,21 +195,24 @@ class Settler:
                                  f"the handler's publish was refused: {exc.reason}",
                                  "publish_too_large")
             except TRANSIENT_ERRORS as exc:
+                if isinstance(exc, PERMANENT_REDIS_ERRORS):
+                    span.record_exception(exc)
+                    await self._failed(consumer, msg, headers, deliveries, exc)
+                    return
                 self.metrics.error(name, "transient")
+                age = message_age(msg)
+                if age is not None and age > self.transient_max_s:
+                    await self._dead(consumer, msg, headers, deliveries,
+                                     f"transient failures for {age:.0f} s (past "
+                                     f"transient_max_s {self.transient_max_s:.0f} s), last: "
+                                     f"{exc!r}", "transient_expired")
+                    return
                 self.log_for(msg.subject).warning(
                     "%s: transient failure on %s (%r); redelivering", name, msg.subject, exc)
                 await self._nak(consumer, msg, redelivery_delay(deliveries), "transient")
             except Exception as exc:
                 span.record_exception(exc)
-                self.metrics.error(name, "handler_error")
-                if deliveries >= self.max_deliver:
-                    reason = f"handler failed {deliveries} times, last: {exc!r}"
-                    await self._dead(consumer, msg, headers, deliveries, reason, "handler_failed")
-                else:
-                    self.log_for(msg.subject).warning(
-                        "%s: handler failed on %s (delivery %d): %r", name, msg.subject,
-                        deliveries, exc)
-                    await self._nak(consumer, msg, redelivery_delay(deliveries), "failed")
+                await self._failed(consumer, msg, headers, deliveries, exc)
             else:
                 with contextlib.suppress(Exception):
                     await msg.ack()
@@ -205,6 +220,20 @@ class Settler:
             finally:
                 self.metrics.latency.labels(self.service, name).observe(
                     time.perf_counter() - started)
+
+    async def _failed(self, consumer: Consumer, msg: Msg, headers: dict[str, str],
+                      deliveries: int, exc: BaseException) -> None:
+        """The handler failed: redelivered, or dead-lettered after ``max_deliver``."""
+        name = consumer.spec.durable
+        self.metrics.error(name, "handler_error")
+        if deliveries >= self.max_deliver:
+            reason = f"handler failed {deliveries} times, last: {exc!r}"
+            await self._dead(consumer, msg, headers, deliveries, reason, "handler_failed")
+        else:
+            self.log_for(msg.subject).warning(
+                "%s: handler failed on %s (delivery %d): %r", name, msg.subject,
+                deliveries, exc)
+            await self._nak(consumer, msg, redelivery_delay(deliveries), "failed")
 
     def _count(self, consumer: Consumer, outcome: str) -> None:
         self.metrics.messages.labels(self.service, consumer.spec.durable, outcome).inc()

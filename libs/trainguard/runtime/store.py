@@ -28,6 +28,8 @@ from trainguard.contract.errors import TrainguardError
 from .redisurl import is_sentinel_url, parse_sentinel_url
 
 TRANSIENT_REDIS_ERRORS: tuple[type[Exception], ...] = (RedisConnectionError, RedisTimeoutError)
+PERMANENT_REDIS_ERRORS: tuple[type[Exception], ...] = (AuthenticationError,)
+"""Raised as connection errors, but no retry mends them: wrong credentials."""
 
 
 class StoreUnavailable(TrainguardError, ConnectionError):
