@@ -711,6 +711,9 @@ class Checkpointer:
         ``disk_step``: the newest step below ``below`` (the onset) that every rank holds
         and verified, when it is not older than the disk's (collective). None, and why,
         when there is none: the disk is the next tier."""
+        # A save in flight runs DCP's collectives on the side group from its thread: ours
+        # must not interleave with them.
+        self.wait()
         mine = self.memory.held(below) if self.memory is not None else []
         held = self._gather(mine)
         common = set.intersection(*(set(h) for h in held)) if held else set()
