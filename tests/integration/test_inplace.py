@@ -227,15 +227,20 @@ async def test_a_rollback_reloads_the_checkpoint_in_every_process(
     assert same_params(run.final_params(), baseline) == []
 
 
+@pytest.mark.parametrize("layout", [[], ["--parallel", "fsdp", "--optimizer", "adamw"]],
+                         ids=["replicated", "fsdp"])
 async def test_a_rollback_below_a_nan_restores_the_memory_snapshot_before_it(
         baseline: dict[str, Any], tmp_path: Path, nats_url: str, prefix: str,
-        job: str) -> None:
-    """Rank 1's parameters turn NaN at step 20 (the all-reduce spreads it); a rollback
-    below step 20 takes every rank's memory snapshot of step 19, not the disk's step 9:
-    six steps run again instead of sixteen, and the run ends as one that never failed."""
+        job: str, layout: list[str]) -> None:
+    """Rank 1's parameters turn NaN at step 20 (the gradients' reduction spreads it); a
+    rollback below step 20 takes every rank's memory snapshot of step 19 (its shard, with
+    FSDP2), not the disk's step 9: six steps run again instead of sixteen, and the run
+    ends as one that never failed."""
     ckpt = tmp_path / "ckpt"
-    args = [*ARGS, "--ckpt-root", str(ckpt), "--ckpt-every", "10", "--sync-every", "5",
-            "--nan-at", "1:20"]
+    args = [*ARGS, *layout, "--ckpt-root", str(ckpt), "--ckpt-every", "10",
+            "--sync-every", "5", "--nan-at", "1:20"]
+    if layout:
+        baseline = uninterrupted(tmp_path / "baseline", [*ARGS, *layout])
     async with recoveries(nats_url, prefix, job) as (reports, tap, bus):
         run = Job(tmp_path, WORLD, args, env=bus_env(nats_url, prefix, job))
         await asyncio.to_thread(run.start)
