@@ -144,6 +144,7 @@ class MemorySnapshots:
         self._last_done: float | None = None
         self._step_seconds: float | None = None
         self._next: int | None = None
+        self._logged = 0
         self._lock = threading.Lock()
         self._checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainguard-snap")
 
@@ -161,9 +162,15 @@ class MemorySnapshots:
             return False
         if self.poisoned():
             return False  # keep the clean ones until the state is restored
-        self.take(step, model, optimizer, extra)
+        snap = self.take(step, model, optimizer, extra)
         self._last_done = time.perf_counter()  # the copy is not step time
-        self._next = step + self._interval()
+        interval = self._interval()
+        if interval != self._logged:
+            self._logged = interval
+            log.info("memory snapshots every %d step(s): %.0f MiB each, %d kept; copy %.1f ms "
+                     "on the loop, check %.1f ms off it", interval, snap.nbytes / 2**20,
+                     self.keep, 1000 * self.copy_seconds, 1000 * self.check_seconds)
+        self._next = step + interval
         return True
 
     def _interval(self) -> int:
