@@ -165,7 +165,7 @@ class MemorySnapshots:
         snap = self.take(step, model, optimizer, extra)
         self._last_done = time.perf_counter()  # the copy is not step time
         interval = self._interval()
-        if interval != self._logged:
+        if not self._logged / 2 < interval < self._logged * 2:  # first, or it moved 2x
             self._logged = interval
             log.info("memory snapshots every %d step(s): %.0f MiB each, %d kept; copy %.1f ms "
                      "on the loop, check %.1f ms off it", interval, snap.nbytes / 2**20,
