@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import nats
 import redis.asyncio as aioredis
 
 from tests.conftest import wait_until
@@ -24,6 +25,7 @@ from trainguard.contract.schemas import (
 )
 from trainguard.contract.subjects import Subjects
 from trainguard.runtime.embedded import free_port
+from trainguard.runtime.fencing import Epochs
 from trainguard.runtime.state import Keys
 
 
@@ -214,11 +216,18 @@ async def test_forged_commands_fence_nothing_and_stop_nothing(
         nats_url: str, redis_url: str, prefix: str, job: str, tmp_path: Path,
         procs: list[Any]) -> None:
     """What one message from anyone on the bus must not do: raise the agent's fencing mark
-    above the leader's (every real command refused afterwards), or stop the job."""
+    above the leader's (every real command refused afterwards), or stop the job. The
+    leader's epoch is read from the fence bucket, so a Redis copy raised by anyone with a
+    service's Redis user changes nothing."""
     log = tmp_path / "launch.log"
     s = Subjects(prefix)
     redis = aioredis.Redis.from_url(redis_url)
-    await redis.set(Keys(prefix).epoch("remediator"), 3)  # the leader's current epoch
+    nc = await nats.connect(nats_url)
+    epochs = Epochs(nc.jetstream(), prefix)
+    while await epochs.draw("remediator") < 3:  # the leader's current epoch: 3
+        pass
+    await nc.close()
+    await redis.set(Keys(prefix).epoch("remediator"), 2**53)  # a forged Redis copy
     try:
         async with tapped(nats_url, prefix, job) as (tap, bus):
             procs.append(launch(job, "node-a", env_for(nats_url, redis_url, prefix), log,

@@ -14,7 +14,7 @@ from trainguard.agent.executor import CommandExecutor
 from trainguard.contract.schemas import AckOutcome, Command
 from trainguard.contract.subjects import Subjects
 from trainguard.contract.targets import addressed
-from trainguard.core.receiver import RUN, Admission, Answer, Drop, Receiver, clip
+from trainguard.core.receiver import RUN, Admission, Answer, Drop, Receiver, Unreadable, clip
 from trainguard.runtime.embedded import free_port
 
 
@@ -152,3 +152,16 @@ def test_an_epoch_above_the_issuers_current_one_is_refused_and_fences_nothing(
     assert r.highest_epoch("remediator") == 0  # the real leader's next command still runs
     assert r.admit(command(user.own, ident="g", epoch=7), ceiling=7) == RUN
     assert not r.raises_epoch(command(user.own, ident="h", epoch=7))
+
+
+def test_an_unreadable_ceiling_refuses_raises_and_runs_the_known_epoch() -> None:
+    """The fence fails closed: no epoch is raised on a ceiling nobody could read, and the
+    leader already admitted goes on being obeyed."""
+    r = receiver(AGENT)
+    assert r.admit(command("restart", ident="a", epoch=4), ceiling=4) == RUN
+    away = Unreadable("the fence bucket: TimeoutError")
+    verdict = r.admit(command("restart", ident="b", epoch=2**53), ceiling=away)
+    assert isinstance(verdict, Answer) and verdict.outcome == "refused"
+    assert "cannot be read (the fence bucket: TimeoutError)" in verdict.detail
+    assert r.highest_epoch("remediator") == 4
+    assert r.admit(command("restart", ident="c", epoch=4), ceiling=away) == RUN

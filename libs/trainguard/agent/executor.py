@@ -29,7 +29,7 @@ from trainguard.contract.schemas import (
     CommandAck,
 )
 from trainguard.contract.targets import for_agent
-from trainguard.core.receiver import Answer, Drop, Receiver
+from trainguard.core.receiver import Answer, Drop, Receiver, Unreadable
 
 
 class Node(Protocol):
@@ -74,8 +74,10 @@ class CommandExecutor:
         self.receiver = Receiver("host", node.host, for_agent, memory=seen_limit,
                                  detail_limit=32_000)
 
-    def handle(self, cmd: Command, ceiling: int | None = None) -> CommandAck | None:
-        """``ceiling``: the issuer's current epoch, where the caller could read it."""
+    def handle(self, cmd: Command, ceiling: int | Unreadable | None = None
+               ) -> CommandAck | None:
+        """``ceiling``: the issuer's current epoch, where the caller read it (or tried:
+        :class:`~trainguard.core.receiver.Unreadable`)."""
         verdict = self.receiver.admit(cmd, ceiling)
         if isinstance(verdict, Drop):
             return None

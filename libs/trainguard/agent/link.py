@@ -39,8 +39,10 @@ from trainguard.contract.schemas import (
     XidEvent,
 )
 from trainguard.core import tracing
+from trainguard.core.receiver import Unreadable
 from trainguard.runtime.bus import Bus, BusUnavailable, connect_nats
 from trainguard.runtime.deadletter import MAX_REASON, clip
+from trainguard.runtime.fencing import Epochs
 from trainguard.runtime.metrics import ErrorReason
 from trainguard.runtime.settle import TRANSIENT_ERRORS, decode_reason, delivery_facts
 from trainguard.runtime.state import Keys, read_blocklist_entry
@@ -394,23 +396,25 @@ class AgentLink:
         with contextlib.suppress(Exception):
             await msg.term()
 
-    async def _epoch_ceiling(self, cmd: Command) -> int | None:
+    async def _epoch_ceiling(self, cmd: Command) -> int | Unreadable | None:
         """The issuers' current fencing epoch, which only the remediator's leader raises (the
-        coordinator sends with it too). None when Redis does not answer: the bus's
-        permissions still keep forgers out, and a command must not wait on Redis."""
+        coordinator sends with it too), read from the fence bucket only the remediator's
+        role may write (:mod:`trainguard.runtime.fencing`): never from Redis, whose every
+        service user could raise a copy. :class:`Unreadable` when the bucket does not
+        answer: the raise is refused (the fence fails closed), commands at the epoch
+        already admitted still run."""
         if cmd.issuer not in ("remediator", "coordinator"):
             return None
-        client = self._redis()
+        assert self._bus is not None
         try:
-            raw = await asyncio.wait_for(
-                client.get(Keys(self.settings.prefix).epoch("remediator")), 2.0)
-            return int(raw) if raw is not None else 0
+            return await asyncio.wait_for(
+                Epochs(self._bus.js, self.settings.prefix).current("remediator",
+                                                                   create=False), 2.0)
         except Exception as exc:
-            log.warning("cannot read the remediator's epoch (%r); admitting epoch %d of %s",
-                        exc, cmd.epoch, cmd.issuer)
-            return None
-        finally:
-            await client.aclose()
+            log.warning("cannot read the remediator's epoch from the fence bucket (%r): "
+                        "refusing epoch %d of %s until it can be read", exc, cmd.epoch,
+                        cmd.issuer)
+            return Unreadable(f"the fence bucket: {type(exc).__name__}")
 
     async def _ack(self, cmd: Command, ack: CommandAck) -> None:
         assert self._bus is not None

@@ -79,6 +79,10 @@ def nats_permissions(role: Role, prefix: str = "tg", job: str = "*") -> dict[str
                       else ["$JS.FC.>"])
 
     info = ["$JS.API.INFO", "$JS.API.STREAM.INFO.*", "$JS.API.STREAM.NAMES"]
+    # The leader's current epoch, read where only the remediator's role may write it.
+    fence = f"KV_{bucket_name(prefix)}"
+    fence_reader = [f"$JS.API.DIRECT.GET.{fence}", f"$JS.API.DIRECT.GET.{fence}.>",
+                    f"$JS.API.STREAM.MSG.GET.{fence}"]
     readers = info + consumers_of(stream_name(prefix, "events"), pull=False) \
         + consumers_of(stream_name(prefix, "dead"), pull=False)
     publish: list[str]
@@ -95,7 +99,8 @@ def nats_permissions(role: Role, prefix: str = "tg", job: str = "*") -> dict[str
                                                "recovery")]
             # Its node's pre-flight record is the one event an agent publishes itself.
             publish += [f"{p}.dead", f"{p}.rpc.save", f"{p}.event.preflight", *info,
-                        *consumers_of(stream_name(prefix, "cmds"), pull=True)]
+                        *consumers_of(stream_name(prefix, "cmds"), pull=True),
+                        *fence_reader]
             subscribe += [f"{p}.cmd.all", f"{p}.cmd.host.*"]
         case "detector" | "diagnoser" | "remediator" | "checkpointer" | "service":
             publish = [f"{p}.event.*", f"{p}.dead", "$JS.API.>", JS_ACK]

@@ -59,6 +59,14 @@ class Drop:
 
 
 Admission = Run | Answer | Drop
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    """The issuer's current epoch could not be read (``why``): a command that would raise
+    the epoch is refused, so the fence fails closed; commands at the known epoch run."""
+
+    why: str
 RUN = Run()
 
 
@@ -114,10 +122,11 @@ class Receiver:
         """Kind and target are this receiver's. Reads no state: safe on any thread."""
         return self.owns(cmd.kind) and self.addressed(cmd.target)
 
-    def admit(self, cmd: Command, ceiling: int | None = None) -> Admission:
+    def admit(self, cmd: Command, ceiling: int | Unreadable | None = None) -> Admission:
         """The verdict on ``cmd``; an admitted epoch becomes the issuer's highest.
 
         ``ceiling``: the issuer's current epoch, where known; a higher one is forged.
+        :class:`Unreadable`: it should be known and could not be read.
         """
         if not self.owns(cmd.kind):
             return Drop(f"{cmd.kind!r} is not run by a {self.scope}")
@@ -133,7 +142,11 @@ class Receiver:
         highest = self._epochs.get(cmd.issuer, 0)
         if cmd.epoch < highest:
             return Answer("refused", f"stale epoch {cmd.epoch} < {highest} of {cmd.issuer}")
-        if ceiling is not None and cmd.epoch > ceiling:
+        if isinstance(ceiling, Unreadable) and cmd.epoch > highest:
+            return Answer("refused", f"epoch {cmd.epoch} would raise {cmd.issuer}'s above "
+                                     f"{highest}, and its current epoch cannot be read "
+                                     f"({ceiling.why}): refused until it can be")
+        if isinstance(ceiling, int) and cmd.epoch > ceiling:
             return Answer("refused", f"epoch {cmd.epoch} is above {cmd.issuer}'s current "
                                      f"epoch {ceiling}: not issued by its leader")
         self._epochs[cmd.issuer] = cmd.epoch

@@ -55,8 +55,11 @@ class Epochs:
         self.replicas = replicas
         self._kv: KeyValue | None = None
 
-    async def kv(self) -> KeyValue:
-        """The bucket, created (or scaled to ``replicas``) where needed."""
+    async def kv(self, *, create: bool = True) -> KeyValue:
+        """The bucket, created (or scaled to ``replicas``) where needed; ``create=False``:
+        only bound (a reader: ``BucketNotFoundError`` when it does not exist)."""
+        if self._kv is None and not create:
+            self._kv = await self.js.key_value(self.bucket)
         if self._kv is None:
             try:
                 self._kv = await self.js.key_value(self.bucket)
@@ -72,9 +75,13 @@ class Epochs:
                                                                 num_replicas=self.replicas))
         return self._kv
 
-    async def current(self, role: str) -> int:
-        """The newest epoch drawn for ``role`` (0: none yet)."""
-        kv = await self.kv()
+    async def current(self, role: str, *, create: bool = True) -> int:
+        """The newest epoch drawn for ``role`` (0: none yet, or no bucket yet when only
+        reading: no leader has drawn one)."""
+        try:
+            kv = await self.kv(create=create)
+        except BucketNotFoundError:
+            return 0
         try:
             return int((await kv.get(role)).value or b"0")
         except KeyNotFoundError:
