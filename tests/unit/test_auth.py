@@ -62,7 +62,7 @@ def test_redis_users() -> None:
     assert {"+ping", "+get", "+hget"} <= set(grants)
     assert not {"+set", "+del", "+hset", "+hdel", "+expire", "+@write", "+@all"} & set(grants)
     keys = {g for g in grants if g.startswith("~")}
-    assert keys == {"~tg:blocklist", "~tg:epoch:*"}  # node records are the control plane's
+    assert keys == {"~tg:blocklist"}  # node records are the control plane's; epochs NATS's
     oncall = redis_acl("oncall", "pw")
     assert oncall is not None and "+@read" in oncall and "+@all" not in oncall
 

@@ -141,9 +141,9 @@ def redis_acl(role: Role, password: str, prefix: str = "tg") -> str | None:
                     "+client|setname")
         case "agent":
             # Read only: Redis 6.2 cannot grant a write on one key pattern alone, so any
-            # write would reach the blocklist and the epoch too. Its node record is the
-            # control plane's, from its durable hellos.
-            keys = f"~{prefix}:blocklist ~{prefix}:epoch:*"
+            # write would reach the blocklist too. Its node record is the control plane's,
+            # from its durable hellos; the leader's epoch it reads from the fence bucket.
+            keys = f"~{prefix}:blocklist"
             cmds = "+ping +get +hget +client|setname"
         case "oncall":
             keys = f"~{prefix}:*"
