@@ -60,8 +60,8 @@ class FieldWrites:
         """The pending values of ``key``'s fields (None: to delete), leaving them pending."""
         return {field: value for (k, field), value in self._fields.items() if k == key}
 
-    def keys(self) -> set[Field]:
-        return set(self._fields)
+    def keys(self) -> frozenset[Field]:
+        return frozenset(self._fields)
 
     def take(self) -> dict[Field, str | None]:
         """Everything pending, leaving nothing (the caller writes it or gives it back)."""
