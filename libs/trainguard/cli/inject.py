@@ -21,6 +21,7 @@ from trainguard.contract.errors import ConfigError, DecodeError
 from trainguard.contract.schemas import AGENT_DRILLS, RANK_DRILLS, CommandAck, NodeHello, RankHello
 from trainguard.contract.subjects import stream_name
 from trainguard.contract.targets import addressed, for_agent
+from trainguard.core.connection import flush
 from trainguard.runtime.bus import Bus, connect_nats
 
 from .common import add_connection_flags, settings_from
@@ -111,7 +112,7 @@ async def _inject(args: argparse.Namespace) -> int:
                 await acks.put(ack)
 
         await nc.subscribe(s.ack(args.job, "cli"), cb=on_ack)
-        await nc.flush()
+        await flush(nc)
         await bus.publish_durable(subject, cmd)
         try:
             ack = await asyncio.wait_for(acks.get(), args.timeout)

@@ -28,7 +28,7 @@ from trainguard.contract.codec import check_wire_size, encode_durable, encode_te
 from trainguard.contract.envelope import make_headers
 from trainguard.contract.schemas import Durable, TelemetryMessage
 from trainguard.core import tracing
-from trainguard.core.connection import connect_options
+from trainguard.core.connection import connect_options, flush
 
 if TYPE_CHECKING:
     from nats.aio.client import Client as NATS
@@ -233,7 +233,7 @@ class Transport:
             await self._drain()
             if self._nc is not None and self._nc.is_connected:
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(self._nc.flush(), 2.0)
+                    await flush(self._nc, 2.0)
         finally:
             connector.cancel()
             for task in periodic:

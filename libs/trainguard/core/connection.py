@@ -7,11 +7,14 @@ name, its callbacks, the client's small ``pending_size``) and bounds its own fir
 Reconnects go on forever: a training job outlives any NATS outage, and nats-py's default
 gives up after about two minutes. The price is that ``connect`` to a dead URL never
 returns, so the *first* connect must be bounded by the caller (``asyncio.wait_for``).
+:func:`flush` is the one way to flush (nats-py's own breaks the read loop on a timeout).
 This module imports nothing but the standard library, so the client may use it cheaply.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
@@ -24,6 +27,39 @@ PING_INTERVAL: Final = 120
 MAX_OUTSTANDING_PINGS: Final = 2
 """A silent server is declared gone after PING_INTERVAL * MAX_OUTSTANDING_PINGS seconds
 (nats-py's defaults, spelled here so that one place tunes them)."""
+
+
+NEVER: Final = 365 * 24 * 3600.0
+"""A flush timeout that never ends (see :func:`flush`)."""
+DEFAULT_FLUSH_S: Final = 10.0
+
+_flushes: set[asyncio.Future[Any]] = set()
+"""PINGs still waiting for their PONG after their caller stopped waiting."""
+
+
+async def flush(nc: Any, timeout: float = DEFAULT_FLUSH_S) -> None:
+    """Wait until the server has everything written so far (a PING answered), at most
+    ``timeout`` seconds: ``TimeoutError`` after that, the connection's error if it closes.
+
+    Never ``nc.flush(timeout)`` itself: on a timeout (and when a ``wait_for`` around it is
+    cancelled) nats-py cancels the PONG's future, the PONG that comes later fails
+    ``set_result`` inside the read loop, and the loop ends for good while the client still
+    says it is connected: it never receives again. Here the PING waits without a bound in
+    a task that outlives our wait, so its PONG always finds a live future."""
+    ping = asyncio.ensure_future(nc.flush(timeout=NEVER))
+    _flushes.add(ping)
+    ping.add_done_callback(_forget)
+    done, _ = await asyncio.wait({ping}, timeout=timeout)
+    if ping not in done:
+        raise TimeoutError(f"the NATS server did not answer a flush within {timeout:g} s")
+    ping.result()
+
+
+def _forget(ping: asyncio.Future[Any]) -> None:
+    _flushes.discard(ping)
+    if not ping.cancelled():
+        with contextlib.suppress(BaseException):
+            ping.exception()  # retrieved: a closed connection's error is the caller's news
 
 
 def connect_options(

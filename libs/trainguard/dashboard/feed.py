@@ -19,6 +19,7 @@ from nats.aio.msg import Msg
 from trainguard.contract.codec import decode_telemetry
 from trainguard.contract.errors import DecodeError
 from trainguard.contract.subjects import Subjects
+from trainguard.core.connection import flush
 from trainguard.runtime import eventlog
 from trainguard.runtime.logs import get_logger
 
@@ -39,7 +40,7 @@ class Feed:
         s = Subjects(self.prefix)
         for kind in ("hb", "step", "node"):
             await self.nc.subscribe(s.pattern(kind, job=self.job), cb=self._telemetry)
-        await self.nc.flush()  # the server knows the subscriptions once this returns
+        await flush(self.nc)  # the server knows the subscriptions once this returns
         self._tasks.append(asyncio.create_task(self._events(), name="dashboard:events"))
 
     async def stop(self) -> None:

@@ -39,6 +39,7 @@ from trainguard.contract.schemas import (
 )
 from trainguard.contract.subjects import Subjects
 from trainguard.core.auth import Access, load_credentials
+from trainguard.core.connection import flush
 from trainguard.runtime.embedded import free_port
 
 HOSTS = ("node-a", "node-b")
@@ -261,7 +262,7 @@ class Cluster:
             await self._nc.subscribe(s.pattern(kind, job=self.job), cb=tel)
         await self._nc.subscribe(s.pattern("event", job=self.job, tail=">"), cb=durable)
         await self._nc.subscribe(s.pattern("reg", job=self.job), cb=durable)
-        await self._nc.flush()
+        await flush(self._nc)
 
     async def publish(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
         await self._nc.jetstream().publish(subject, data, headers=headers)

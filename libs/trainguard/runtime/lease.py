@@ -12,7 +12,7 @@ a leader) is each service's own policy.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import redis.asyncio as aioredis
 
@@ -53,6 +53,16 @@ if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
 redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
 if ARGV[5] == '1' then redis.call('SADD', KEYS[3], ARGV[4])
 else redis.call('SREM', KEYS[3], ARGV[4]) end
+return 1
+"""
+
+_FENCED_HWRITE = """
+local holder = redis.call('GET', KEYS[1])
+if holder ~= ARGV[1] then return holder or '' end
+for i = 2, #ARGV, 3 do
+  if ARGV[i] == 'd' then redis.call('HDEL', KEYS[2], ARGV[i + 1])
+  else redis.call('HSET', KEYS[2], ARGV[i + 1], ARGV[i + 2]) end
+end
 return 1
 """
 
@@ -121,6 +131,28 @@ class LeaseHolder:
         values = await self.redis.mget(keys)
         return {key: v.decode() if isinstance(v, bytes) else v
                 for key, v in zip(keys, values, strict=True)}
+
+    async def hwrite(self, writes: Iterable[tuple[str, str, Mapping[str, str | None]]]
+                     ) -> list[str | None]:
+        """For each ``(lease, key, fields)``: set each field of hash ``key`` (None: delete
+        it) only while ``lease`` is ours, all of them in one step. Per write, None when
+        written, else who holds the lease ("" when nobody). One round trip."""
+        writes = list(writes)
+        if not writes:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for lease, key, fields in writes:
+            args: list[str] = []
+            for field, value in fields.items():
+                args += ["d", field, ""] if value is None else ["s", field, value]
+            pipe.eval(_FENCED_HWRITE, 2, lease, key, self.holder, *args)
+        out: list[str | None] = []
+        for result in await pipe.execute():
+            if result == 1:
+                out.append(None)
+            else:
+                out.append(result.decode() if isinstance(result, bytes) else str(result))
+        return out
 
     async def hset(self, lease: str, key: str, field: str, value: str | bytes) -> bool:
         """``HSET key field value`` only while ``lease`` is ours; False: nothing written."""

@@ -41,6 +41,7 @@ from typing_extensions import TypeVar
 from trainguard.contract.codec import decode_telemetry
 from trainguard.contract.errors import DecodeError, NotStarted
 from trainguard.contract.schemas import Durable, TelemetryMessage
+from trainguard.core.connection import flush
 from trainguard.runtime import telemetry
 from trainguard.runtime.topology import ensure_consumer, provision, streams
 
@@ -196,7 +197,7 @@ class Runtime:
                                           pending_msgs_limit=500_000,
                                           pending_bytes_limit=256 * 1024 * 1024)
         # The server knows the subscription once this returns: "ready" means listening.
-        await self.bus.nc.flush()
+        await flush(self.bus.nc)
         return sub
 
     def isolate(self, cb: CoreCallback, consumer: str) -> CoreCallback:
@@ -227,7 +228,7 @@ class Runtime:
         """A core-NATS subscription, each message isolated (:meth:`isolate`); the server
         knows it once this returns."""
         sub = await self.bus.nc.subscribe(subject, queue=queue, cb=self.isolate(cb, consumer))
-        await self.bus.nc.flush()
+        await flush(self.bus.nc)
         return sub
 
     def _queue_dead(self, msg: Msg, reason: str, consumer: str, kind: ErrorReason) -> None:

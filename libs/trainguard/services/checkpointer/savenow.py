@@ -22,6 +22,7 @@ from trainguard.contract.codec import decode_durable
 from trainguard.contract.errors import DecodeError
 from trainguard.contract.rpc import SaveReply, SaveRequest
 from trainguard.contract.schemas import CheckpointCommitted, Command, CommandAck
+from trainguard.core.connection import flush
 from trainguard.runtime.logs import get_logger
 from trainguard.runtime.service import Runtime
 
@@ -105,7 +106,7 @@ class SaveNow:
                 await nc.subscribe(subjects.event(job, "checkpoint"), cb=on_event)]
         wait = _Wait()
         try:
-            await nc.flush()
+            await flush(nc)
             params: dict[str, Any] = {"reason": req.reason} if req.reason else {}
             if req.blocking:
                 params["blocking"] = True

@@ -49,6 +49,7 @@ from trainguard.contract.schemas import (
     Incident,
     ResumePoint,
 )
+from trainguard.core.connection import flush
 from trainguard.runtime.config import Settings
 from trainguard.runtime.jobmetrics import CheckpointMetrics
 from trainguard.runtime.logs import get_logger
@@ -140,7 +141,7 @@ class CheckpointerService(Service[CheckpointerSettings]):
         for name, fn in endpoints.items():
             await rt.bus.nc.subscribe(s.pattern("rpc", tail=name), queue=RPC_QUEUE,
                                       cb=self._endpoint(name, fn))
-        await rt.bus.nc.flush()
+        await flush(rt.bus.nc)
         self._serving = True
         rt.every(self.settings.tick, self.tick, "deadlines")
 

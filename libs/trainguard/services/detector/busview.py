@@ -26,12 +26,11 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal
 
+from trainguard.core.connection import NEVER, flush
+
 Freshness = Literal["current", "stale", "recovered"]
 """``current``: judge as usual. ``stale``: judge no silence or hang. ``recovered``: the
 first tick current again (the caller starts the grace)."""
-
-NEVER = 365 * 24 * 3600.0
-"""The timeout a probe's ``flush`` gets: in effect none (see :class:`BusProbe`)."""
 
 
 class BusView:
@@ -108,7 +107,7 @@ class BusProbe:
 
     async def _round_trip(self, sent: float) -> None:
         try:
-            await self.nc.flush(timeout=NEVER)
+            await flush(self.nc, NEVER)
         except Exception:  # closed or reconnecting: the view goes stale by itself
             return
         finally:

@@ -63,6 +63,11 @@ class Leases:
     def key(self, job: str) -> str:
         return self.keys.lease(ROLE, job)
 
+    @property
+    def holder(self) -> LeaseHolder:
+        """The lease holder, for writes fenced by a job's lease."""
+        return self._held
+
     async def acquire(self, job: str) -> bool:
         """Take the job's lease if it is free or already ours (a restarted us)."""
         started = time.monotonic()

@@ -21,6 +21,7 @@ import redis.asyncio as aioredis
 from prometheus_client import Counter
 
 from trainguard.contract.schemas import Anomaly
+from trainguard.runtime.lease import LeaseHolder
 from trainguard.runtime.state import Keys, Progress, decode_progress
 
 from .book import Transition, dump_anomaly, load_anomaly
@@ -53,12 +54,13 @@ class AnomalyOutbox:
     """
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, publish: Publish, wait: float,
-                 outage: Outage, published: Counter) -> None:
+                 outage: Outage, published: Counter,
+                 holder: Callable[[], LeaseHolder | None] = lambda: None) -> None:
         self.redis = redis
         self.keys = keys
         self.publish = publish
         self.wait = wait
-        self.writes = WriteBehind(redis, outage)
+        self.writes = WriteBehind(redis, outage, holder=holder)
         self.pending: list[Transition] = []
         self._published = published
         self._lock = asyncio.Lock()
@@ -68,8 +70,9 @@ class AnomalyOutbox:
         left from before, in order."""
         async with self._lock:
             for t in changes:
-                self.writes.pending.set(self.keys.dedupe(ROLE, t.job), t.key,
-                                        dump_anomaly(t.anomaly))
+                key = self.keys.dedupe(ROLE, t.job)
+                self.writes.fences[key] = self.keys.lease(ROLE, t.job)
+                self.writes.pending.set(key, t.key, dump_anomaly(t.anomaly))
             self.pending.extend(changes)
             if not self.pending:
                 return

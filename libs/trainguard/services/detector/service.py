@@ -117,8 +117,9 @@ class DetectorService(Service[DetectorSettings]):
 
     async def start(self, rt: Runtime) -> None:
         published = self._metrics(rt)
-        self._outbox = AnomalyOutbox(rt.redis, self.keys, self._publish, self.cfg.redis_wait,
-                                     self.redis_outage, published)
+        self._outbox = AnomalyOutbox(
+            rt.redis, self.keys, self._publish, self.cfg.redis_wait, self.redis_outage,
+            published, holder=lambda: self._leases.holder if self._leases is not None else None)
         self._identity = Identity(rt.redis, lambda name: self.settings.redis_key(
             ROLE, "claim", name), self.instance, self.cfg.lease_ttl)
         self.instance = await self._identity.claim()

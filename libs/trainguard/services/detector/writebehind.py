@@ -19,8 +19,11 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 import redis.asyncio as aioredis
+
+from trainguard.runtime.lease import LeaseHolder
 
 log = logging.getLogger("trainguard.detector")
 
@@ -56,6 +59,9 @@ class FieldWrites:
     def of_key(self, key: str) -> dict[str, str | None]:
         """The pending values of ``key``'s fields (None: to delete), leaving them pending."""
         return {field: value for (k, field), value in self._fields.items() if k == key}
+
+    def keys(self) -> frozenset[Field]:
+        return frozenset(self._fields)
 
     def take(self) -> dict[Field, str | None]:
         """Everything pending, leaving nothing (the caller writes it or gives it back)."""
@@ -95,9 +101,21 @@ class Outage:
 class WriteBehind:
     """Writes :class:`FieldWrites` to Redis, one write at a time, in the background."""
 
-    def __init__(self, redis: aioredis.Redis, outage: Outage) -> None:
+    def __init__(self, redis: aioredis.Redis, outage: Outage, *,
+                 holder: Callable[[], LeaseHolder | None] = lambda: None) -> None:
         self.redis = redis
         self.outage = outage
+        self.holder = holder
+        """The leases this process holds now (None: none yet); it fences the writes."""
+        self.fences: dict[str, str] = {}
+        """Hash key -> the lease its writes need: a job's records are written only while
+        its lease is ours, so a detector that lost the job overwrites nothing of its new
+        owner's; where nobody holds it they stay pending (we may take the job back)."""
+        self.fenced_out = 0
+        """Field writes dropped because another detector held the lease."""
+        self._unowned: set[Field] = set()
+        """Writes the last attempt gave back because nobody held their lease: retried at
+        the next kick, not waited for."""
         self.pending = FieldWrites()
         self._task: asyncio.Task[None] | None = None
         self._started = 0.0
@@ -122,13 +140,17 @@ class WriteBehind:
         """Write what is pending, waiting at most ``wait`` seconds (none while Redis is
         down or a write is already slow); True if everything pending is stored."""
         deadline = time.monotonic() + wait
+        tried = False
         while len(self.pending) or self._task is not None:
+            if tried and self._task is None and self.pending.keys() <= self._unowned:
+                return False  # only writes no lease lets us make: not now
             if self.outage.down or (self._task is not None
                                     and time.monotonic() - self._started > wait):
                 self.kick()
                 return False
             left = deadline - time.monotonic()
             task = self.kick()
+            tried = True
             if task is None or left <= 0:
                 return False
             await asyncio.wait({task}, timeout=left)
@@ -137,13 +159,17 @@ class WriteBehind:
     async def _write(self) -> None:
         batch = self._writing = self.pending.take()
         try:
-            pipe = self.redis.pipeline(transaction=True)
-            for (key, field), value in batch.items():
-                if value is None:
-                    pipe.hdel(key, field)
-                else:
-                    pipe.hset(key, field, value)
-            await pipe.execute()
+            fenced, free = self._split(batch)
+            if free:
+                pipe = self.redis.pipeline(transaction=True)
+                for (key, field), value in free.items():
+                    if value is None:
+                        pipe.hdel(key, field)
+                    else:
+                        pipe.hset(key, field, value)
+                await pipe.execute()
+            if fenced:
+                self._refused(batch, fenced, await self._fenced(fenced))
         except Exception as exc:
             self.pending.give_back(batch)
             self.outage.failed("storing anomaly state", exc)
@@ -152,6 +178,42 @@ class WriteBehind:
         finally:
             self._task = None
             self._writing = {}
+
+    def _split(self, batch: dict[Field, str | None]
+               ) -> tuple[dict[str, dict[str, str | None]], dict[Field, str | None]]:
+        """The writes by hash key that a lease fences, and the others."""
+        fenced: dict[str, dict[str, str | None]] = {}
+        free: dict[Field, str | None] = {}
+        for (key, field), value in batch.items():
+            if key in self.fences:
+                fenced.setdefault(key, {})[field] = value
+            else:
+                free[(key, field)] = value
+        return fenced, free
+
+    async def _fenced(self, fenced: dict[str, dict[str, str | None]]) -> list[str | None]:
+        holder = self.holder()
+        if holder is None:
+            return [""] * len(fenced)  # no leases yet: nothing of a job is ours to write
+        return await holder.hwrite((self.fences[k], k, v) for k, v in fenced.items())
+
+    def _refused(self, batch: dict[Field, str | None],
+                 fenced: dict[str, dict[str, str | None]], owners: list[str | None]) -> None:
+        """Writes whose lease was not ours: pending again where nobody holds it, dropped
+        where another detector does."""
+        back: dict[Field, str | None] = {}
+        for (key, fields), owner in zip(fenced.items(), owners, strict=True):
+            if owner is None:
+                continue
+            if owner == "":
+                back.update({(key, f): v for f, v in fields.items()})
+                continue
+            self.fenced_out += len(fields)
+            log.warning("not writing %d anomaly record change(s) of %s: its lease is %s's "
+                        "now", len(fields), key, owner)
+        self._unowned = set(back)
+        if back:
+            self.pending.give_back({w: v for w, v in batch.items() if w in back})
 
     async def close(self, wait: float) -> None:
         """Store what is left if Redis lets us within ``wait``; then stop trying."""

@@ -1,0 +1,70 @@
+"""Flushing against a real nats-server that stops answering for a while (SIGSTOP): a flush
+that gives up must leave the connection receiving once the server is back. nats-py's own
+``flush(timeout)`` does not (its late PONG ends the read loop for good while the client says
+it is connected); :func:`trainguard.core.connection.flush` does."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import nats
+import pytest
+
+from tests.conftest import wait_until
+from trainguard.core.connection import flush
+from trainguard.runtime.embedded import NatsServer
+
+
+def stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
+        return fh.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+async def received_after_a_flush_timeout(server: NatsServer,
+                                         flush_: Callable[[Any], Awaitable[None]]) -> bool:
+    listener, talker = await nats.connect(server.url), await nats.connect(server.url)
+    got: list[bytes] = []
+
+    async def on(msg: Any) -> None:
+        got.append(msg.data)
+
+    try:
+        await listener.subscribe("t", cb=on)
+        await flush(listener)
+        assert server.pid is not None
+        os.kill(server.pid, signal.SIGSTOP)
+        await wait_until(lambda: stopped(server.pid), what="the server stopped")
+        try:
+            with pytest.raises(TimeoutError):
+                await flush_(listener)
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        await flush(talker)  # the server answers again
+        await asyncio.sleep(0)
+        for _ in range(50):  # the late PONG has been read by now
+            await talker.publish("t", b"after")
+            await flush(talker)
+            try:
+                await wait_until(lambda: got, timeout=0.1, what="a message")
+                return True
+            except AssertionError:
+                continue
+        return listener.is_connected and bool(got)
+    finally:
+        await listener.close()
+        await talker.close()
+
+
+async def test_a_flush_that_timed_out_leaves_the_connection_receiving(
+        private_nats: NatsServer) -> None:
+    assert await received_after_a_flush_timeout(private_nats, lambda nc: flush(nc, 0.3))
+
+
+async def test_nats_pys_own_flush_timeout_stops_receiving(private_nats: NatsServer) -> None:
+    """The reason :func:`flush` exists: if this ever passes no more, nats-py fixed it."""
+    assert not await received_after_a_flush_timeout(private_nats,
+                                                     lambda nc: nc.flush(timeout=0.3))
