@@ -25,7 +25,7 @@ from tests.tap import Tap, tapped
 from trainguard.contract import envnames
 from trainguard.contract.codec import decode_any_durable
 from trainguard.contract.envelope import normalize_headers
-from trainguard.contract.schemas import Command, RankHello, RecoveryReport
+from trainguard.contract.schemas import Command, CommandAck, RankHello, RecoveryReport
 from trainguard.contract.subjects import Subjects
 from trainguard.contract.targets import addressed
 from trainguard.recovery import groupstore
@@ -196,11 +196,12 @@ async def test_ddp_is_rebuilt_on_the_new_group_and_nothing_is_lost(
     assert run.steps_done() == list(range(STEPS)) and len(set(run.pids())) == 2
 
 
-async def test_a_rollback_reloads_the_checkpoint_in_every_process(
-        baseline: dict[str, Any], tmp_path: Path, nats_url: str, prefix: str,
-        job: str) -> None:
-    ckpt = tmp_path / "ckpt"
-    args = [*ARGS, "--ckpt-root", str(ckpt), "--ckpt-every", "10", "--sync-every", "5"]
+async def reloaded_at_25(tmp_path: Path, nats_url: str, prefix: str, job: str,
+                         args: list[str], params: dict[str, Any]
+                         ) -> tuple[Job, RecoveryReport, list[CommandAck]]:
+    """Run the job, send a ``reload`` with ``params`` for step 25, and return the run once
+    it ended (every rank 0, no process restarted, steps 20..25 run twice), the one
+    recovery report and the reload's acks."""
     async with recoveries(nats_url, prefix, job) as (reports, tap, bus):
         run = Job(tmp_path, WORLD, args, env=bus_env(nats_url, prefix, job))
         await asyncio.to_thread(run.start)
@@ -210,7 +211,7 @@ async def test_a_rollback_reloads_the_checkpoint_in_every_process(
             await wait_until(lambda: len(tap.hellos) == WORLD, what="the ranks' hellos")
             await bus.publish_durable(Subjects(prefix).cmd_all(job), Command(
                 id="reload-1", job=job, kind="reload", issuer="cli", at_step=25,
-                params={"step": 19, "path": str(ckpt / job / "step-19")}))
+                params=params))
             codes = await asyncio.to_thread(run.wait)
         finally:
             run.stop()
@@ -220,7 +221,18 @@ async def test_a_rollback_reloads_the_checkpoint_in_every_process(
     assert {r: p.pid for r, p in run.procs.items()} == pids  # no process restarted
     assert run.steps_done() == [*range(26), *range(20, STEPS)]
     [report] = reports.values()
-    assert (report.kind, report.path, report.steps_lost) == ("rollback", "in_place", 6)
+    return run, report, [a for a in tap.acks if a.command_id == "reload-1"]
+
+
+async def test_a_rollback_reloads_the_checkpoint_in_every_process(
+        baseline: dict[str, Any], tmp_path: Path, nats_url: str, prefix: str,
+        job: str) -> None:
+    ckpt = tmp_path / "ckpt"
+    args = [*ARGS, "--ckpt-root", str(ckpt), "--ckpt-every", "10", "--sync-every", "5"]
+    run, report, _ = await reloaded_at_25(tmp_path, nats_url, prefix, job, args, {
+        "step": 19, "path": str(ckpt / job / "step-19")})
+    assert (report.kind, report.path, report.tier, report.steps_lost) == (
+        "rollback", "in_place", "disk", 6)
     assert (report.last_completed, report.resumed_step) == (25, 20)
     # Training is deterministic: replaying 20..25 from the checkpoint ends where a run that
     # never rolled back ends.
@@ -241,29 +253,12 @@ async def test_a_rollback_below_a_nan_restores_the_memory_snapshot_before_it(
             "--sync-every", "5", "--nan-at", "1:20"]
     if layout:
         baseline = uninterrupted(tmp_path / "baseline", [*ARGS, *layout])
-    async with recoveries(nats_url, prefix, job) as (reports, tap, bus):
-        run = Job(tmp_path, WORLD, args, env=bus_env(nats_url, prefix, job))
-        await asyncio.to_thread(run.start)
-        pids = {r: p.pid for r, p in run.procs.items()}
-        try:
-            await asyncio.to_thread(run.wait_for_step, 12)
-            await wait_until(lambda: len(tap.hellos) == WORLD, what="the ranks' hellos")
-            await bus.publish_durable(Subjects(prefix).cmd_all(job), Command(
-                id="reload-1", job=job, kind="reload", issuer="cli", at_step=25,
-                params={"step": 9, "path": str(ckpt / job / "step-9"), "below": 20}))
-            codes = await asyncio.to_thread(run.wait)
-        finally:
-            run.stop()
-        await wait_until(lambda: acked(tap) == ["done"] * WORLD, what="the reload acks")
-        await wait_until(lambda: reports, what="the recovery report")
-    assert codes == dict.fromkeys(range(WORLD), 0), run.logs()
-    assert {r: p.pid for r, p in run.procs.items()} == pids  # no process restarted
-    assert run.steps_done() == [*range(26), *range(20, STEPS)]
-    [report] = reports.values()
+    run, report, acks = await reloaded_at_25(tmp_path, nats_url, prefix, job, args, {
+        "step": 9, "path": str(ckpt / job / "step-9"), "below": 20})
     assert (report.kind, report.path, report.tier, report.steps_lost) == (
         "rollback", "in_place", "memory", 6), report
     assert "the snapshot of step 19" in report.reason
-    assert all("from memory" in a.detail for a in tap.acks if a.command_id == "reload-1")
+    assert all("from memory" in a.detail for a in acks)
     assert same_params(run.final_params(), baseline) == []
 
 
