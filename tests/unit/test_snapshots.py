@@ -6,6 +6,8 @@ time; ``every="auto"`` spaces them by the copy's measured cost."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -73,7 +75,7 @@ def test_a_restore_puts_back_the_state_of_its_step_in_place() -> None:
     for step in range(6):
         train(model, opt, step)
         expected[step] = state_of(model, opt)
-        mem.step_done(step, model, opt, {"data": step})
+        mem.step_done(step, model, opt, functools.partial(dict, data=step))
     assert mem.held(below=100) == [3, 4, 5]  # keep=3
     assert mem.held(below=5) == [3, 4]
     assert mem.restore(4, model, opt) == {"data": 4}
@@ -170,4 +172,21 @@ def test_auto_spaces_the_snapshots_by_their_measured_cost() -> None:
     assert taken[0] == 0  # the first at once; then as the measured cost allows
     with pytest.raises(ValueError, match="whole number of steps"):
         MemorySnapshots(0)
+    mem.close()
+
+
+def test_extra_is_read_only_for_the_steps_that_take_a_snapshot() -> None:
+    model, opt = trainer()
+    mem = snapshots(every=3)
+    asked: list[int] = []
+
+    def extra_of(step: int) -> Callable[[], dict[str, int]]:
+        def extra() -> dict[str, int]:
+            asked.append(step)
+            return {"s": step}
+        return extra
+
+    for step in range(7):
+        mem.step_done(step, model, opt, extra_of(step))
+    assert asked == [0, 3, 6]
     mem.close()

@@ -758,8 +758,7 @@ class Checkpointer:
             return
         if self.guard.nonfinite_at is not None:
             return  # the state after a non-finite step is suspect: keep the clean ones
-        self.memory.step_done(step, model, optimizer,
-                              self.extra_fn() if self.extra_fn is not None else None)
+        self.memory.step_done(step, model, optimizer, self.extra_fn)
 
     def _completed_step(self) -> int | None:
         # The Guard has no public accessor for the last completed step yet.

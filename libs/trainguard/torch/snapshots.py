@@ -150,8 +150,9 @@ class MemorySnapshots:
 
     # -- taking ---------------------------------------------------------------------------
     def step_done(self, step: int, model: Any, optimizer: Any,
-                  extra: Mapping[str, Any] | None = None) -> bool:
-        """After ``step`` completed: take a snapshot when one is due (True if taken)."""
+                  extra: Callable[[], Mapping[str, Any] | None] | None = None) -> bool:
+        """After ``step`` completed: take a snapshot when one is due (True if taken).
+        ``extra`` is called only then: the steps between cost a clock read."""
         now = time.perf_counter()
         if self._last_done is not None:
             dt = now - self._last_done
@@ -162,7 +163,7 @@ class MemorySnapshots:
             return False
         if self.poisoned():
             return False  # keep the clean ones until the state is restored
-        snap = self.take(step, model, optimizer, extra)
+        snap = self.take(step, model, optimizer, extra() if extra is not None else None)
         self._last_done = time.perf_counter()  # the copy is not step time
         interval = self._interval()
         if not self._logged / 2 < interval < self._logged * 2:  # first, or it moved 2x
