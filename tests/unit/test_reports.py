@@ -24,6 +24,8 @@ class Finished:
     extra: dict[str, Any] | None = None
     lr: float | None = None
     phases: dict[str, float] = field(default_factory=dict)
+    batch_fault: Any = None
+    skipped: bool = False
 
 
 @dataclass

@@ -8,10 +8,10 @@ service (import-linter, ``make lint``). A tensor the trainer hands it is read th
 
 from __future__ import annotations
 
-from trainguard.contract.errors import DrillCrash
+from trainguard.contract.errors import DrillCrash, SkipStep
 from trainguard.recovery.handle import GuardHandle
 
 from .guard import Guard
 from .steps import Phase, Step
 
-__all__ = ["DrillCrash", "Guard", "GuardHandle", "Phase", "Step"]
+__all__ = ["DrillCrash", "Guard", "GuardHandle", "Phase", "SkipStep", "Step"]

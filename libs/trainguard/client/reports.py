@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from trainguard.contract.evidence import BatchFault
 from trainguard.contract.schemas import Fingerprint, StepReport
 
 from .values import Deferred, is_tensor, read_number
@@ -37,6 +38,8 @@ class FinishedStep(Protocol):
     samples: int | None
     extra: dict[str, Any] | None
     lr: float | None
+    batch_fault: BatchFault | None
+    skipped: bool
 
 
 class Pending:
@@ -78,6 +81,9 @@ def aggregate(reports: list[StepReport]) -> StepReport:
     last.tokens = sum(r.tokens or 0 for r in reports) or None
     last.samples = sum(r.samples or 0 for r in reports) or None
     last.steps = len(reports)
+    if last.batch_fault is None:
+        last.batch_fault = next((r.batch_fault for r in reports if r.batch_fault), None)
+    last.skipped = any(r.skipped for r in reports)
     return last
 
 
@@ -141,7 +147,8 @@ class Reports:
                             phases=step.phases, loss=loss, grad_norm=grad_norm,
                             tokens=step.tokens, samples=step.samples, extra=extra,
                             world_size=self.world_size,
-                            lr=step.lr if step.lr is not None else self.lr())
+                            lr=step.lr if step.lr is not None else self.lr(),
+                            batch_fault=step.batch_fault, skipped=step.skipped)
         if deferred:
             self.pending.append(Pending(report, deferred))
         else:
@@ -199,7 +206,7 @@ class Reports:
             self.publish_step(report)
             return
         self.aggregated.append(report)
-        if len(self.aggregated) >= self.report_every or bad:
+        if len(self.aggregated) >= self.report_every or bad or report.batch_fault:
             self.flush()
 
     def _replica_group(self, model: Any) -> tuple[str, int] | None:

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Protocol
 
+from trainguard.contract.errors import SkipStep
+from trainguard.contract.evidence import BatchFault
 from trainguard.core.rankstate import RankState
 
 from .values import plain_float
@@ -59,8 +61,8 @@ class Step:
     ``guard.steps``, recovered in place).
     """
 
-    __slots__ = ("_on_enter", "_on_exit", "_t0", "extra", "grad_norm", "loss", "lr", "n",
-                 "phases", "samples", "state", "tokens")
+    __slots__ = ("_on_enter", "_on_exit", "_t0", "batch_fault", "extra", "grad_norm", "loss",
+                 "lr", "n", "phases", "samples", "skipped", "state", "tokens")
 
     def __init__(self, n: int, state: RankState, on_enter: Callable[[Step], None],
                  on_exit: StepEnds) -> None:
@@ -75,6 +77,10 @@ class Step:
         self.samples: int | None = None
         self.lr: float | None = None
         self.extra: dict[str, Any] | None = None
+        self.batch_fault: BatchFault | None = None
+        """What the batch check found wrong with this step's batch (reported with it)."""
+        self.skipped = False
+        """The step ended by :class:`SkipStep`: no update was made."""
         self._t0 = 0.0
 
     def phase(self, name: str) -> Phase:
@@ -110,6 +116,11 @@ class Step:
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
                  tb: TracebackType | None) -> bool:
         try:
+            if isinstance(ev, SkipStep):
+                self.skipped = True
+                self.loss = self.grad_norm = None  # nothing of the skipped step is a result
+                self._on_exit(self, time.perf_counter() - self._t0, failed=False)
+                return True
             return self._on_exit(self, time.perf_counter() - self._t0, failed=et is not None,
                                  error=ev)
         finally:

@@ -91,3 +91,13 @@ class Reject(TrainguardError):
 class DrillCrash(TrainguardError, RuntimeError):
     """Raised into the training loop by the ``crash`` drill: the one exception the client
     lets through on purpose."""
+
+
+class SkipStep(Exception):
+    """Raised inside ``with guard.step(n)`` to end step ``n`` without an update.
+
+    The step's context manager absorbs it: the step counts as done (``guard.steps`` goes
+    on to the next one, commands run at its end) with no loss, no gradient and no
+    optimizer step. Every rank must skip the same step (``trainguard.torch.BatchCheck``
+    agrees on it before raising), or the ranks' collectives no longer match.
+    """

@@ -23,7 +23,7 @@ anomaly over a word it does not know yet.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar, Final, TypeAlias, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal, TypeAlias, cast
 
 import msgspec
 
@@ -245,6 +245,40 @@ class NonfiniteEvidence(_Evidence, kw_only=True):
     sdc_hint: bool = False
     loss: dict[str, float] = {}
     grad_norm: dict[str, float] = {}
+    bad_batch_ranks: list[int] = []
+    """Ranks whose batch check found NaN/Inf in their input at that step (the job lets bad
+    batches train): where the values came from."""
+
+
+BatchFaultKind = Literal["none", "empty", "nonfinite", "out_of_bounds", "dtype", "shape"]
+"""What a rank's batch check found wrong with what its data phase produced: no batch,
+an empty one, NaN/Inf values, values beyond the job's bound, a dtype or a shape (number
+of dimensions) other than the first batch's."""
+
+
+class BatchFault(msgspec.Struct, kw_only=True):
+    """One bad batch, as the rank that checked it saw it (``StepReport.batch_fault``)."""
+
+    kind: BatchFaultKind
+    key: str = ""
+    """Where in the batch (``input_ids``, ``[0]``, ``pixel_values``); empty: the batch."""
+    sample: int | None = None
+    """The first bad row of that tensor (its index along the batch dimension)."""
+    sample_id: str = ""
+    """The loader's id of that row, when the trainer passed the batch's ids."""
+    source: str = ""
+    """Where the batch came from (a file, a shard), when the trainer said."""
+    detail: str = ""
+
+
+class BadBatchEvidence(_Evidence, kw_only=True):
+    """Ranks whose batch check failed at one step, before the forward pass."""
+
+    KIND: ClassVar[str] = "bad_batch"
+    faults: dict[str, BatchFault] = {}
+    """By rank."""
+    skipped: bool = False
+    """The ranks skipped the step by agreement (nothing to roll back)."""
 
 
 class _GradBaseline(_Evidence, kw_only=True):
@@ -431,12 +465,13 @@ Evidence: TypeAlias = (
     CrashEvidence | UnresponsiveEvidence | GpuHealthEvidence | HangEvidence
     | StragglerEvidence | NonfiniteEvidence | GradExplosionEvidence | GradVanishingEvidence
     | LossSpikeEvidence | SdcMismatchEvidence | ThroughputDropEvidence | DataStallEvidence
-    | CheckpointSlowEvidence
+    | CheckpointSlowEvidence | BadBatchEvidence
 )
 BY_KIND: Final[dict[str, type[Evidence]]] = {t.KIND: t for t in (
     CrashEvidence, UnresponsiveEvidence, GpuHealthEvidence, HangEvidence, StragglerEvidence,
     NonfiniteEvidence, GradExplosionEvidence, GradVanishingEvidence, LossSpikeEvidence,
     SdcMismatchEvidence, ThroughputDropEvidence, DataStallEvidence, CheckpointSlowEvidence,
+    BadBatchEvidence,
 )}
 """The evidence Struct of each ``AnomalyKind``."""
 

@@ -22,6 +22,7 @@ from typing import Any, ClassVar, Final, Literal, get_args
 import msgspec
 
 from .evidence import (
+    BatchFault,
     EvidenceField,
     FlightRecorderEvidence,
     HostFacts,
@@ -82,6 +83,10 @@ class StepReport(Telemetry, tag="step.v1"):
     """The job's size this rank runs in (0: not told). A change re-forms the job."""
     lr: float | None = None
     """The learning rate of the step, when the trainer's optimizer tells it."""
+    batch_fault: BatchFault | None = None
+    """What this rank's batch check found wrong with the step's batch."""
+    skipped: bool = False
+    """The ranks skipped the step (a bad batch): no update; loss and grad norm unset."""
 
 
 class Fingerprint(Telemetry, tag="fp.v1"):
@@ -247,7 +252,7 @@ class Durable(msgspec.Struct, kw_only=True):
 AnomalyKind = Literal[
     "crash", "unresponsive", "gpu_health", "hang", "straggler", "nonfinite",
     "grad_explosion", "grad_vanishing", "loss_spike", "sdc_mismatch",
-    "throughput_drop", "data_stall", "checkpoint_slow",
+    "throughput_drop", "data_stall", "checkpoint_slow", "bad_batch",
 ]
 Cause = Literal[
     "gpu_lost", "hbm_ecc", "network", "storage_io", "oom", "numeric", "sdc_suspect",

@@ -14,11 +14,10 @@ from trainguard.recovery.fsdprebuild import InPlaceFSDP, fsdp
 from trainguard.recovery.inplace import InPlace, init_process_group
 from trainguard.recovery.peerloss import is_peer_loss
 
+from .batches import BatchCheck, check_batch
 from .checkpoint import Checkpointer
 from .ddp import ddp, instrument_ddp
 from .stats import (
-    BatchCheck,
-    check_batch,
     fingerprint,
     flip_bit,
     grad_norm,

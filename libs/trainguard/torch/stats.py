@@ -11,8 +11,6 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -104,50 +102,6 @@ def fingerprint(model_or_params: ParamsLike) -> torch.Tensor:
         part = t.view(_INT_VIEW[t.element_size()]).sum(dtype=torch.int64)
         total = part if total is None else total + part
     return total if total is not None else torch.zeros((), dtype=torch.int64)
-
-
-@dataclass
-class BatchCheck:
-    """What :func:`check_batch` found; ``ok`` is False for NaN/Inf or extreme values."""
-
-    ok: bool = True
-    nonfinite: int = 0
-    max_abs: float = 0.0
-    problems: list[str] = field(default_factory=list)
-
-
-def check_batch(batch: Any, *, max_abs: float = 1e6, name: str = "batch") -> BatchCheck:
-    """Flag NaN/Inf or extreme values in an input batch (tensors in dicts/lists/tuples).
-
-    Tells bad data from bad numerics. It reads values, so on a GPU it syncs: call it on
-    the loader's CPU tensors, or only after a non-finite loss.
-    """
-    result = BatchCheck()
-
-    def visit(obj: Any, path: str) -> None:
-        if isinstance(obj, torch.Tensor):
-            if not (obj.is_floating_point() or obj.is_complex()) or obj.numel() == 0:
-                return
-            t = obj.detach()
-            bad = int((~torch.isfinite(t)).sum())
-            finite = t[torch.isfinite(t)]
-            peak = float(finite.abs().max()) if finite.numel() else 0.0
-            result.max_abs = max(result.max_abs, peak)
-            if bad:
-                result.nonfinite += bad
-                result.problems.append(f"{path}: {bad} non-finite values")
-            if peak > max_abs:
-                result.problems.append(f"{path}: |value| up to {peak:.3g} > {max_abs:.3g}")
-        elif isinstance(obj, dict):
-            for k, v in obj.items():
-                visit(v, f"{path}[{k!r}]")
-        elif isinstance(obj, (list, tuple)):
-            for i, v in enumerate(obj):
-                visit(v, f"{path}[{i}]")
-
-    visit(batch, name)
-    result.ok = not result.problems
-    return result
 
 
 def poison_with_nan(model: nn.Module) -> str:

@@ -29,6 +29,7 @@ from trainguard.contract.schemas import (
 )
 from trainguard.runtime.state import Progress
 
+from .batches import BadBatches
 from .book import AnomalyBook, Transition
 from .hardware import GpuHealth
 from .job import JobState
@@ -45,7 +46,8 @@ STRAGGLERS = Stragglers()
 class JobRules:
     """The rules of one job that keep state of their own (baselines, rounds, counters)."""
 
-    __slots__ = ("checkpoints", "data", "fingerprints", "gpu", "numerics", "throughput")
+    __slots__ = ("batches", "checkpoints", "data", "fingerprints", "gpu", "numerics",
+                 "throughput")
 
     def __init__(self, job: JobState) -> None:
         self.numerics = Numerics(job)
@@ -54,7 +56,8 @@ class JobRules:
         self.checkpoints = Checkpoints(job)
         self.fingerprints = Fingerprints()
         self.gpu = GpuHealth(job)
-        job.step_rules = [STRAGGLERS, self.numerics, self.data, self.throughput]
+        self.batches = BadBatches()
+        job.step_rules = [STRAGGLERS, self.batches, self.numerics, self.data, self.throughput]
 
 
 class Detector:

@@ -25,6 +25,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from typing import Protocol
 
+from trainguard.contract.evidence import BatchFault
 from trainguard.contract.schemas import (
     GONE_STATES,
     RECOVERING_PHASE,
@@ -83,8 +84,9 @@ class RankInfo:
 class StepBucket:
     """The reports of one step from every rank, judged together once complete."""
 
-    __slots__ = ("compute", "count", "data", "durations", "first_time", "grads", "index",
-                 "long", "losses", "lr", "nonfinite", "step", "work", "world")
+    __slots__ = ("batch_faults", "compute", "count", "data", "durations", "first_time",
+                 "grads", "index", "long", "losses", "lr", "nonfinite", "skipped", "step",
+                 "work", "world")
 
     def __init__(self, step: int, first_time: float, index: int) -> None:
         self.step = step
@@ -104,6 +106,10 @@ class StepBucket:
         """The world size the ranks report for this step (0: not told)."""
         self.lr: float | None = None
         """The learning rate the ranks report for this step (None: not told)."""
+        self.batch_faults: dict[int, BatchFault] = {}
+        """What the ranks' batch checks found wrong with their batches, by rank."""
+        self.skipped = False
+        """The ranks skipped the step (a bad batch) and made no update."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -486,6 +492,10 @@ class JobState:
             b.world = sr.world_size
         if sr.lr is not None:
             b.lr = sr.lr
+        if sr.batch_fault is not None:
+            b.batch_faults[rank] = sr.batch_fault
+        if sr.skipped:
+            b.skipped = True
         work = sr.tokens if sr.tokens is not None else sr.samples
         if duration > 0.0:
             b.work.append((work / n if work is not None else 1.0) / duration)

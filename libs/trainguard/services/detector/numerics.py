@@ -107,7 +107,9 @@ class Numerics:
             nonfinite_ranks=bad[:cap], ranks_reporting=b.count, minority=minority,
             sdc_hint=minority,
             loss={str(r): b.losses[r] for r in bad[:cap] if r in b.losses},
-            grad_norm={str(r): b.grads[r] for r in bad[:cap] if r in b.grads})
+            grad_norm={str(r): b.grads[r] for r in bad[:cap] if r in b.grads},
+            bad_batch_ranks=sorted(r for r, f in b.batch_faults.items()
+                                   if f.kind == "nonfinite")[:cap])
         job.book.raise_("nonfinite", "nonfinite", now=now, onset_at=b.first_time, ranks=bad,
                         hosts=job.hosts_of(bad), step=b.step, severity="critical",
                         evidence=evidence)

@@ -20,6 +20,7 @@ import math
 import random
 from collections.abc import Callable
 
+from trainguard.contract.evidence import BatchFault
 from trainguard.contract.schemas import (
     Anomaly,
     Fingerprint,
@@ -108,6 +109,10 @@ class SimJob:
         self.fp_flip: dict[int, set[int]] = {}
         self.step_time_scale = 1.0
         self.data_extra: dict[int, float] = {}
+        self.bad_batches: dict[int, dict[int, BatchFault]] = {}
+        """step -> rank -> what its batch check found (the ranks skip that step when
+        ``skip_bad_batches``)."""
+        self.skip_bad_batches = True
         self.coll_lag: dict[int, int] = {}
         """rank -> collectives it is behind the others (a rank that never issued one)."""
         self.phase = ["idle"] * cfg.ranks
@@ -224,6 +229,8 @@ class SimJob:
         loss_base = cfg.loss_start + (cfg.loss_end - cfg.loss_start) * progress
         grad = cfg.grad_norm * math.exp(rng.gauss(0.0, cfg.grad_noise)) * self.grad_scale.get(s, 1)
         nan = self.nan_ranks.get(s, set())
+        bad_batches = self.bad_batches.get(s, {})
+        skipped = bool(bad_batches) and self.skip_bad_batches
         for r in range(cfg.ranks):
             if r in self.silent:
                 continue
@@ -240,8 +247,10 @@ class SimJob:
             events.append((t, len(events), StepReport(
                 job=cfg.job, time=t, seq=self.seq[r], rank=r, step=s, attempt=self.attempt,
                 duration=duration, phases=phases,
-                loss=float("nan") if r in nan else loss, grad_norm=grad,
-                tokens=cfg.tokens, samples=8, world_size=self.world_size, lr=self.lr)))
+                loss=None if skipped else float("nan") if r in nan else loss,
+                grad_norm=None if skipped else grad, tokens=cfg.tokens, samples=8,
+                world_size=self.world_size, lr=self.lr, batch_fault=bad_batches.get(r),
+                skipped=skipped)))
             if cfg.fingerprint_every and s % cfg.fingerprint_every == 0:
                 flip = 1 if r in self.fp_flip.get(s, set()) else 0
                 events.append((t, len(events), Fingerprint(

@@ -25,7 +25,7 @@ ABSORBED_BY: dict[AnomalyKind, frozenset[AnomalyKind]] = {
     # Every failure that slows or stops the job's steps, or restarts it, lowers throughput.
     "throughput_drop": frozenset({
         "straggler", "hang", "checkpoint_slow", "data_stall", "crash", "unresponsive",
-        "gpu_health", "nonfinite", "sdc_mismatch",
+        "gpu_health", "nonfinite", "sdc_mismatch", "bad_batch",
     }),
 }
 """symptom kind -> the anomaly kinds that, while open on the same job, explain it."""

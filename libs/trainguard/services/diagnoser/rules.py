@@ -14,8 +14,11 @@ import hashlib
 import re
 from dataclasses import dataclass, field
 
+import msgspec
+
 from trainguard.contract.envelope import uuid7
 from trainguard.contract.evidence import (
+    BadBatchEvidence,
     CheckpointSlowEvidence,
     CpuLoad,
     CrashEvidence,
@@ -258,7 +261,15 @@ class Diagnoser:
                 facts.append(EvidenceItem(fact="heartbeats stopped with no exit reported",
                                           source="detector"))
                 return Conclusion("unknown", 0.3, a.ranks, a.hosts, facts)
+            case BadBatchEvidence() as ev:
+                return self._bad_batch(a, ev, facts)
             case NonfiniteEvidence() as ev:
+                if ev.bad_batch_ranks:
+                    facts.append(EvidenceItem(
+                        fact=f"ranks {ev.bad_batch_ranks} fed NaN/Inf input to the model at "
+                             f"step {a.step}: the batch, not the training, went bad first "
+                             "(the job lets bad batches train)",
+                        source="detector", value=ev.bad_batch_ranks))
                 if ev.minority:
                     facts.append(EvidenceItem(fact="only a minority of data-parallel ranks saw "
                                               "NaN/Inf before the all-reduce", source="detector",
@@ -282,6 +293,21 @@ class Diagnoser:
             case CheckpointSlowEvidence():
                 return Conclusion("storage_io", 0.8, a.ranks, a.hosts, facts)
         return Conclusion("unknown", 0.2, a.ranks, a.hosts, facts)
+
+    @staticmethod
+    def _bad_batch(a: Anomaly, ev: BadBatchEvidence, facts: list[EvidenceItem]) -> Conclusion:
+        for rank, f in ev.faults.items():
+            where = f" in {f.key}" if f.key else ""
+            sample = f", sample {f.sample_id or f.sample}" if f.sample is not None else ""
+            source = f" from {f.source}" if f.source else ""
+            facts.append(EvidenceItem(
+                fact=f"rank {rank}'s batch at step {a.step}: {f.kind}{where}{sample}{source}"
+                     f" ({f.detail})", source="rank", value=msgspec.to_builtins(f)))
+        facts.append(EvidenceItem(
+            fact="every rank skipped the step: the model was not updated from it"
+            if ev.skipped else "the batch reached the model (the job lets bad batches train)",
+            source="rank"))
+        return Conclusion("data_pipeline", 0.9, a.ranks, a.hosts, facts)
 
     def _hang(self, a: Anomaly, ev: HangEvidence, facts: list[EvidenceItem],
               hw: list[tuple[Cause, EvidenceItem]]) -> Conclusion:
