@@ -36,7 +36,7 @@ from . import groupstore
 from .handle import GuardHandle, recovery_report
 from .peerloss import is_peer_loss
 from .sharding import declaration, holding, layout_of, replica_dim, replica_groups
-from .statesync import StateAgreement, agree, share_state, source_within
+from .statesync import StateAgreement, Stream, agree, share_state, share_streams, source_within
 
 log = logging.getLogger("trainguard.inplace")
 
@@ -200,6 +200,7 @@ class InPlace:
         self._start = 0
         self._before: list[Callable[[], None]] = []
         self._after: list[Callable[[], None]] = []
+        self._streams: list[Stream] = []
         self._release: list[Callable[[], None]] = []
         self.recoveries: list[dict[str, float]] = []
         """Per recovery on this rank (benchmarks, logs): ``rejoin`` (teardown, waiting for
@@ -262,6 +263,11 @@ class InPlace:
                    rebuilds_model: bool = False) -> None:
         (self._after if after_sync else self._before).append(fn)
         self.rebuilds_model |= rebuilds_model
+
+    def on_stream(self, stream: Stream) -> None:
+        """``stream`` goes on at the step the group agrees on, after the state hand-over
+        (a data loader's position: a survivor rewinds, a replacement takes the source's)."""
+        self._streams.append(stream)
 
     @property
     def hands_over(self) -> bool:
@@ -476,6 +482,8 @@ class InPlace:
         agreed = agree(completed, failed_step, failure_time, g.command_state, device)
         self.phases.mark("agreed")
         source = self._share(agreed, device)
+        share_streams(self._streams, agreed.completed + 1, agreed.source, device,
+                      bool(agreed.joined))
         self.phases.mark("state")
         g.adopt_command_state(agreed.command_state)
         for fn in self._after:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import msgspec
 import torch
@@ -111,6 +111,34 @@ def share_state(model: Any, optimizer: Any, source: int, device: torch.device,
     _share_optimizer(optimizer, send, me == source)
     _share_rng(send, me == source)
     return time.perf_counter() - t0
+
+
+class Stream(Protocol):
+    """A per-rank stream position that follows the state (``trainguard.torch.Batches``)."""
+
+    def position_before(self, step: int) -> bytes | None: ...
+
+    def encoded(self) -> bytes:
+        """The position now."""
+        ...
+
+    def rewind(self, step: int, shared: bytes | None) -> None: ...
+
+
+def share_streams(streams: list[Stream], step: int, source: int, device: torch.device,
+                  joined: bool) -> None:
+    """Every stream goes on at ``step``: a survivor from its own position, a rank without
+    one (a replacement, ``joined``) from the source's. Collective when any rank joined
+    (``joined`` is the agreement's, the same on every rank): the source broadcasts."""
+    me = dist.get_rank()
+    for stream in streams:
+        own = stream.position_before(step)
+        shared = None
+        if joined:
+            send = _Sender(source, device, None)
+            shared = send.blob((own if own is not None else stream.encoded())
+                               if me == source else None)
+        stream.rewind(step, shared)
 
 
 @dataclass(frozen=True)

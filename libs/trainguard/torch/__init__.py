@@ -16,6 +16,7 @@ from trainguard.recovery.peerloss import is_peer_loss
 
 from .batches import BatchCheck, check_batch
 from .checkpoint import Checkpointer
+from .data import Batches
 from .ddp import ddp, instrument_ddp
 from .stats import (
     fingerprint,
@@ -28,6 +29,7 @@ from .stats import (
 
 __all__ = [
     "BatchCheck",
+    "Batches",
     "Checkpointer",
     "InPlace",
     "InPlaceDDP",

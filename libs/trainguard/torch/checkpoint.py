@@ -55,6 +55,7 @@ from trainguard.contract.schemas import (
 )
 from trainguard.recovery.handle import RESUME_TIMEOUT, GuardHandle, recovery_report
 
+from .data import Batches
 from .snapshots import Every, MemorySnapshots
 from .stats import state_layout
 from .trusted import (
@@ -194,17 +195,20 @@ class Checkpointer:
             place takes before the disk (:mod:`.snapshots`); None: none.
         memory_keep: memory snapshots kept (host memory: this many copies of the state);
             besides the newest, they lie at least 10 s apart.
+        data: the rank's :class:`~.data.Batches`: its position goes into every checkpoint
+            and memory snapshot, and comes back with them (no sample repeated or skipped).
     """
 
     def __init__(self, guard: GuardHandle, root: str | os.PathLike[str], *,
                  process_group: dist.ProcessGroup | None = None, timeout: float = 60.0,
                  use_async: bool = True, cache_staging: bool = True,
                  extra_fn: ExtraFn | None = None, memory: Every | None = "auto",
-                 memory_keep: int = 3) -> None:
+                 memory_keep: int = 3, data: Batches | None = None) -> None:
         self.guard = guard
         self.root = Path(root)
         self.use_async = use_async
         self.extra_fn = extra_fn
+        self.data = data
         self.distributed = dist.is_available() and dist.is_initialized()
         self._timeout = timeout
         self._own_group = process_group is None
@@ -238,8 +242,11 @@ class Checkpointer:
         # DCP loads once the first step is done, so it takes nothing from the rank's start.
         warm_up(lambda: guard.last_completed_step is not None)
         self._lock = threading.Lock()
-        self.memory = MemorySnapshots(memory, memory_keep, rng=_rng_state,
-                                      set_rng=_set_rng_state) if memory is not None else None
+        self.memory = MemorySnapshots(
+            memory, memory_keep, rng=_rng_state, set_rng=_set_rng_state,
+            position=data.position if data is not None else None,
+            set_position=data.restore if data is not None else None) \
+            if memory is not None else None
         """This rank's memory snapshots (None: off)."""
         if self.memory is not None:
             guard.each_step(self._snapshot)
@@ -398,6 +405,8 @@ class Checkpointer:
             blob = to_blob(dict(extra))
             from_blob(blob)  # refused now, in the report, rather than at the next resume
             state["extra"] = {me: blob}
+        if self.data is not None:
+            state["data"] = {me: self.data.encoded()}
         return state
 
     def _as_of(self) -> _SaveContext:
@@ -594,6 +603,11 @@ class Checkpointer:
                         path, me)
         if f"extra.{me}" in keys:
             state["extra"] = {me: b""}
+        if self.data is not None and f"data.{me}" in keys:
+            state["data"] = {me: b""}
+        elif self.data is not None:
+            log.warning("checkpoint %s holds no data position for %s: the data stream "
+                        "starts from its beginning", path, me)
         left = _saved_ranks(keys) - set(range(self.world_size))
         if left and self.group_rank == 0:
             log.warning("checkpoint %s was saved by %d more ranks than load it: the RNG "
@@ -610,9 +624,10 @@ class Checkpointer:
                 raise refused[0] from None
             raise
         # What may still be refused comes first: a refusal leaves the model untouched.
-        extra = None
+        extra = position = None
         try:
             extra = from_blob(state["extra"][me]) if "extra" in state else None
+            position = from_blob(state["data"][me]) if "data" in state else None
         except Exception as exc:
             found = exc
         self._agree_loadable(found)
@@ -621,6 +636,8 @@ class Checkpointer:
                         "unpickled; the RNG streams stay as they are", path)
         set_state_dict(model, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
+        if position is not None and self.data is not None:
+            self.data.restore(position)
         self.loaded_extra = extra
         self.state_since = started
         step = int(state[STEP_KEY]["step"])

@@ -115,12 +115,15 @@ class MemorySnapshots:
         spacing: seconds at least between the kept snapshots older than the newest.
         budget: with ``"auto"``, the share of step time the copy may take.
         rng: returns the RNG states to keep with the state (restored by ``set_rng``).
+        position: returns the data stream's position (restored by ``set_position``).
     """
 
     def __init__(self, every: Every = "auto", keep: int = 3, *, spacing: float = 10.0,
                  budget: float = 0.05,
                  rng: Callable[[], Any] | None = None,
-                 set_rng: Callable[[Any], object] | None = None) -> None:
+                 set_rng: Callable[[Any], object] | None = None,
+                 position: Callable[[], Any] | None = None,
+                 set_position: Callable[[Any], object] | None = None) -> None:
         if every != "auto" and (not isinstance(every, int) or every < 1):
             raise ValueError(f"memory snapshots every {every!r} steps: give a whole number "
                              "of steps >= 1, or 'auto'")
@@ -132,6 +135,7 @@ class MemorySnapshots:
         self.spacing = spacing
         self.budget = budget
         self._rng, self._set_rng = rng, set_rng
+        self._position, self._set_position = position, set_position
         self.ring: list[Snapshot] = []
         """Oldest first."""
         self.copy_seconds = 0.0
@@ -205,7 +209,8 @@ class MemorySnapshots:
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record()
         values = {**_values(optimizer), "rng": self._rng() if self._rng else None,
-                  "extra": dict(extra) if extra is not None else None}
+                  "extra": dict(extra) if extra is not None else None,
+                  "position": self._position() if self._position else None}
         snap = Snapshot(step=step, names=[n for n, _ in live], tensors=tensors, values=values,
                         taken=time.time(), nbytes=sum(t.numel() * t.element_size()
                                                       for t in tensors))
@@ -283,6 +288,8 @@ class MemorySnapshots:
                         optimizer.state[p][key] = scalar
         if snap.values["rng"] is not None and self._set_rng is not None:
             self._set_rng(snap.values["rng"])
+        if snap.values["position"] is not None and self._set_position is not None:
+            self._set_position(snap.values["position"])
         self.restored(step)
         extra: dict[str, Any] | None = snap.values["extra"]
         return extra
