@@ -174,3 +174,47 @@ def test_rising_uncorrectable_ecc_is_gpu_health_a_steady_count_is_not() -> None:
     [gpu] = h.opened()
     assert gpu.evidence.ecc_uncorrected_aggregate == EccRise(from_=4, to=6)
     assert msgspec.to_builtins(gpu.evidence)["ecc_uncorrected_aggregate"] == {"from": 4, "to": 6}
+
+
+def test_nonfinite_evidence_names_where_the_gradients_went_bad_first() -> None:
+    h = harness(ranks=4)
+    h.sim.steps(10)
+    h.sim.report_fields[12] = {r: {
+        "grad_norm": math.nan, "nonfinite": 1, "nonfinite_count": 6, "nonfinite_basis": "backward",
+        "nonfinite_params": ["layers.3.attn.wq.weight", "layers.3.attn.wq.bias"]}
+        for r in (2, 3)}
+    h.sim.nan_ranks[12] = {0, 1}  # a NaN loss only: these ranks name no parameter
+    h.sim.steps(5)
+    [bad] = h.opened()
+    ev = bad.evidence
+    assert bad.kind == "nonfinite" and bad.ranks == [0, 1, 2, 3]
+    assert (ev.first_param, ev.first_rank, ev.param_basis, ev.params_affected) == (
+        "layers.3.attn.wq.weight", 2, "backward", 6)
+    assert ev.params == {"2": ["layers.3.attn.wq.weight", "layers.3.attn.wq.bias"],
+                         "3": ["layers.3.attn.wq.weight", "layers.3.attn.wq.bias"]}
+    wire = msgspec.json.decode(msgspec.json.encode(bad))["evidence"]
+    assert wire["first_param"] == "layers.3.attn.wq.weight" and wire["first_rank"] == 2
+
+
+def test_nonfinite_evidence_without_named_parameters_keeps_its_old_shape() -> None:
+    h = harness()
+    h.sim.steps(10)
+    h.sim.nan_ranks[12] = set(range(8))
+    h.sim.steps(3)
+    [bad] = h.opened()
+    assert bad.evidence.first_param == "" and bad.evidence.first_rank is None
+    assert bad.evidence.params == {}
+
+
+def test_gradient_explosion_evidence_names_the_largest_gradients() -> None:
+    h = harness(ranks=4)
+    h.sim.steps(80)
+    h.sim.grad_scale[90] = 50.0
+    top = {"layers.1.mlp.w1.weight": 900.0, "layers.1.mlp.w2.weight": 40.0,
+           "layers.0.attn.wq.weight": 3.0}
+    h.sim.report_fields[90] = {1: {"spike_params": top}}
+    h.sim.steps(15)
+    [boom] = h.opened()
+    assert boom.kind == "grad_explosion" and boom.step == 90
+    assert boom.evidence.top_rank == 1 and boom.evidence.top_params == top
+    assert list(boom.evidence.top_params) == list(top), "largest first, as the rank sent it"

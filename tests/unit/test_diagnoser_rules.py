@@ -11,6 +11,7 @@ from trainguard.contract.evidence import (
     EccRise,
     Evidence,
     GpuHealthEvidence,
+    GradExplosionEvidence,
     HangEvidence,
     NonfiniteEvidence,
     RankPhase,
@@ -247,3 +248,46 @@ def test_a_hang_long_after_a_crash_is_its_own_failure() -> None:
     assert soon.id == crashed.id
     (later,) = d.on_anomaly(hang([3], ["node-b"], "h2", **stuck), NOW + 40).publish
     assert later.id != crashed.id and later.cause == "rank_hang"
+
+
+def test_a_nan_names_the_layer_where_the_gradients_went_bad_first() -> None:
+    ev = NonfiniteEvidence(nonfinite_ranks=[0, 1, 2, 3], ranks_reporting=4,
+                           first_param="layers.3.attn.wq.weight", first_rank=2,
+                           param_basis="backward", params_affected=9,
+                           params={"2": ["layers.3.attn.wq.weight"]})
+    a = anomaly(ev, [0, 1, 2, 3], ["node-a"])
+    a.step = 812
+    (diag,) = Diagnoser().on_anomaly(a, NOW).publish
+    fact = "gradients went non-finite first in layers.3.attn.wq.weight on rank 2 at step 812"
+    assert diag.cause == "numeric"
+    [item] = [e for e in diag.evidence if e.source == "step_report"]
+    assert item.fact == f"{fact} (9 parameters affected)"
+    assert item.value == {"2": ["layers.3.attn.wq.weight"]}
+    assert fact in diag.summary
+
+
+@pytest.mark.parametrize(("basis", "says"), [
+    ("parameter", "parameter emb.weight itself holds NaN/Inf on rank 0 at step 100"),
+    ("forward", "every gradient went non-finite on rank 0 at step 100 (8 parameters): the "
+                "values were bad before backward (it reached emb.weight first)"),
+])
+def test_how_the_first_parameter_was_chosen_shows_in_the_fact(basis: str, says: str) -> None:
+    ev = NonfiniteEvidence(first_param="emb.weight", first_rank=0, param_basis=basis,
+                           params_affected=8, minority=True, nonfinite_ranks=[0])
+    (diag,) = Diagnoser().on_anomaly(anomaly(ev, [0], ["node-a"]), NOW).publish
+    assert diag.cause == "sdc_suspect" and says in [e.fact for e in diag.evidence]
+
+
+def test_an_explosion_names_the_largest_gradients() -> None:
+    ev = GradExplosionEvidence(grad_norm=500.0, baseline_median=2.0, top_rank=1,
+                               top_params={"layers.1.mlp.w1.weight": 480.0, "head.weight": 3.5})
+    (diag,) = Diagnoser().on_anomaly(anomaly(ev, [1], ["node-a"]), NOW).publish
+    assert diag.cause == "numeric"
+    assert ("largest gradients in layers.1.mlp.w1.weight (norm 480), head.weight (norm 3.5) "
+            "on rank 1 at step 100") in diag.summary
+
+
+def test_numeric_evidence_without_names_adds_no_fact() -> None:
+    for ev in (NonfiniteEvidence(), GradExplosionEvidence()):
+        (diag,) = Diagnoser().on_anomaly(anomaly(ev, [0], ["node-a"]), NOW).publish
+        assert all(e.source != "step_report" for e in diag.evidence)

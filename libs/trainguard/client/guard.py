@@ -48,7 +48,7 @@ from trainguard.recovery.loop import CommandState, Loop, Recovery, iterate
 from . import fastexit, frdump
 from .commands import CommandDesk
 from .drills import Drills
-from .reports import Reports
+from .reports import GRAD_SPIKE_FACTOR, Reports
 from .steps import Step
 from .transport import Transport
 from .values import optimizer_lr
@@ -77,6 +77,9 @@ class Guard:
         checkpoint_every: initial interval for :meth:`should_checkpoint` (the coordinator
             may change it with ``set_interval``); None: never until told.
         enabled: False (or ``TRAINGUARD_DISABLED=1``) makes every call a no-op.
+        grad_spike_factor: a step's gradient norm above this many times the median of the
+            recent finite ones names, in its report, the parameters with the largest
+            gradients (0: never). A non-finite norm always names where it started.
     """
 
     def __init__(
@@ -101,6 +104,7 @@ class Guard:
         collective_timeout: float = 30.0,
         enabled: bool | None = None,
         fast_exit: bool | None = None,
+        grad_spike_factor: float = GRAD_SPIKE_FACTOR,
     ) -> None:
         env = os.environ
         self.identity: Identity = resolve_identity(job, rank, world_size, host)
@@ -147,7 +151,8 @@ class Guard:
             model=lambda: self.model,
             publish_step=lambda r: self.transport.publish(self._step_subject, r),
             publish_fingerprint=lambda f: self.transport.publish(self._fp_subject, f),
-            world_size=self.world_size, lr=lambda: optimizer_lr(self.optimizer))
+            world_size=self.world_size, lr=lambda: optimizer_lr(self.optimizer),
+            grad_spike_factor=grad_spike_factor)
         self._drills = Drills(self.state, lambda: self.allow_drills, lambda: self.model)
         self._phase_accounting: PhaseAccounting | None = None
         self._interval = (checkpoint_every or 0, 0)

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -25,6 +27,16 @@ log = logging.getLogger("trainguard.client")
 
 PENDING_LIMIT = 64
 """Messages waiting for a device far behind: beyond this the oldest are dropped."""
+
+GRAD_SPIKE_FACTOR = 10.0
+"""A step's gradient norm above this many times the median of the recent finite ones is a
+spike: the step's report names the parameters with the largest gradients."""
+GRAD_SPIKE_WINDOW = 50
+"""Recent finite gradient norms the median is taken over."""
+GRAD_SPIKE_WARMUP = 8
+"""Finite norms seen before any step is judged a spike."""
+GRAD_SPIKE_TOP = 3
+"""Parameters a spike's report names."""
 
 
 class FinishedStep(Protocol):
@@ -66,7 +78,8 @@ def read_value(name: str, raw: Any, deferred: dict[str, Deferred]) -> float | No
 
 def aggregate(reports: list[StepReport]) -> StepReport:
     """One report for several steps: the last one's step, loss and time; mean duration and
-    phases; the largest grad norm (a non-finite one wins); summed counts."""
+    phases; the largest grad norm (a non-finite one wins) and the parameters a spike named;
+    summed counts."""
     last = reports[-1]
     phases: dict[str, float] = {}
     for r in reports:
@@ -78,6 +91,10 @@ def aggregate(reports: list[StepReport]) -> StepReport:
     last.grad_norm = max(norms, key=lambda v: v if math.isfinite(v) else math.inf) \
         if norms else None
     last.nonfinite = sum(r.nonfinite for r in reports)
+    if not last.spike_params:  # the largest finite norm's, if a spike named parameters
+        spiked = [r for r in reports if r.spike_params and r.grad_norm is not None]
+        if spiked and last.grad_norm is not None and math.isfinite(last.grad_norm):
+            last.spike_params = max(spiked, key=lambda r: r.grad_norm or 0.0).spike_params
     last.tokens = sum(r.tokens or 0 for r in reports) or None
     last.samples = sum(r.samples or 0 for r in reports) or None
     last.steps = len(reports)
@@ -99,15 +116,38 @@ class Reports:
         fingerprint_every: steps between fingerprints (0: never); needs a model.
         model: returns the attached model, or None.
         publish_step, publish_fingerprint: where finished messages go.
+        grad_spike_factor: a gradient norm above this many times the median of the recent
+            finite ones names the largest parameter gradients (0: never).
+
+    Gradient evidence by parameter is computed only for a step that needs it, never on a
+    normal one: a non-finite gradient norm names where the non-finite gradients started
+    (``nonfinite_params``, ``nonfinite_count``, ``nonfinite_basis``; see
+    :func:`trainguard.torch.stats.nonfinite_grad_origin`), a spike names the parameters
+    with the largest gradient norms (``spike_params``). Both read the model's gradients
+    when the step's report is finished, so they need them still in place: a norm the
+    device had not finished by the end of its step is judged later, when the gradients
+    may belong to another step, and then names nothing (``grad_examinations`` counts the
+    steps that did look).
     """
 
     def __init__(self, job: str, rank: int, attempt: int, *, report_every: int,
                  fingerprint_every: int, model: Callable[[], Any],
                  publish_step: Callable[[StepReport], None],
                  publish_fingerprint: Callable[[Fingerprint], None], world_size: int = 0,
-                 lr: Callable[[], float | None] = lambda: None) -> None:
+                 lr: Callable[[], float | None] = lambda: None,
+                 grad_spike_factor: float = GRAD_SPIKE_FACTOR) -> None:
         if report_every < 1:
             raise ValueError(f"report_every={report_every}: must be at least 1")
+        if grad_spike_factor < 0 or not math.isfinite(grad_spike_factor):
+            raise ValueError(f"grad_spike_factor={grad_spike_factor}: must be 0 (off) or "
+                             "a positive number")
+        self.grad_spike_factor = grad_spike_factor
+        self.norms: deque[float] = deque(maxlen=GRAD_SPIKE_WINDOW)
+        """The recent finite gradient norms (the spike baseline)."""
+        self.grad_examinations = 0
+        """Steps whose gradients were examined parameter by parameter (bad steps only)."""
+        self._grads_step: int | None = None
+        """The step whose gradients the model holds now (the last one recorded)."""
         self.job, self.rank, self.attempt = job, rank, attempt
         self.report_every = report_every
         self.fingerprint_every = fingerprint_every
@@ -130,6 +170,7 @@ class Reports:
         """Report ``step``; ``nan_loss`` (the ``nan`` drill) reports its loss as NaN.
         Returns whether it did (a loss still on the device cannot be replaced yet)."""
         self.seq += 1
+        self._grads_step = step.n
         deferred: dict[str, Deferred] = {}
         loss = read_value("loss", step.loss, deferred)
         grad_norm = read_value("grad_norm", step.grad_norm, deferred)
@@ -196,18 +237,60 @@ class Reports:
             report.nonfinite = bad
             if self.nonfinite_at is None:
                 self.nonfinite_at = report.step
-            model = self.model()
-            if report.grad_norm is not None and not math.isfinite(report.grad_norm) \
-                    and model is not None:
-                from trainguard.torch.stats import nonfinite_grad_names
-
-                report.nonfinite_params = nonfinite_grad_names(model)
+        norm = report.grad_norm
+        if norm is not None:
+            if not math.isfinite(norm):
+                self._name_nonfinite(report)
+            else:
+                if self._spike(norm):
+                    self._name_spike(report)
+                self.norms.append(norm)
         if self.report_every == 1:
             self.publish_step(report)
             return
         self.aggregated.append(report)
         if len(self.aggregated) >= self.report_every or bad or report.batch_fault:
             self.flush()
+
+    def _spike(self, norm: float) -> bool:
+        """``norm`` is above ``grad_spike_factor`` times the recent finite norms' median."""
+        if not self.grad_spike_factor or len(self.norms) < GRAD_SPIKE_WARMUP:
+            return False
+        return norm > self.grad_spike_factor * statistics.median(self.norms)
+
+    def _model_with_grads_of(self, report: StepReport) -> Any:
+        """The model, if its gradients are still the ones of ``report``'s step."""
+        if report.step != self._grads_step:
+            return None
+        return self.model()
+
+    def _name_nonfinite(self, report: StepReport) -> None:
+        model = self._model_with_grads_of(report)
+        if model is None:
+            return
+        from trainguard.torch.stats import nonfinite_grad_origin
+
+        self.grad_examinations += 1
+        try:
+            origin = nonfinite_grad_origin(model)
+        except Exception:  # evidence only: the report goes out without it
+            log.debug("naming non-finite gradients failed", exc_info=True)
+            return
+        report.nonfinite_params = origin.names
+        report.nonfinite_count = origin.count
+        report.nonfinite_basis = origin.basis
+
+    def _name_spike(self, report: StepReport) -> None:
+        model = self._model_with_grads_of(report)
+        if model is None:
+            return
+        from trainguard.torch.stats import largest_grad_norms
+
+        self.grad_examinations += 1
+        try:
+            report.spike_params = largest_grad_norms(model, GRAD_SPIKE_TOP)
+        except Exception:  # evidence only: the report goes out without it
+            log.debug("naming the largest gradients failed", exc_info=True)
 
     def _replica_group(self, model: Any) -> tuple[str, int] | None:
         """This rank's replica group and its size, read once per model (None: no other

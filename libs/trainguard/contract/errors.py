@@ -93,7 +93,7 @@ class DrillCrash(TrainguardError, RuntimeError):
     lets through on purpose."""
 
 
-class SkipStep(Exception):
+class SkipStep(TrainguardError):
     """Raised inside ``with guard.step(n)`` to end step ``n`` without an update.
 
     The step's context manager absorbs it: the step counts as done (``guard.steps`` goes

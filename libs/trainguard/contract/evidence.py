@@ -248,6 +248,19 @@ class NonfiniteEvidence(_Evidence, kw_only=True):
     bad_batch_ranks: list[int] = []
     """Ranks whose batch check found NaN/Inf in their input at that step (the job lets bad
     batches train): where the values came from."""
+    first_param: str = ""
+    """Where the gradients went non-finite first, on ``first_rank`` ("" where no rank named
+    one: a non-finite loss only, or a client that does not say)."""
+    first_rank: int | None = None
+    """The lowest bad rank that named a parameter."""
+    param_basis: str = ""
+    """How ``first_param`` was chosen on that rank: ``parameter`` (it holds NaN/Inf itself),
+    ``backward`` (the first non-finite gradient in backward order) or ``forward`` (every
+    gradient was non-finite: the values went bad before backward)."""
+    params_affected: int = 0
+    """Parameters whose gradients held NaN/Inf on ``first_rank``."""
+    params: dict[str, list[str]] = {}
+    """Per bad rank: the parameters it named, where they started first."""
 
 
 BatchFaultKind = Literal["none", "empty", "nonfinite", "out_of_bounds", "dtype", "shape"]
@@ -292,6 +305,11 @@ class _GradBaseline(_Evidence, kw_only=True):
 class GradExplosionEvidence(_GradBaseline, kw_only=True):
     KIND: ClassVar[str] = "grad_explosion"
     grad_explosion_ratio: float = 0.0
+    top_params: dict[str, float] = {}
+    """The parameters with the largest gradient norms on ``top_rank``, largest first (empty
+    where no rank's own norm spiked against its recent median)."""
+    top_rank: int | None = None
+    """The rank with the largest gradient norm among those that named parameters."""
 
 
 class GradVanishingEvidence(_GradBaseline, kw_only=True):

@@ -75,6 +75,17 @@ class StepReport(Telemetry, tag="step.v1"):
     grad_norm: float | None = None
     nonfinite: int = 0
     nonfinite_params: list[str] = []
+    """After a non-finite grad norm: parameters whose gradients hold NaN/Inf, where they
+    started first (``trainguard.torch.stats.nonfinite_grad_origin``), at most 5."""
+    nonfinite_count: int = 0
+    """How many parameters' gradients hold NaN/Inf (0: not examined)."""
+    nonfinite_basis: str = ""
+    """How ``nonfinite_params[0]`` was chosen: ``parameter`` (it holds NaN/Inf itself),
+    ``backward`` (the first non-finite gradient in backward order) or ``forward`` (every
+    gradient is non-finite: the values went bad before backward)."""
+    spike_params: dict[str, float] = {}
+    """After a gradient norm spike on this rank (above ``grad_spike_factor`` times its recent
+    median): the parameters with the largest gradient norms, largest first."""
     tokens: int | None = None
     samples: int | None = None
     steps: int = 1

@@ -2,8 +2,9 @@
 
 All return tensors on the parameters' device and never call ``.item()``: the Guard
 reads them later without a host sync (see :mod:`trainguard.client.values`). The few
-helpers that must look at values (``nonfinite_grad_names``, ``check_batch``) say so and
-run only when something is already wrong or when the trainer asks.
+helpers that must look at values (``nonfinite_grad_origin``, ``largest_grad_norms``,
+``check_batch``) say so and run only when something is already wrong or when the trainer
+asks.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -69,19 +72,110 @@ def nonfinite(value: torch.Tensor | float) -> torch.Tensor | bool:
     return not math.isfinite(value)
 
 
-def nonfinite_grad_names(model: nn.Module, limit: int = 5) -> list[str]:
-    """Names of the first parameters whose gradients hold NaN/Inf.
+def _named_grads(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, this rank's part of the gradient) of each parameter that has one, in
+    registration order. A DTensor gradient is its local shard: no collective runs."""
+    return [(name, _local(p.grad.detach())) for name, p in model.named_parameters()
+            if p.grad is not None]
 
-    Syncs the device: the Guard calls it only once a step's gradient norm is already
-    non-finite, to point at where the bad values start.
+
+def _host_values(values: list[torch.Tensor]) -> list[Any]:
+    """0-dim tensors (on any devices) read back with one copy per device."""
+    if not values:
+        return []
+    device = values[0].device
+    return torch.stack([v.to(device) for v in values]).tolist()
+
+
+def _backward_order(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """``named`` (registration order) in the order backward reaches it: modules last
+    registered first, a module's own parameters in their order (``weight``, ``bias``)."""
+    modules: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    for item in named:
+        modules.setdefault(item[0].rpartition(".")[0], []).append(item)
+    return [item for group in reversed(modules.values()) for item in group]
+
+
+@dataclass
+class GradOrigin:
+    """Where a step's non-finite gradients started (:func:`nonfinite_grad_origin`).
+
+    ``basis`` says how ``names[0]`` was chosen:
+
+    * ``parameter``: that parameter itself holds NaN/Inf (every step through it then
+      fails; the other names are parameters that hold NaN/Inf too).
+    * ``backward``: the first parameter, in backward order, whose gradient is non-finite;
+      the gradients backward reached before it are finite, so the bad value was born
+      there (in that layer's backward, or its forward output).
+    * ``forward``: every gradient is non-finite, so the values were bad before backward
+      began (an activation overflowed in the forward pass, the loss, or the input): the
+      name is only the first one backward reached; ``count`` says how many went bad.
     """
-    names: list[str] = []
-    for name, p in model.named_parameters():
-        if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
-            names.append(name)
-            if len(names) >= limit:
-                break
-    return names
+
+    names: list[str] = field(default_factory=list)
+    """Origin first, then the next ones in backward order (at most ``limit``)."""
+    count: int = 0
+    """Parameters whose gradient holds NaN/Inf (this rank's shard of them)."""
+    total: int = 0
+    """Parameters with a gradient."""
+    basis: str = ""
+
+
+def nonfinite_grad_origin(model: nn.Module, limit: int = 5) -> GradOrigin:
+    """The parameter where a step's non-finite gradients started, and how many there are.
+
+    A NaN born in the backward pass at layer *k* poisons the gradients of layer *k* and of
+    every layer backward reaches after it (those before it in the forward pass), so the
+    origin is the first non-finite gradient in *backward* order. Backward order is taken
+    as the reverse of the parameters' registration order: the order backward reaches
+    them wherever modules are registered in the order they run (the usual model); within
+    one module its parameters keep their order (a layer is named by its ``weight``).
+
+    Reads values, so it syncs the device (one copy back per device): the Guard calls it
+    only once a step's gradient norm is already non-finite. Sharded parameters (DTensor)
+    are judged by this rank's shard; no collective runs.
+    """
+    named = _backward_order(_named_grads(model))
+    if not named:
+        return GradOrigin()
+    finite = _host_values([torch.isfinite(g).all() for _, g in named])
+    bad = [name for (name, _), ok in zip(named, finite, strict=True) if not ok]
+    origin = GradOrigin(count=len(bad), total=len(named))
+    if not bad:
+        return origin
+    params = [(name, _local(p.detach())) for name, p in model.named_parameters()
+              if p.is_floating_point() or p.is_complex()]
+    held = _host_values([torch.isfinite(t).all() for _, t in params])
+    broken = [name for (name, _), ok in zip(params, held, strict=True) if not ok]
+    if broken:
+        origin.names, origin.basis = broken[:limit], "parameter"
+    else:
+        origin.names = bad[:limit]
+        origin.basis = "forward" if len(bad) == len(named) else "backward"
+    return origin
+
+
+def nonfinite_grad_names(model: nn.Module, limit: int = 5) -> list[str]:
+    """Names of the parameters whose gradients hold NaN/Inf, where they started first
+    (:func:`nonfinite_grad_origin`). Syncs the device: call it only on a bad step."""
+    return nonfinite_grad_origin(model, limit).names
+
+
+def largest_grad_norms(model: nn.Module, top: int = 3) -> dict[str, float]:
+    """The ``top`` parameters with the largest gradient norms, largest first (name: norm).
+
+    For a step whose total gradient norm exploded: the layers that carry it. Computes one
+    norm per parameter (in float32) and reads them back, so it syncs the device: the Guard
+    calls it only on such a step, never on a normal one. A DTensor gradient counts with
+    this rank's shard (no collective).
+    """
+    named = _named_grads(model)
+    if not named:
+        return {}
+    norms = _host_values([torch.linalg.vector_norm(g, dtype=torch.float32) for _, g in named])
+    ranked = sorted(zip((n for n, _ in named), norms, strict=True), key=lambda kv: -kv[1]
+                    if math.isfinite(kv[1]) else -math.inf)
+    return {name: float(norm) for name, norm in ranked[:top]}
 
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

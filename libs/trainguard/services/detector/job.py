@@ -85,8 +85,8 @@ class StepBucket:
     """The reports of one step from every rank, judged together once complete."""
 
     __slots__ = ("batch_faults", "compute", "count", "data", "durations", "first_time",
-                 "grads", "index", "long", "losses", "lr", "nonfinite", "skipped", "step",
-                 "work", "world")
+                 "grad_origins", "grads", "index", "long", "losses", "lr", "nonfinite",
+                 "skipped", "spikes", "step", "work", "world")
 
     def __init__(self, step: int, first_time: float, index: int) -> None:
         self.step = step
@@ -100,6 +100,10 @@ class StepBucket:
         self.losses: dict[int, float] = {}
         self.grads: dict[int, float] = {}
         self.nonfinite: list[int] = []
+        self.grad_origins: dict[int, StepReport] = {}
+        """Reports that named where their non-finite gradients started, by rank."""
+        self.spikes: dict[int, dict[str, float]] = {}
+        """The largest parameter gradients of ranks whose norm spiked, by rank."""
         self.work: list[float] = []
         self.long: dict[str, float] = {}
         self.world = 0
@@ -488,6 +492,10 @@ class JobState:
             bad = bad or not math.isfinite(grad)
         if bad:
             b.nonfinite.append(rank)
+            if sr.nonfinite_params:
+                b.grad_origins[rank] = sr
+        if sr.spike_params:
+            b.spikes[rank] = sr.spike_params
         if sr.world_size:
             b.world = sr.world_size
         if sr.lr is not None:

@@ -3,7 +3,10 @@
 * ``nonfinite``: NaN/Inf in a loss or grad norm (or non-finite parameters counted by the
   client), at the step it happens. When only a minority of the ranks that reported the
   step see it, the value went bad on those ranks before the all-reduce: the evidence
-  says so (``minority``, ``sdc_hint``) because that points at their hardware.
+  says so (``minority``, ``sdc_hint``) because that points at their hardware. Where the
+  ranks named the parameters whose gradients went non-finite (``StepReport.
+  nonfinite_params``, origin first), the evidence carries them per rank and the lowest
+  such rank's origin as ``first_param``.
 * ``grad_explosion`` / ``grad_vanishing`` / ``loss_spike``: the step's value (median
   across ranks) against the job's own rolling baseline, in log space for grad norms
   (they vary by orders of magnitude), after ``numeric_warmup`` steps of baseline. The
@@ -11,7 +14,9 @@
   the job is re-formed or retuned, as the Guard reports it: a new attempt (a restart,
   resume or rollback), another world size, another learning rate, a rank's new process
   (its hello). A job that shrank from 4 ranks to 2 has another loss curve; judged against
-  the old one it would look "numeric" and be rolled back for nothing.
+  the old one it would look "numeric" and be rolled back for nothing. An explosion
+  carries the parameters with the largest gradients of the rank with the largest norm
+  among those whose own norm spiked (``StepReport.spike_params``).
 * ``sdc_mismatch``: replicas of one group disagree on the parameter checksum at the same
   step. A group is the ranks that hold the same state (the client names it: the whole job
   under plain data parallelism, one shard's replicas under HSDP; a job whose state has no
@@ -110,6 +115,14 @@ class Numerics:
             grad_norm={str(r): b.grads[r] for r in bad[:cap] if r in b.grads},
             bad_batch_ranks=sorted(r for r, f in b.batch_faults.items()
                                    if f.kind == "nonfinite")[:cap])
+        named = sorted(b.grad_origins)
+        if named:
+            first = b.grad_origins[named[0]]
+            evidence.first_param = first.nonfinite_params[0]
+            evidence.first_rank = named[0]
+            evidence.param_basis = first.nonfinite_basis
+            evidence.params_affected = first.nonfinite_count
+            evidence.params = {str(r): b.grad_origins[r].nonfinite_params for r in named[:cap]}
         job.book.raise_("nonfinite", "nonfinite", now=now, onset_at=b.first_time, ranks=bad,
                         hosts=job.hosts_of(bad), step=b.step, severity="critical",
                         evidence=evidence)
@@ -129,9 +142,11 @@ class Numerics:
         window = len(self.log_grads)
         if z > th.grad_z and g > usual * th.grad_explosion_ratio:
             self._abnormal("grad_explosion")
+            top = max(b.spikes, key=lambda r: b.grads.get(r, 0.0)) if b.spikes else None
             self._raise(job, b, "grad_explosion", now, GradExplosionEvidence(
                 grad_norm=g, baseline_median=usual, z=shown_z, grad_z=th.grad_z, window=window,
-                grad_explosion_ratio=th.grad_explosion_ratio),
+                grad_explosion_ratio=th.grad_explosion_ratio, top_rank=top,
+                top_params=b.spikes[top] if top is not None else {}),
                 self._outliers(b.grads, usual * th.grad_explosion_ratio, above=True))
         else:
             self._normal(job, "grad_explosion", now)

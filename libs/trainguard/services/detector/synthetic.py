@@ -19,6 +19,9 @@ import itertools
 import math
 import random
 from collections.abc import Callable
+from typing import Any
+
+import msgspec
 
 from trainguard.contract.evidence import BatchFault
 from trainguard.contract.schemas import (
@@ -100,6 +103,8 @@ class SimJob:
         self.nan_ranks: dict[int, set[int]] = {}
         """step -> ranks whose loss is NaN at that step."""
         self.grad_scale: dict[int, float] = {}
+        self.report_fields: dict[int, dict[int, dict[str, Any]]] = {}
+        """step -> rank -> StepReport fields that replace the simulated ones."""
         self.loss_scale: dict[int, float] = {}
         self.loss_level = 1.0
         """Factor on every loss from now on (the job re-formed: another loss curve)."""
@@ -244,13 +249,17 @@ class SimJob:
                 phases["eval"] = ev
             t = end + rng.random() * 0.002
             self.seq[r] += 1
-            events.append((t, len(events), StepReport(
+            report = StepReport(
                 job=cfg.job, time=t, seq=self.seq[r], rank=r, step=s, attempt=self.attempt,
                 duration=duration, phases=phases,
                 loss=None if skipped else float("nan") if r in nan else loss,
                 grad_norm=None if skipped else grad, tokens=cfg.tokens, samples=8,
                 world_size=self.world_size, lr=self.lr, batch_fault=bad_batches.get(r),
-                skipped=skipped)))
+                skipped=skipped)
+            fields = self.report_fields.get(s, {}).get(r)
+            if fields:
+                report = msgspec.structs.replace(report, **fields)
+            events.append((t, len(events), report))
             if cfg.fingerprint_every and s % cfg.fingerprint_every == 0:
                 flip = 1 if r in self.fp_flip.get(s, set()) else 0
                 events.append((t, len(events), Fingerprint(

@@ -270,15 +270,21 @@ class Diagnoser:
                              f"step {a.step}: the batch, not the training, went bad first "
                              "(the job lets bad batches train)",
                         source="detector", value=ev.bad_batch_ranks))
+                origin = nonfinite_origin(a, ev)
                 if ev.minority:
                     facts.append(EvidenceItem(fact="only a minority of data-parallel ranks saw "
                                               "NaN/Inf before the all-reduce", source="detector",
                                               value=ev.nonfinite_ranks))
+                    facts.extend(origin)
                     return Conclusion("sdc_suspect", 0.7, a.ranks, a.hosts, facts)
                 facts.append(EvidenceItem(fact="NaN/Inf on every rank", source="detector",
                                           value=ev.loss))
+                facts.extend(origin)
                 return Conclusion("numeric", 0.85, a.ranks, a.hosts, facts)
-            case GradExplosionEvidence() | GradVanishingEvidence() | LossSpikeEvidence():
+            case GradExplosionEvidence() as ev:
+                facts.extend(largest_gradients(a, ev))
+                return Conclusion("numeric", 0.6, a.ranks, a.hosts, facts)
+            case GradVanishingEvidence() | LossSpikeEvidence():
                 return Conclusion("numeric", 0.6, a.ranks, a.hosts, facts)
             case SdcMismatchEvidence() as ev:
                 facts.append(EvidenceItem(fact="replica fingerprints disagree at one step",
@@ -540,6 +546,37 @@ def traceback_signature(text: str) -> str:
     if not line:
         return ""
     return hashlib.sha1(_ADDRESSES.sub("#", line.strip()).encode()).hexdigest()[:12]
+
+
+def _at(a: Anomaly) -> str:
+    return f" at step {a.step}" if a.step is not None else ""
+
+
+def nonfinite_origin(a: Anomaly, ev: NonfiniteEvidence) -> list[EvidenceItem]:
+    """The fact naming where the gradients went non-finite first, if a rank named it."""
+    if not ev.first_param:
+        return []
+    rank = f" on rank {ev.first_rank}" if ev.first_rank is not None else ""
+    count = ev.params_affected
+    if ev.param_basis == "parameter":
+        fact = f"parameter {ev.first_param} itself holds NaN/Inf{rank}{_at(a)}"
+    elif ev.param_basis == "forward":
+        fact = (f"every gradient went non-finite{rank}{_at(a)} ({count} parameters): the "
+                f"values were bad before backward (it reached {ev.first_param} first)")
+    else:
+        fact = (f"gradients went non-finite first in {ev.first_param}{rank}{_at(a)}"
+                + (f" ({count} parameters affected)" if count else ""))
+    return [EvidenceItem(fact=fact, source="step_report", value=ev.params)]
+
+
+def largest_gradients(a: Anomaly, ev: GradExplosionEvidence) -> list[EvidenceItem]:
+    """The fact naming the parameters with the largest gradients, if a rank named them."""
+    if not ev.top_params:
+        return []
+    rank = f" on rank {ev.top_rank}" if ev.top_rank is not None else ""
+    named = ", ".join(f"{name} (norm {norm:.3g})" for name, norm in ev.top_params.items())
+    return [EvidenceItem(fact=f"largest gradients in {named}{rank}{_at(a)}",
+                         source="step_report", value=ev.top_params)]
 
 
 def summarize(a: Anomaly, v: Conclusion, recommended: list[str]) -> str:
