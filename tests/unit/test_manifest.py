@@ -167,3 +167,11 @@ def test_the_cli_writes_a_manifest_and_verifies_data(
     assert main(["data", "manifest", str(data)]) == 0  # to stdout: the JSON itself
     captured = capsys.readouterr()
     assert decode_manifest(captured.out.encode()).files and "manifest" in captured.err
+
+
+def test_a_missing_hasher_is_named_with_the_fix() -> None:
+    from trainguard.cli.extras import explain
+
+    err = explain(ModuleNotFoundError("No module named 'xxhash'", name="xxhash"),
+                  "trainguard data")
+    assert err is not None and "pip install trainguard" in str(err) and "xxhash" in str(err)
