@@ -20,11 +20,13 @@ from . import (
     checkpoints,
     credentials,
     dashboard,
+    data_cmd,
     demo,
     fr,
     inject,
     oncall,
     preflight,
+    runs_cmd,
     service_cmd,
     unblock,
     up,
@@ -32,7 +34,7 @@ from . import (
 from .extras import explain
 
 COMMANDS = (up, service_cmd, inject, oncall, checkpoints, demo, credentials, unblock, fr,
-            dashboard, preflight)
+            dashboard, preflight, data_cmd, runs_cmd)
 
 
 def _plugin_commands() -> list[object]:

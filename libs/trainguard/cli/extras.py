@@ -23,8 +23,10 @@ EXTRA_OF: Final[dict[str, str]] = {
     "numpy": "torch",
     "pynvml": "gpu",
     "opentelemetry.exporter": "otlp",
+    "xxhash": "",
 }
-"""Top-level module (or dotted prefix) -> the extra of ``pyproject.toml`` that installs it."""
+"""Top-level module (or dotted prefix) -> the extra of ``pyproject.toml`` that installs it
+(``""``: the base install's own dependencies, which an image built without them lacks)."""
 
 AGENT_MODULES: Final = ("redis", "prometheus_client", "opentelemetry.sdk")
 """What ``trainguard launch`` needs beside the client: the ``agent`` extra installs them
@@ -41,6 +43,11 @@ class MissingExtra(TrainguardError, ImportError):
     def __init__(self, extra: str, module: str, what: str = "this") -> None:
         self.extra = extra
         self.module = module
+        if not extra:
+            super().__init__(
+                f"{what} needs module {module!r}, a dependency of trainguard itself, which "
+                f"is not installed: pip install trainguard (or pip install {module})")
+            return
         super().__init__(
             f"{what} needs the {extra!r} extra (module {module!r} is not installed): "
             f"pip install 'trainguard[{extra}]'")
@@ -64,7 +71,7 @@ def explain(exc: ModuleNotFoundError, what: str = "this",
     if extra is not None and own and any(name == m or name.startswith(m + ".")
                                          for m in modules):
         extra = own
-    return MissingExtra(extra, name, what) if extra else None
+    return MissingExtra(extra, name, what) if extra is not None else None
 
 
 def require(extra: str, what: str) -> None:
