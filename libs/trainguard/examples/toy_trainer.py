@@ -48,6 +48,8 @@ import trainguard
 import trainguard.torch as tgt
 from trainguard.contract import envnames
 
+from .samples import stateful_loader, weighted_loss
+
 PARALLEL = ("dp", "fsdp", "hsdp")
 
 
@@ -136,7 +138,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--final-params", default=None, metavar="PATH",
                    help="rank 0 writes the final state_dict here with torch.save (sharded: "
                         "the full state dict, gathered by every rank)")
+    p.add_argument("--loader", choices=("step", "stateful"), default="step",
+                   help="step: batches keyed by (seed, rank, step); stateful: numbered samples "
+                        "through a StatefulDataLoader read with trainguard.torch.Batches, each "
+                        "batch checked by trainguard.torch.BatchCheck (the tiny model only)")
+    p.add_argument("--samples-file", default=None, metavar="PATH",
+                   help="with --loader stateful: a line per step a rank completes: rank, "
+                        "step, attempt, pid, loss and the sample ids it trained on")
+    p.add_argument("--bad-batch-at", metavar="RANK:STEP", default=None,
+                   help="with --loader stateful: a NaN loss weight in that rank's batch")
+    p.add_argument("--exclude-step", type=int, default=None, metavar="STEP",
+                   help="with --loader stateful: every rank reads that step's batch and "
+                        "makes no update from it (the run a skipped bad batch should equal)")
+    p.add_argument("--manifest", default=None,
+                   help="the data's manifest: checked at resume (Checkpointer(manifest=))")
     args = p.parse_args(argv)
+    if args.loader == "stateful" and args.model != "tiny":
+        p.error("--loader stateful feeds the tiny model")
     if args.ddp and args.parallel != "dp":
         p.error(f"--ddp replicates the model: it does not go with --parallel {args.parallel}")
     return args
@@ -384,12 +402,13 @@ class TinyModel(nn.Module):
 
 
 def forward_backward(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor,
-                     target: torch.Tensor) -> torch.Tensor:
+                     target: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
     """The step's forward and backward; returns the loss, detached. In a function of its own
     so that the autograd graph dies with its frame: a failed backward's graph holds FSDP2's
     process groups, which an in-place recovery must be able to close."""
     out = model(tokens)
-    loss = nn.functional.cross_entropy(out.reshape(-1, out.size(-1)), target.reshape(-1))
+    loss = weighted_loss(out, target, weight) if weight is not None else \
+        nn.functional.cross_entropy(out.reshape(-1, out.size(-1)), target.reshape(-1))
     optimizer.zero_grad(set_to_none=True)
     loss.backward()  # type: ignore[no-untyped-call]
     return loss.detach()
@@ -433,7 +452,14 @@ def main(argv: list[str] | None = None) -> int:
     optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3) \
         if args.optimizer == "adamw" else torch.optim.SGD(model.parameters(), lr=0.05)
     guard.attach(model, optimizer)
-    ckpt = tgt.Checkpointer(guard, args.ckpt_root, memory=args.memory_snapshots) \
+    # Before the Checkpointer, on every rank alike (a replacement builds them in this order).
+    batches = tgt.Batches(stateful_loader(args.seed, dist.get_world_size(), rank), guard) \
+        if args.loader == "stateful" else None
+    check = tgt.BatchCheck(guard) if batches is not None else None
+    ckpt = tgt.Checkpointer(guard, args.ckpt_root, memory=args.memory_snapshots, data=batches,
+                            manifest=args.manifest,
+                            run_config={k: v for k, v in vars(args).items()
+                                        if isinstance(v, (int, float, str, bool))}) \
         if args.ckpt_root else None
     start = 0
     if ckpt is not None:
@@ -459,6 +485,9 @@ def main(argv: list[str] | None = None) -> int:
         nan_rank, nan_step = rank, int(args.nan_at)
     else:
         nan_rank, nan_step = _rank_step(args.nan_at)
+    bad_rank, bad_step = _rank_step(args.bad_batch_at)
+    samples_fd = os.open(args.samples_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644) \
+        if args.samples_file else None
     slow_rank, _, slow_factor = (args.slow or "-1:1").partition(":")
     slow = float(slow_factor) if int(slow_rank) == rank and first_attempt else 1.0
     first_step = args.first_step_seconds
@@ -485,21 +514,32 @@ def main(argv: list[str] | None = None) -> int:
             if irregular.eval_s:
                 with s.phase("eval"):
                     time.sleep(irregular.eval_s)
+            weight = ids = None
             with s.phase("data"):
                 time.sleep(irregular.refill_s)
                 data = torch.Generator().manual_seed(args.seed * 1_000_003 + rank * 7919 + step)
-                if text is not None:
+                if batches is not None and check is not None:
+                    batch = batches.next(step)
+                    if rank == bad_rank and step == bad_step and first_attempt:
+                        progress.fault(step, "bad_batch")
+                        batch["weight"][3] = float("nan")
+                    batch = check(s, batch, ids=batch["id"], source="numbered-samples")
+                    tokens, target, weight = batch["tokens"], batch["target"], batch["weight"]
+                    ids = batch["id"].tolist()
+                elif text is not None:
                     at = torch.randint(0, len(text) - SEQ - 1, (8,), generator=data)
                     tokens = torch.stack([text[i:i + SEQ] for i in at.tolist()])
                     target = torch.stack([text[i + 1:i + SEQ + 1] for i in at.tolist()])
                 else:
                     tokens = torch.randint(0, 64, (8, 16), generator=data)
                     target = torch.randint(0, 64, (8,), generator=data)
+            if step == args.exclude_step:
+                continue  # read, not trained on: what a skipped bad batch leaves
             with s.phase("compute"):
                 t_compute = time.monotonic()
                 time.sleep(args.step_time * irregular.jitter + first_step)
                 first_step = 0.0
-                loss = forward_backward(model, optimizer, tokens, target)
+                loss = forward_backward(model, optimizer, tokens, target, weight)
                 if slow > 1.0 and step >= args.slow_from:
                     time.sleep((time.monotonic() - t_compute) * (slow - 1.0))
             if not args.ddp and not sharded:  # FSDP reduced the gradients in backward
@@ -513,6 +553,10 @@ def main(argv: list[str] | None = None) -> int:
             optimizer.step()
         if guard.abandoned == step:
             continue  # a peer was lost: the next iteration recovers and runs it again
+        if samples_fd is not None:
+            trained = "skipped" if s.skipped else f"{float(loss):.17g}"
+            os.write(samples_fd, f"{rank} {step} {attempt} {os.getpid()} {trained} "
+                                 f"{','.join(map(str, ids or []))}\n".encode())
         progress.step(step, dist.get_world_size())
         if heartbeat is not None:
             heartbeat()
@@ -524,6 +568,8 @@ def main(argv: list[str] | None = None) -> int:
             elif rank == 0:
                 _plain_save(args.plain_ckpt, step, model, optimizer)
     progress.close()
+    if samples_fd is not None:
+        os.close(samples_fd)
     if args.final_params and sharded:
         full = full_params(model)  # collective
         if dist.get_rank() == 0:

@@ -14,10 +14,11 @@ from __future__ import annotations
 from .diff import diff_records
 from .manifest import ManifestError, build_manifest, read_manifest, write_manifest
 from .record import RunRecordError, collect_run_record, read_run_record, write_run_record
-from .verify import DataMismatch, check_data, verify
+from .verify import DataMismatch, DataRefused, check_data, verify
 
 __all__ = [
     "DataMismatch",
+    "DataRefused",
     "ManifestError",
     "RunRecordError",
     "build_manifest",

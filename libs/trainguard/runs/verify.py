@@ -30,7 +30,12 @@ SHOWN = 5
 """Differing files an error message names before it says how many more there are."""
 
 
-class DataMismatch(TrainguardError):
+class DataRefused(TrainguardError):
+    """A job will not train on this data: its files differ from the manifest it declared
+    (on this rank: :class:`DataMismatch`; on a peer: this, naming the peer)."""
+
+
+class DataMismatch(DataRefused):
     """The data differs from the manifest a job declared: names the first differing files
     and the two ways out (restore the files, or declare a new manifest)."""
 

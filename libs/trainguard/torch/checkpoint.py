@@ -45,7 +45,8 @@ from trainguard.contract import envnames, timeline
 from trainguard.contract.checksum import METADATA_FILE, file_digest
 from trainguard.contract.codec import decode_durable, encode_durable
 from trainguard.contract.envelope import uuid7
-from trainguard.contract.errors import TrainguardError
+from trainguard.contract.errors import ConfigError, TrainguardError
+from trainguard.contract.runrecord import DATA_POLICIES, DatasetManifest, RunRecord
 from trainguard.contract.schemas import (
     CheckpointReport,
     Command,
@@ -197,18 +198,38 @@ class Checkpointer:
             besides the newest, they lie at least 10 s apart.
         data: the rank's :class:`~.data.Batches`: its position goes into every checkpoint
             and memory snapshot, and comes back with them (no sample repeated or skipped).
+        manifest: the data set's manifest (``trainguard data manifest``; a file or a
+            :class:`~trainguard.contract.runrecord.DatasetManifest`): every rank checks its
+            copy of the data against it in :meth:`resume` (sizes; sampled blocks of a
+            sampled manifest), and ``data_policy`` ``refuse`` stops the job on any
+            difference, on every rank, before a step; ``alert`` logs it and goes on.
+        run_config: the trainer's configuration (JSON-able), kept in the run record
+            (``run.json``: code version, packages, hardware, environment, seeds, manifest)
+            that group rank 0 writes beside every checkpoint (``trainguard runs show``).
     """
 
     def __init__(self, guard: GuardHandle, root: str | os.PathLike[str], *,
                  process_group: dist.ProcessGroup | None = None, timeout: float = 60.0,
                  use_async: bool = True, cache_staging: bool = True,
                  extra_fn: ExtraFn | None = None, memory: Every | None = "auto",
-                 memory_keep: int = 3, data: Batches | None = None) -> None:
+                 memory_keep: int = 3, data: Batches | None = None,
+                 manifest: DatasetManifest | str | os.PathLike[str] | None = None,
+                 data_policy: str = "refuse", run_config: Mapping[str, Any] | None = None
+                 ) -> None:
+        if data_policy not in DATA_POLICIES:
+            raise ConfigError(f"data_policy={data_policy!r}: refuse (stop the job) or alert "
+                              "(log and go on) when the data differs from the manifest")
         self.guard = guard
         self.root = Path(root)
         self.use_async = use_async
         self.extra_fn = extra_fn
         self.data = data
+        self.manifest = manifest
+        self.data_policy = data_policy
+        self.run_config = run_config
+        self.run_record: RunRecord | None = None
+        """What group rank 0 writes as ``run.json`` (collected at its first save, off the
+        training thread)."""
         self.distributed = dist.is_available() and dist.is_initialized()
         self._timeout = timeout
         self._own_group = process_group is None
@@ -438,6 +459,8 @@ class Checkpointer:
         error = ""
         try:
             metadata = upload.result()
+            if as_of.group_rank == 0:
+                self._write_run_record(path)
             names = _written_names(metadata, path)
             for name in rank_files(names, as_of.group_rank):
                 files[name] = file_digest(path / name)
@@ -449,6 +472,18 @@ class Checkpointer:
                               as_of=as_of)
         self._publish(report)
         return report
+
+    def _write_run_record(self, path: Path) -> None:
+        from trainguard.runs import collect_run_record, write_run_record  # 25 ms: not at start
+
+        try:
+            if self.run_record is None:
+                self.run_record = collect_run_record(
+                    job=self.guard.job, seed=getattr(self.guard, "seed", None),
+                    manifest=self.manifest, config=self.run_config)
+            write_run_record(path, self.run_record)
+        except (OSError, TrainguardError) as exc:  # the checkpoint stands without it
+            log.warning("run record not written to %s: %s", path, exc)
 
     def _fail(self, exc: BaseException) -> None:
         """A collective that timed out or lost a peer leaves the side group out of step with
@@ -494,6 +529,7 @@ class Checkpointer:
         step 0 is a failure, never a recovery.
         """
         ready = time.time()
+        self.check_data()
         point = self.resume_point(timeout)
         newest = point.step if point is not None else None
         failures: list[str] = []
@@ -515,6 +551,21 @@ class Checkpointer:
                 f"{'; '.join(failures)}): refusing to start from step 0; restore the files "
                 "or roll back explicitly (trainguard rollback)")
         return 0
+
+    def check_data(self) -> None:
+        """Every rank checks its copy of the data against ``manifest`` (collective); with
+        ``refuse`` all raise if any rank's differs (:class:`~trainguard.runs.DataRefused`)."""
+        if self.manifest is None:
+            return
+        from trainguard.runs import DataRefused, check_data
+
+        found: BaseException | None = None
+        try:
+            check_data(self.manifest, policy=self.data_policy)
+        except DataRefused as exc:
+            found = exc
+        self._agree_loadable(found, refusal=DataRefused, what="has other data than the "
+                             "manifest says")
 
     def _report_resume(self, point: ResumePoint, newest: int | None, failures: list[str],
                        ready: float, loaded: float) -> None:
@@ -644,9 +695,11 @@ class Checkpointer:
         self._last_step = step
         return step
 
-    def _agree_loadable(self, found: BaseException | None) -> None:
+    def _agree_loadable(self, found: BaseException | None, *,
+                        refusal: type[TrainguardError] = CheckpointRefused,
+                        what: str = "cannot load this checkpoint") -> None:
         """Every rank raises if any rank found the checkpoint unloadable (its own error, or
-        the first failing rank's as :class:`CheckpointRefused`); else returns on all."""
+        the first failing rank's as ``refusal``); else returns on all."""
         if not self.distributed or self.world_size < 2:
             if found is not None:
                 raise found
@@ -658,7 +711,7 @@ class Checkpointer:
             raise found
         for rank, why in enumerate(verdicts):
             if why:
-                raise CheckpointRefused(f"rank {rank} cannot load this checkpoint: {why}")
+                raise refusal(f"rank {rank} {what}: {why}")
 
     # -- the coordinator's save_now -------------------------------------------------------
     def _on_save_now(self, cmd: Command) -> str:
