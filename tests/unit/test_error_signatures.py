@@ -224,3 +224,11 @@ def test_fatal_xid_in_text_isolates_and_ignore_xid_only_alerts() -> None:
 def test_mistakes_in_the_data_file_name_the_key(text: str, fix: str) -> None:
     with pytest.raises(signatures.SignatureError, match=fix):
         signatures.parse(text)
+
+
+def test_data_that_differs_from_its_manifest_is_a_data_pipeline_cause() -> None:
+    text = ("Traceback (most recent call last):\n  ...\ntrainguard.runs.verify.DataMismatch: "
+            "the data under /data differs from manifest 3f2a...: shard-1.bin: size 4000, "
+            "not 4096")
+    found = signatures.match(text)
+    assert found is not None and found.cause == "data_pipeline", found
