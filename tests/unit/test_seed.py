@@ -193,3 +193,42 @@ def test_deterministic_training_repeats_bit_for_bit() -> None:
         return losses
 
     assert train() == train()
+
+
+def test_resume_retraces_the_loss_curve() -> None:
+    """A job stopped after 4 steps and resumed from its state (model, optimizer, the
+    loader's position) gives the curve of one that ran 8 steps straight."""
+    data = torch.arange(64 * 8, dtype=torch.float32).reshape(64, 8).sin()
+
+    def build() -> tuple[torch.nn.Module, torch.optim.Optimizer, Iterator[torch.Tensor]]:
+        seeds = seed_everything(11)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(),
+                                    torch.nn.Linear(32, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        loader = DataLoader(data, batch_size=8, shuffle=True, generator=seeds.generator())
+        return model, opt, iter(loader)
+
+    def steps(model: torch.nn.Module, opt: torch.optim.Optimizer,
+              batches: Iterator[torch.Tensor], n: int) -> list[float]:
+        losses = []
+        for _ in range(n):
+            loss = model(next(batches)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+
+    model, opt, batches = build()
+    straight = steps(model, opt, batches, 8)
+
+    model, opt, batches = build()
+    first = steps(model, opt, batches, 4)
+    saved = pickle.dumps((model.state_dict(), opt.state_dict()))
+    model, opt, batches = build()  # the crash: everything built again
+    state, opt_state = pickle.loads(saved)
+    model.load_state_dict(state)
+    opt.load_state_dict(opt_state)
+    for _ in range(4):  # the loader's position
+        next(batches)
+    assert first + steps(model, opt, batches, 4) == straight
