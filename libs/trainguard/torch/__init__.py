@@ -1,5 +1,5 @@
 """``trainguard.torch``: the torch helpers a trainer uses beside its Guard (Checkpointer,
-DDP instrumentation, batch and gradient statistics, device values), and the in-place
+DDP instrumentation, batch and gradient statistics, device values, seeding), and the in-place
 recovery's public entry points.
 
 They type against the :class:`~trainguard.recovery.handle.GuardHandle` Protocol, never the
@@ -18,6 +18,7 @@ from .batches import BatchCheck, check_batch
 from .checkpoint import Checkpointer
 from .data import Batches
 from .ddp import ddp, instrument_ddp
+from .seed import Seeds, seed_everything
 from .stats import (
     fingerprint,
     flip_bit,
@@ -34,6 +35,7 @@ __all__ = [
     "InPlace",
     "InPlaceDDP",
     "InPlaceFSDP",
+    "Seeds",
     "check_batch",
     "ddp",
     "fingerprint",
@@ -46,4 +48,5 @@ __all__ = [
     "nonfinite",
     "nonfinite_grad_names",
     "poison_with_nan",
+    "seed_everything",
 ]
