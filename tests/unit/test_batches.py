@@ -125,12 +125,16 @@ def test_a_skipped_step_counts_as_done_and_reports_its_fault() -> None:
     guard._started = True
     check = BatchCheck(guard)
     updated: list[int] = []
+    done: list[int] = []
     for step in range(3):
         with guard.step(step) as s:
             batch = check(s, torch.tensor([float("nan")]) if step == 1 else torch.ones(1))
             s.report(loss=float(batch.sum()))
             updated.append(step)
+        if s.done:
+            done.append(step)
     assert updated == [0, 2], "the skipped step's update never ran"
+    assert done == [0, 2], "the loop is told which steps ran to their end"
     assert guard.last_completed_step == 2
     by_step = {r.step: r for r in sent}
     assert by_step[1].skipped and by_step[1].loss is None

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from trainguard import Guard
-from trainguard.contract.schemas import Command, Fingerprint, Heartbeat, StepReport
+from trainguard.contract.codec import encode_durable
+from trainguard.contract.schemas import Command, Fingerprint, Heartbeat, ResumePoint, StepReport
 from trainguard.runtime.embedded import free_port
 
 
@@ -190,3 +192,18 @@ def test_the_fast_exit_is_installed_only_where_peers_wait_to_recover_in_place(
     assert sys.excepthook is hook
     offline_guard().set_recovery(On())  # type: ignore[arg-type]
     assert sys.excepthook is not hook and len(fastexit._installed) == 1
+
+
+def test_a_replacement_joining_in_place_gets_no_resume_point(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replacement that loaded the checkpoint would wait in a collective its peers never
+    call: the Guard answers it None, as the Checkpointer does."""
+    (tmp_path / "j").mkdir()
+    point = ResumePoint(job="j", step=7, path=str(tmp_path / "j" / "step-7"))
+    (tmp_path / "j" / "LATEST").write_bytes(encode_durable(point))
+    monkeypatch.setenv("TRAINGUARD_JOIN", "peers")
+    guard = Guard(job="j", rank=1, world_size=2, enabled=False)
+    assert guard.joining and guard.resume_point(str(tmp_path)) is None
+    guard.joining = False  # it has joined: a survivor like the others from here on
+    found = guard.resume_point(str(tmp_path))
+    assert found is not None and found.step == 7

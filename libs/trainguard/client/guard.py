@@ -409,7 +409,12 @@ class Guard:
         (connecting included), and nothing once a connect attempt has failed.
 
         ``below_step``: the newest committed one below that step instead (a rank that
-        could not load the newest falls back); only the coordinator knows those."""
+        could not load the newest falls back); only the coordinator knows those.
+
+        None for a replacement joining in place (:attr:`joining`): its state comes from
+        its peers, and a checkpoint load would wait for peers that never call it."""
+        if self.joining:
+            return None
         self.start()
         if self.enabled:
             reply = self._transport_request(timeout, below_step)

@@ -61,8 +61,8 @@ class Step:
     ``guard.steps``, recovered in place).
     """
 
-    __slots__ = ("_on_enter", "_on_exit", "_t0", "batch_fault", "extra", "grad_norm", "loss",
-                 "lr", "n", "phases", "samples", "skipped", "state", "tokens")
+    __slots__ = ("_on_enter", "_on_exit", "_t0", "batch_fault", "done", "extra", "grad_norm",
+                 "loss", "lr", "n", "phases", "samples", "skipped", "state", "tokens")
 
     def __init__(self, n: int, state: RankState, on_enter: Callable[[Step], None],
                  on_exit: StepEnds) -> None:
@@ -81,6 +81,10 @@ class Step:
         """What the batch check found wrong with this step's batch (reported with it)."""
         self.skipped = False
         """The step ended by :class:`SkipStep`: no update was made."""
+        self.done = False
+        """Set as the step ends: it ran to its end, so the per-step work after the ``with``
+        block (logging, counting, a checkpoint) is due. False for a step a lost peer
+        abandoned (it runs again) and for a skipped one."""
         self._t0 = 0.0
 
     def phase(self, name: str) -> Phase:
@@ -121,8 +125,10 @@ class Step:
                 self.loss = self.grad_norm = None  # nothing of the skipped step is a result
                 self._on_exit(self, time.perf_counter() - self._t0, failed=False)
                 return True
-            return self._on_exit(self, time.perf_counter() - self._t0, failed=et is not None,
-                                 error=ev)
+            absorbed = self._on_exit(self, time.perf_counter() - self._t0,
+                                     failed=et is not None, error=ev)
+            self.done = et is None
+            return absorbed
         finally:
             # Read and reported by now: a step that ended holds none of the trainer's
             # tensors (a sharded model's gradient norm is a DTensor that holds its mesh,
