@@ -4,6 +4,7 @@ place, the survivors keep their processes, no step is lost, and the job finishes
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -26,7 +27,9 @@ class ReadmeCluster(InPlaceCluster):
                 "--steps", str(self.steps), "--step-time", "0.05"]
 
     def env(self) -> dict[str, str]:
-        return {**super().env(), "PYTHONPATH": str(REPO)}
+        env = super().env()
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+        return env
 
 
 @pytest.fixture
