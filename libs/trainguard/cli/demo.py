@@ -35,6 +35,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="how long the clean run trains (--no-faults)")
     p.add_argument("--workdir", help="keep logs and checkpoints here (default: a temp dir)")
     p.add_argument("--plain", action="store_true", help="no live view (logs, CI)")
+    p.add_argument("--cold", action="store_true",
+                   help="recover by restarting the whole group from its checkpoint, as "
+                        "torchrun does (default: in place, the survivors keep their "
+                        "processes), to compare the two")
     p.set_defaults(run=run)
 
 
@@ -60,7 +64,7 @@ async def _demo(args: argparse.Namespace, faults: list, workdir: Path) -> int:  
 
     console = Console(width=None if sys.stdout.isatty() else 160)
     cluster = Cluster(workdir, "demo", steps=args.steps, step_time=args.step_time,
-                      ckpt_every=args.ckpt_every)
+                      ckpt_every=args.ckpt_every, in_place=not args.cold)
     console.print(f"starting the control plane and two agents (logs in {workdir}) ...")
     try:
         await cluster.start()
@@ -92,7 +96,8 @@ async def _demo(args: argparse.Namespace, faults: list, workdir: Path) -> int:  
         finally:
             refresh.set()
             await viewer
-        console.print(summary(runner.outcomes, runner.goodput()))
+        console.print(summary(runner.outcomes, runner.goodput(),
+                              "cold group restarts" if args.cold else "in place"))
         if not faults:
             n = len([a for a in cluster.observer.anomalies if a.status == "open"])
             console.print(f"clean run: {n} anomalies, max step {cluster.observer.max_step}")

@@ -141,8 +141,12 @@ class Cluster:
     def __init__(self, workdir: Path, job: str, *, steps: int, step_time: float,
                  ckpt_every: int, model: str = "lm", quiet: bool = True,
                  plane_env: dict[str, str] | None = None,
-                 hosts: tuple[str, ...] = HOSTS, nproc: int = 2) -> None:
+                 hosts: tuple[str, ...] = HOSTS, nproc: int = 2, in_place: bool = False) -> None:
         self.workdir = workdir
+        self.in_place = in_place
+        """The trainer recovers in place (``--in-place``: a lost rank is replaced while the
+        others keep their processes, a rollback reloads in-process); else every recovery
+        restarts the group."""
         self.hosts = hosts
         """The agents, started in this order (the first gets the lowest ranks and serves
         the rendezvous store); ``nproc`` ranks each."""
@@ -243,7 +247,8 @@ class Cluster:
                 "trainguard.examples.toy_trainer", "--job", self.job, "--model", self.model,
                 "--steps", str(self.steps), "--step-time", str(self.step_time),
                 "--ckpt-root", str(self.workdir / "ckpt"), "--ckpt-every", str(self.ckpt_every),
-                "--fingerprint-every", "5", "--heartbeat", "0.5"]
+                "--fingerprint-every", "5", "--heartbeat", "0.5",
+                *(["--in-place"] if self.in_place else [])]
 
     async def _subscribe(self) -> None:
         s = Subjects(self.prefix)

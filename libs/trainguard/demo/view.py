@@ -27,10 +27,12 @@ def live(obs: Observer, title: str, lines: int = 14) -> Group:
     return Group(ranks, Panel(events, title="incident timeline"))
 
 
-def summary(outcomes: list[Outcome], goodput: float) -> Table:
+def summary(outcomes: list[Outcome], goodput: float, how: str = "") -> Table:
+    lost = sum(o.steps_lost or 0 for o in outcomes)
+    title = f"trainguard demo{f' ({how})' if how else ''}: goodput {goodput:.0%}, " \
+            f"{lost} steps lost in {len(outcomes)} faults"
     table = Table("fault", "injected at step", "detected after", "cause", "actions",
-                  "training back after", "steps lost", "verdict",
-                  title=f"trainguard demo: goodput {goodput:.0%}")
+                  "training back after", "steps lost", "verdict", title=title)
     for o in outcomes:
         table.add_row(o.fault.name, str(o.injected_step), o.seconds(o.detected_at),
                       o.cause or "-", " ".join(o.actions) or "-", o.seconds(o.recovered_at),
