@@ -211,6 +211,24 @@ async def test_the_operator_may_end_a_blocklist_entry_and_touch_nothing_else(
         await operator.aclose()
 
 
+async def test_the_operator_may_set_a_job_s_mode_and_delete_nothing(
+        secure_plane: EmbeddedControlPlane) -> None:
+    """``trainguard observe`` / ``act`` write one job's mode; the remediator reads it."""
+    remediator = _redis(secure_plane, "remediator")
+    operator = _redis(secure_plane, "operator")
+    try:
+        await operator.hset("tg:mode", "job-m", '{"mode": "observe"}')
+        assert await remediator.hget("tg:mode", "job-m") == b'{"mode": "observe"}'
+        for write in (lambda: operator.hdel("tg:mode", "job-m"),
+                      lambda: operator.delete("tg:mode")):
+            with pytest.raises(NoPermissionError):
+                await write()
+    finally:
+        await remediator.hdel("tg:mode", "job-m")
+        await remediator.aclose()
+        await operator.aclose()
+
+
 async def test_credentials_stay_private(secure_plane: EmbeddedControlPlane) -> None:
     for path in (*secure_plane.credentials.values(), secure_plane.nats.auth_path,
                  secure_plane.redis.auth_path):

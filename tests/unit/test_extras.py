@@ -51,6 +51,8 @@ def test_help_works_without_the_services_extra() -> None:
     ("incidents",),
     ("demo", "--no-faults"),
     ("unblock", "node-a"),
+    ("observe", "j1"),
+    ("act", "j1"),
 ])
 def test_commands_of_the_control_plane_name_the_extra(argv: tuple[str, ...]) -> None:
     out = _cli(*argv)

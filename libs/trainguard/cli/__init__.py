@@ -24,6 +24,7 @@ from . import (
     demo,
     fr,
     inject,
+    observe,
     oncall,
     preflight,
     runs_cmd,
@@ -33,8 +34,8 @@ from . import (
 )
 from .extras import explain
 
-COMMANDS = (up, service_cmd, inject, oncall, checkpoints, demo, credentials, unblock, fr,
-            dashboard, preflight, data_cmd, runs_cmd)
+COMMANDS = (up, service_cmd, inject, oncall, checkpoints, demo, credentials, unblock, observe,
+            fr, dashboard, preflight, data_cmd, runs_cmd)
 
 
 def _plugin_commands() -> list[object]:

@@ -584,13 +584,44 @@ class Action(Durable, kw_only=True):
     incident_id: str = ""
     diagnosis_id: str = ""
     command_ids: list[str] = []
-    status: Literal["sent", "acked", "failed", "skipped"] = "sent"
+    status: Literal["sent", "acked", "failed", "skipped", "observed"] = "sent"
+    """``observed``: decided and recorded, not carried out (the job's observe-only mode)."""
     detail: str = ""
     time: float = 0.0
     rev: int = 1
 
 
-StepStatus = Literal["pending", "sent", "done", "failed", "skipped"]
+StepStatus = Literal["pending", "sent", "done", "failed", "skipped", "observed"]
+"""``observed``: the step was decided and recorded ("would have ...") but not carried out,
+because the job (or that action kind) is in observe-only mode (:class:`JobMode`)."""
+
+RunMode = Literal["act", "observe"]
+"""Whether the remediator carries out its decisions on a job (``act``) or only records and
+announces them (``observe``): a platform team compares its calls with its own on-call's
+before letting it act."""
+ObservableAction = Literal["save_now", "dump", "isolate", "restart", "rollback", "hold"]
+"""The policy actions that have an effect on a job, and so can be observed instead of
+carried out. ``alert`` and ``escalate`` tell people and change nothing: they always run."""
+OBSERVABLE_ACTIONS: Final = frozenset(get_args(ObservableAction))
+
+
+class JobMode(msgspec.Struct, kw_only=True):
+    """A job's remediation mode, as an operator set it (``trainguard observe`` / ``act``);
+    the remediator reads it each time a step is about to take effect, so a switch needs no
+    restart and holds across a failover (it is in Redis, not in a process)."""
+
+    mode: RunMode = "act"
+    actions: list[ObservableAction] = []
+    """With ``observe``: only these kinds are observed, the rest act (empty: every one)."""
+    by: str = ""
+    """Who set it, and why (shown by ``trainguard observe --show``)."""
+    time: float = 0.0
+
+    def observed(self) -> frozenset[str]:
+        """The action kinds this mode observes instead of carrying out."""
+        if self.mode == "act":
+            return frozenset()
+        return frozenset(self.actions) or OBSERVABLE_ACTIONS
 
 
 class HookRun(msgspec.Struct, kw_only=True):

@@ -135,8 +135,9 @@ def redis_acl(role: Role, password: str, prefix: str = "tg") -> str | None:
         case "rank":
             return None
         case "operator":
-            # ``trainguard unblock`` only: read and rewrite a blocklist entry, optimistically.
-            keys = f"~{prefix}:blocklist"
+            # ``trainguard unblock``: read and rewrite a blocklist entry, optimistically;
+            # ``trainguard observe`` / ``act``: read and set a job's remediation mode.
+            keys = f"~{prefix}:blocklist ~{prefix}:mode"
             cmds = ("+ping +hget +hgetall +hset +watch +unwatch +multi +exec +discard "
                     "+client|setname")
         case "agent":

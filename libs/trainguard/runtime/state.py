@@ -14,7 +14,7 @@ import msgspec
 
 from trainguard.contract.codec import decode_durable, encode_durable
 from trainguard.contract.errors import DecodeError
-from trainguard.contract.schemas import NodeHello, ProcessState
+from trainguard.contract.schemas import JobMode, NodeHello, ProcessState
 
 RankState = Literal["ok", "slow", "hung", "silent", "exited", "stopped"]
 
@@ -117,6 +117,12 @@ class Keys:
         """Hash host -> JSON :class:`BlocklistEntry`; written by the remediator only."""
         return self._k("blocklist")
 
+    def modes(self) -> str:
+        """Hash job -> JSON :class:`~trainguard.contract.schemas.JobMode`: whether the
+        remediator acts on a job or only observes it; written by ``trainguard observe`` /
+        ``trainguard act`` (the ``operator`` role), read by the remediator at each step."""
+        return self._k("mode")
+
     def dedupe(self, role: str, job: str) -> str:
         """Hash of entity keys a service has already acted on (survives its restart)."""
         return self._k("dedupe", role, job)
@@ -191,6 +197,22 @@ def read_blocklist_entry(data: bytes | str) -> BlocklistEntry:
     except DecodeError:
         text = data if isinstance(data, str) else data.decode(errors="replace")
         return BlocklistEntry(reason=text)
+
+
+_mode_decoder = msgspec.json.Decoder(JobMode)
+
+
+def encode_job_mode(mode: JobMode) -> bytes:
+    return msgspec.json.encode(mode)
+
+
+def read_job_mode(data: bytes | str) -> JobMode:
+    """A stored mode; a value that is not one (written by hand, garbled) observes every
+    action: when the operator's intent cannot be read, the safe side is to change nothing."""
+    try:
+        return _mode_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        return JobMode(mode="observe", by=f"unreadable mode ({exc}): observing everything")
 
 
 def encode_node_record(record: NodeRecord) -> bytes:

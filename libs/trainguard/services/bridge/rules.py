@@ -84,8 +84,17 @@ def culprit(inc: Incident) -> str:
     return who or "unknown"
 
 
+def observe_only(inc: Incident) -> bool:
+    """Some step was only observed (the job's observe-only mode): the page says what
+    trainguard would have done, and that it did not."""
+    return any(s.status == "observed" for s in inc.actions)
+
+
 def actions_text(inc: Incident) -> str:
-    return "; ".join(f"{s.action}: {s.status}" + (f" ({s.detail})" if s.detail else "")
+    """Each step and how it went; an observed one as what it would have done."""
+    return "; ".join(f"{s.action}: {s.detail or 'would have run it'} (observe-only)"
+                     if s.status == "observed" else
+                     f"{s.action}: {s.status}" + (f" ({s.detail})" if s.detail else "")
                      for s in inc.actions) or "none yet"
 
 
@@ -118,7 +127,8 @@ class Notice:
     def title(self) -> str:
         word = {"firing": "FIRING", "escalated": "ESCALATED", "failed": "FAILED",
                 "resolved": "RESOLVED"}[self.state]
-        return f"[{word}] {self.incident.job}: {self.incident.cause} ({self.culprit})"
+        mode = " [OBSERVE-ONLY]" if observe_only(self.incident) else ""
+        return f"[{word}]{mode} {self.incident.job}: {self.incident.cause} ({self.culprit})"
 
 
 def notice(inc: Incident, dashboard_url: str = "") -> Notice:
@@ -128,6 +138,8 @@ def notice(inc: Incident, dashboard_url: str = "") -> Notice:
         summary = f"{summary} | {inc.signature}"
     if inc.escalation:
         summary = f"{summary} | escalated: {inc.escalation}"
+    if observe_only(inc):
+        summary = f"{summary} | observe-only: trainguard carried out none of its decisions"
     return Notice(incident=inc, state=state_of(inc), severity=severity_of(inc),
                   summary=summary, culprit=culprit(inc), actions=actions_text(inc),
                   time_to_detect=seconds(phases.get("detect")),

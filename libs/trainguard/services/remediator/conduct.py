@@ -177,6 +177,47 @@ def act(inc: Incident, step: IncidentStep) -> Act:
             return Outcome("skipped", f"unknown action {step.action}")
 
 
+# -- observe-only ------------------------------------------------------------------------
+
+def would(act: Act) -> str | None:
+    """What carrying out ``act`` would have done, as a page reads it; None for what has no
+    effect of its own (an outcome, or a look at the job that leads to one of these)."""
+    match act:
+        case Save(deadline):
+            return f"would have saved a checkpoint now (deadline {deadline:g}s)"
+        case Rollback(below_step):
+            return f"would have rolled the job back below step {below_step}"
+        case Isolate(send):
+            return (f"would have isolated {send.host} (blocklisted it, run the isolate hook "
+                    "and told its agent)")
+        case Send(kind, hosts, params, host):
+            args = " ".join(f"{k}={v}" for k, v in sorted(params.items()))
+            to = f"to {host}" if host is not None else f"to every host ({', '.join(hosts)})"
+            return f"would have sent {kind} {to}" + (f" ({args})" if args else "")
+        case _:
+            return None
+
+
+def observe(inc: Incident, step: IncidentStep, act: Act,
+            observed: frozenset[str]) -> Outcome | None:
+    """``step`` is only recorded when its kind is observed (:func:`.engine.observing`) and
+    ``act`` would change something (a save, a rollback, a command, an isolation): the
+    outcome the shell records instead of carrying it out. None: carry it out.
+
+    Restarts and holds first look at the job as they would when acting (the launcher may
+    have restarted it already: then acting would have skipped it too), so the record
+    compares like with like; the command they end in is what is observed. Nothing
+    restarted the job, so resolution does not wait for a later attempt."""
+    if step.action not in observed:
+        return None
+    text = would(act)
+    if text is None:
+        return None
+    if isinstance(act, Send) and act.kind == "restart":
+        inc.restarted_attempt = None
+    return Outcome("observed", text)
+
+
 # -- restarts and holds ------------------------------------------------------------------
 
 def _in_place(inc: Incident, view: JobView) -> bool:

@@ -32,6 +32,7 @@ from .engine import (
     RESTARTING,
     JobView,
     Outcome,
+    acted,
     budget_spent,
     hold_steps,
     is_open,
@@ -145,7 +146,8 @@ def hold_reason(inc: Incident, view: JobView, policy: Policy) -> str | None:
         return None
     if launcher_exited(inc, view):
         return "every launcher of the job has exited"
-    if inc.cause not in CRASHING and not any(s.action in RESTARTING for s in inc.actions):
+    if inc.cause not in CRASHING and not any(s.action in RESTARTING and acted(s)
+                                             for s in inc.actions):
         return None  # nothing restarts this job: nothing loops
     if view.restarts_last_hour > policy.restart_budget_per_hour:
         return budget_spent(view, policy)
@@ -178,8 +180,16 @@ def resolved_by_progress(inc: Incident, view: JobView, restarted_attempt: int | 
 
 def resolution(inc: Incident, view: JobView, resolved_anomalies: Collection[str],
                policy: Policy, now: float) -> Resolution | None:
-    """Whether an incident whose steps have run ends now, and why."""
-    restarting = any(s.action in RESTARTING for s in inc.actions)
+    """Whether an incident whose steps have run ends now, and why.
+
+    A restart, rollback or isolation that was only observed restarted nothing: the
+    incident ends when the job recovers by itself (training passes the failure step, as
+    after torchrun's own restart, or its anomalies resolve), else it escalates at the
+    timeout (nobody recovered it)."""
+    restarting = any(s.action in RESTARTING and acted(s) for s in inc.actions)
+    if not restarting and observed_only(inc) and inc.failure_step is not None \
+            and resolved_by_progress(inc, view, None):
+        return "progress"
     if restarting and (recovery.resolved_in_place(inc, view, now) if recovery.in_place(inc)
                        else resolved_by_progress(inc, view, inc.restarted_attempt)):
         return "progress"
@@ -219,6 +229,11 @@ def review(inc: Incident, view: JobView, resolved_anomalies: Collection[str],
         return Review(save=noted)  # which path ran, and why: a revision of its own
     inc.actions.extend(hold_steps(inc, reason))
     return Review(hold=reason, save=True)
+
+
+def observed_only(inc: Incident) -> bool:
+    """Some step of ``inc`` was observed, not carried out (its job was in observe mode)."""
+    return any(s.status == "observed" for s in inc.actions)
 
 
 def needs_resume_step(inc: Incident, why: Resolution) -> bool:

@@ -29,6 +29,7 @@ from trainguard.contract.schemas import (
     Diagnosis,
     Incident,
     IncidentStep,
+    JobMode,
     RecoveryReport,
     StepStatus,
 )
@@ -279,10 +280,25 @@ def _identity(step: IncidentStep) -> tuple[str, bytes]:
 
 def merge_plan(current: Sequence[IncidentStep],
                planned: Sequence[IncidentStep]) -> list[IncidentStep]:
-    """A re-plan: the steps already done stay, then the new plan without what they did."""
-    done = [s for s in current if s.status == "done"]
-    did = {_identity(s) for s in done}
-    return done + [s for s in planned if _identity(s) not in did]
+    """A re-plan: the steps already done stay, then the new plan without what they did.
+    Steps observed (not carried out) stay as the record of what was decided, and do not
+    count as done: the new plan decides them again."""
+    kept = [s for s in current if s.status in ("done", "observed")]
+    did = {_identity(s) for s in kept if s.status == "done"}
+    return kept + [s for s in planned if _identity(s) not in did]
+
+
+# -- observe-only ------------------------------------------------------------------------
+
+def observing(policy: Policy, job: JobMode | None) -> frozenset[str]:
+    """The action kinds observed (decided, recorded and announced, not carried out) for a
+    job now: its own mode when an operator set one, else the policy's ``[observe]``."""
+    return (job if job is not None else policy.observe).observed()
+
+
+def acted(step: IncidentStep) -> bool:
+    """``step`` ran (it was not only observed), so its effects may be expected."""
+    return step.status != "observed"
 
 
 def replan(inc: Incident, d: Diagnosis, policy: Policy, view: JobView, now: float) -> None:
@@ -333,7 +349,7 @@ def conclude(inc: Incident, now: float) -> bool:
     if inc.mitigated_at is not None or not inc.actions:
         return False
     inc.mitigated_at = now
-    recovering = any(s.action in RESTARTING and s.status in ("done", "skipped")
+    recovering = any(s.action in RESTARTING and s.status in ("done", "skipped", "observed")
                      for s in inc.actions)
     if inc.escalation and not recovering:
         inc.status = "escalated"
@@ -415,9 +431,10 @@ def rollback_outcome(reply: RollbackReply | None, error: str = "") -> Outcome:
     return Outcome("done", f"resume pointer at step {reply.step}")
 
 
-ACTION_STATUS: Final[dict[StepStatus, Literal["sent", "acked", "failed", "skipped"]]] = {
+ACTION_STATUS: Final[dict[StepStatus, Literal["sent", "acked", "failed", "skipped",
+                                               "observed"]]] = {
     "done": "acked", "failed": "failed", "skipped": "skipped", "pending": "sent",
-    "sent": "sent"}
+    "sent": "sent", "observed": "observed"}
 
 
 def action_event(inc: Incident, step: IncidentStep, now: float) -> Action:

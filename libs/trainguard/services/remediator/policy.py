@@ -14,7 +14,13 @@ from typing import Annotated, Any, Final, Literal, get_args
 
 import msgspec
 
-from trainguard.contract.schemas import Cause
+from trainguard.contract.schemas import (
+    OBSERVABLE_ACTIONS,
+    Cause,
+    JobMode,
+    ObservableAction,
+    RunMode,
+)
 from trainguard.runtime.tomldecode import TomlError, convert, fail, parse
 
 CAUSES: Final = frozenset(get_args(Cause))
@@ -59,6 +65,9 @@ class Policy:
     """After a crash, how long to wait for the launcher's own restart before restarting."""
     """An unknown cause waits this long for a better diagnosis before a human is paged."""
     preflight: PreflightPolicy = field(default_factory=lambda: PreflightPolicy())
+    observe: JobMode = field(default_factory=JobMode)
+    """``[observe]``: the mode of every job that has none of its own (``trainguard observe``
+    / ``act`` set one, and it wins)."""
     source: str = field(default="", compare=False)
 
     def for_cause(self, cause: str) -> CausePolicy:
@@ -113,16 +122,28 @@ class PreflightFile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 if (v := getattr(self, f)) is not msgspec.UNSET}
 
 
+class ObserveFile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``[observe]`` as written (a key left out: the shipped value)."""
+
+    mode: RunMode | msgspec.UnsetType = msgspec.UNSET
+    actions: list[ObservableAction] | msgspec.UnsetType = msgspec.UNSET
+
+    def given(self) -> dict[str, Any]:
+        return {f: v for f in self.__struct_fields__
+                if (v := getattr(self, f)) is not msgspec.UNSET}
+
+
 class PolicyFile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     defaults: DefaultsFile = msgspec.field(default_factory=DefaultsFile)
     preflight: PreflightFile = msgspec.field(default_factory=PreflightFile)
+    observe: ObserveFile = msgspec.field(default_factory=ObserveFile)
     causes: dict[str, dict[str, Any]] = {}
     notify: dict[str, Any] = {}
     """``[notify]``: the bridge's routes; it decodes them itself."""
 
 
 def _decode(text: str, source: str) -> tuple[DefaultsFile, dict[str, CausePolicy],
-                                             PreflightFile]:
+                                             PreflightFile, ObserveFile]:
     try:
         doc = convert(parse(text, source), PolicyFile, text=text, source=source)
         causes: dict[str, CausePolicy] = {}
@@ -135,11 +156,17 @@ def _decode(text: str, source: str) -> tuple[DefaultsFile, dict[str, CausePolicy
                                         float(c.isolate_if_sustained_s))
     except TomlError as exc:  # the remediator's own type, for callers that catch it
         raise PolicyError(exc.source, exc.line, _known(exc.message)) from None
-    return doc.defaults, causes, doc.preflight
+    return doc.defaults, causes, doc.preflight, doc.observe
 
 
 def _known(message: str) -> str:
     """msgspec names a bad enum value; on-call also wants the choices."""
+    if (m := re.search(r"observe\.mode: Invalid enum value (\S+)", message)):
+        return f"{message[:m.start()]}observe.mode: unknown mode {m.group(1)}; known: act, observe"
+    if (m := re.search(r"observe\.actions(\[\d+\])?: Invalid enum value (\S+)", message)):
+        return (f"{message[:m.start()]}observe.actions: {m.group(2)} cannot be observed; "
+                f"observable: {', '.join(sorted(OBSERVABLE_ACTIONS))} (alert and escalate "
+                "change nothing and always run)")
     if (m := re.search(r"\.actions: Invalid enum value (\S+)", message)):
         return (f"{message[:m.start()]}.actions: unknown action {m.group(1)}; known: "
                 f"{', '.join(sorted(ACTIONS))}")
@@ -148,9 +175,9 @@ def _known(message: str) -> str:
 
 def parse_policy(text: str, source: str = "<policy>") -> Policy:
     """A policy file's text as a :class:`Policy` (unset defaults: the built-in ones)."""
-    defaults, causes, preflight = _decode(text, source)
+    defaults, causes, preflight, observe = _decode(text, source)
     return Policy(causes=causes, source=source, preflight=PreflightPolicy(**preflight.given()),
-                  **defaults.given())
+                  observe=JobMode(**observe.given()), **defaults.given())
 
 
 def load_policy(path: str | Path | None = None) -> Policy:
@@ -163,8 +190,11 @@ def load_policy(path: str | Path | None = None) -> Policy:
         text = p.read_text()
     except OSError as exc:
         raise PolicyError(str(p), 0, f"cannot read policy file: {exc.strerror}") from None
-    defaults, causes, preflight = _decode(text, str(p))
+    defaults, causes, preflight, observe = _decode(text, str(p))
     merged = {k: getattr(base, k) for k in DefaultsFile.__struct_fields__} | defaults.given()
     gate = PreflightPolicy(**({"on_fail": base.preflight.on_fail,
                                "on_warn": base.preflight.on_warn} | preflight.given()))
-    return Policy(causes={**base.causes, **causes}, source=str(p), preflight=gate, **merged)
+    watch = JobMode(**({"mode": base.observe.mode, "actions": list(base.observe.actions)}
+                       | observe.given()))
+    return Policy(causes={**base.causes, **causes}, source=str(p), preflight=gate,
+                  observe=watch, **merged)

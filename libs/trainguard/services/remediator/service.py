@@ -332,7 +332,10 @@ class RemediatorService(Service[RemediatorSettings]):
             if inc is None or move.index is None or move.grace:
                 return move, inc
             step = inc.actions[move.index]
-            await self._do(inc, step, functools.partial(self._save, inc, publish=False))
+            # Read as the step is about to take effect: a switch applies from the next step.
+            observed = rules.observing(self.policy, await self.store.mode(inc.job))
+            await self._do(inc, step, functools.partial(self._save, inc, publish=False),
+                           observed)
             rules.finish_step(inc, step)
             # Saved before it is announced: a publish that fails now cannot run it again.
             await self._save(inc)
@@ -340,7 +343,8 @@ class RemediatorService(Service[RemediatorSettings]):
                                              rules.action_event(inc, step, time.time()))
             return move, inc
 
-    async def _do(self, inc: Incident, step: IncidentStep, persist: Persist) -> None:
+    async def _do(self, inc: Incident, step: IncidentStep, persist: Persist,
+                  observed: frozenset[str] = frozenset()) -> None:
         with self.runtime.tracer.start_as_current_span(
             f"act {step.action}", attributes={"trainguard.job": inc.job,
                                               "trainguard.incident": inc.id,
@@ -348,7 +352,7 @@ class RemediatorService(Service[RemediatorSettings]):
                                               "trainguard.action": step.action},
         ) as span:
             try:
-                await self._carry_out(inc, step, conduct.act(inc, step), persist)
+                await self._carry_out(inc, step, conduct.act(inc, step), persist, observed)
             except NotLeader:
                 raise
             except TRANSIENT_ERRORS:
@@ -358,8 +362,14 @@ class RemediatorService(Service[RemediatorSettings]):
             span.set_attribute("trainguard.outcome", step.status)
 
     async def _carry_out(self, inc: Incident, step: IncidentStep, act: conduct.Act,
-                         persist: Persist) -> None:
-        """Do what :func:`.conduct.act` (or a look at the job) decided for ``step``."""
+                         persist: Persist, observed: frozenset[str] = frozenset()) -> None:
+        """Do what :func:`.conduct.act` (or a look at the job) decided for ``step``; in
+        observe mode (``observed``) record what it would have done instead
+        (:func:`.conduct.observe`): no command, no blocklist entry, no hook, no count."""
+        recorded = conduct.observe(inc, step, act, observed)
+        if recorded is not None:
+            step.status, step.detail = recorded
+            return
         match act:
             case Outcome(status, detail):
                 step.status, step.detail = status, detail
@@ -381,10 +391,12 @@ class RemediatorService(Service[RemediatorSettings]):
                 view = await self.store.view(inc.job, inc.cause)
                 for wait in conduct.restart_waits(inc, step, self.policy):
                     view = await self._wait(inc, view, wait)
-                await self._carry_out(inc, step, conduct.restart(inc, step, view), persist)
+                await self._carry_out(inc, step, conduct.restart(inc, step, view), persist,
+                                      observed)
             case conduct.Hold():
                 view = await self.store.view(inc.job, inc.cause)
-                await self._carry_out(inc, step, conduct.hold(inc, step, view), persist)
+                await self._carry_out(inc, step, conduct.hold(inc, step, view), persist,
+                                      observed)
 
     async def _wait(self, inc: Incident, view: rules.JobView,
                     wait: conduct.Wait) -> rules.JobView:

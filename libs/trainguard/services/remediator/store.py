@@ -21,7 +21,7 @@ from redis.exceptions import WatchError
 
 from trainguard.contract.codec import decode_durable, encode_durable
 from trainguard.contract.errors import DecodeError
-from trainguard.contract.schemas import Diagnosis, Incident, NodeHello, RecoveryReport
+from trainguard.contract.schemas import Diagnosis, Incident, JobMode, NodeHello, RecoveryReport
 from trainguard.runtime.state import (
     BlocklistEntry,
     Keys,
@@ -31,6 +31,7 @@ from trainguard.runtime.state import (
     encode_blocklist_entry,
     encode_node_record,
     read_blocklist_entry,
+    read_job_mode,
 )
 
 from .endings import HOUR, attempt_member, attempt_of, in_job, supersedes
@@ -175,6 +176,11 @@ class Store:
                     return True
                 except WatchError:
                     continue
+
+    async def mode(self, job: str) -> JobMode | None:
+        """The job's own mode (``trainguard observe`` / ``act``); None: the policy's."""
+        raw = await self.redis.hget(self.keys.modes(), job)
+        return read_job_mode(raw) if raw is not None else None
 
     # -- what a decision sees -------------------------------------------------------------
     async def view(self, job: str, cause: str) -> JobView:
