@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from bench_client import Block  # the same transformer block
 from torch import nn
 
 import trainguard
@@ -44,20 +45,6 @@ class Handle:
 
     n: int
     batch_fault: BatchFault | None = None
-
-
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
-        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-
-    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
-        h = self.ln1(x)
-        x = x + self.attn(h, h, h, key_padding_mask=pad, need_weights=False)[0]
-        out: torch.Tensor = x + self.mlp(self.ln2(x))
-        return out
 
 
 class TinyLM(nn.Module):

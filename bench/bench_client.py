@@ -58,10 +58,12 @@ class Block(nn.Module):
         self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
         self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pad: torch.Tensor | None = None) -> torch.Tensor:
+        """``pad``: True where a position is padding (attention skips it)."""
         h = self.ln1(x)
-        x = x + self.attn(h, h, h, need_weights=False)[0]
-        return x + self.mlp(self.ln2(x))
+        x = x + self.attn(h, h, h, key_padding_mask=pad, need_weights=False)[0]
+        out: torch.Tensor = x + self.mlp(self.ln2(x))
+        return out
 
 
 class TinyLM(nn.Module):

@@ -33,7 +33,7 @@ DataPolicy = Literal["refuse", "alert"]
 raise an alert with the differing files."""
 DATA_POLICIES: frozenset[str] = frozenset(get_args(DataPolicy))
 
-T = TypeVar("T")
+V = TypeVar("V", "DatasetManifest", "RunRecord")
 
 
 class ManifestEntry(msgspec.Struct, kw_only=True):
@@ -124,11 +124,7 @@ def encode_manifest(manifest: DatasetManifest) -> bytes:
 
 
 def decode_manifest(data: bytes) -> DatasetManifest:
-    manifest = _decode(data, DatasetManifest, "dataset manifest")
-    if manifest.version != MANIFEST_VERSION:
-        raise DecodeError(f"dataset manifest version {manifest.version} is not supported "
-                          f"(this trainguard reads version {MANIFEST_VERSION})")
-    return manifest
+    return _decode(data, DatasetManifest, "dataset manifest", MANIFEST_VERSION)
 
 
 def encode_run_record(record: RunRecord) -> bytes:
@@ -136,15 +132,17 @@ def encode_run_record(record: RunRecord) -> bytes:
 
 
 def decode_run_record(data: bytes) -> RunRecord:
-    record = _decode(data, RunRecord, "run record")
-    if record.version != RUN_RECORD_VERSION:
-        raise DecodeError(f"run record version {record.version} is not supported "
-                          f"(this trainguard reads version {RUN_RECORD_VERSION})")
-    return record
+    return _decode(data, RunRecord, "run record", RUN_RECORD_VERSION)
 
 
-def _decode(data: bytes, kind: type[T], what: str) -> T:
+def _decode(data: bytes, kind: type[V], what: str, version: int) -> V:
+    """``data`` as ``kind``, refused when it is not one or is of a version this reader
+    does not know (a newer writer's file is refused, never half read)."""
     try:
-        return msgspec.json.decode(data, type=kind)
+        value = msgspec.json.decode(data, type=kind)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise DecodeError(f"invalid {what}: {exc}") from None
+    if value.version != version:
+        raise DecodeError(f"{what} version {value.version} is not supported "
+                          f"(this trainguard reads version {version})")
+    return value
