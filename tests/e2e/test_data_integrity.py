@@ -31,6 +31,7 @@ from tests.e2e.conftest import job_env, torchrun
 from tests.e2e.test_in_place import (
     OFTEN_SYNC,
     InPlaceCluster,
+    running,
     survivors_kept,
     uninterrupted,
 )
@@ -75,12 +76,8 @@ async def cluster(tmp_path: Path, job: str, request: pytest.FixtureRequest
     bad = ["--bad-batch-at", f"2:{BAD_STEP}"] if "nan_batch" in request.node.name else []
     c = InPlaceCluster(tmp_path, job, ["--loader", "stateful", "--samples-file",
                                        str(tmp_path / "samples.txt"), *OFTEN_SYNC, *bad])
-    try:
-        await c.start(timeout=150)
-        await c.watch()
+    async with running(c):
         yield c
-    finally:
-        await c.stop()
 
 
 def baseline(tmp_path: Path, nats_url: str, prefix: str, *extra: str

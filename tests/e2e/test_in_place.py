@@ -18,7 +18,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -41,6 +41,7 @@ RARE_SYNC = ["--sync-every", "1000", "--pg-timeout", "30"]
 ``sync_every`` steps, so only the rollback test needs them often."""
 OFTEN_SYNC = ["--sync-every", "5"]
 HOST_OF = {0: "node-a", 1: "node-a", 2: "node-b", 3: "node-b"}
+C = TypeVar("C", bound="InPlaceCluster")
 
 
 class InPlaceCluster(Cluster):
@@ -168,6 +169,13 @@ async def cluster(tmp_path: Path, job: str, request: pytest.FixtureRequest
                                        *(["--ddp"] if "ddp" in name else [])],
                        *((("node-a", "node-b", "node-c"), 1) if three else ()),
                        **({"steps": 100_000} if back else {}))
+    async with running(c):
+        yield c
+
+
+@contextlib.asynccontextmanager
+async def running(c: C) -> AsyncIterator[C]:
+    """``c`` started and watched, then stopped whatever happens."""
     try:
         await c.start(timeout=150)
         await c.watch()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import wait_until
-from tests.e2e.test_in_place import InPlaceCluster, survivors_kept
+from tests.e2e.test_in_place import InPlaceCluster, running, survivors_kept
 from trainguard.demo.cluster import Cluster
 
 pytestmark = pytest.mark.timeout(420)
@@ -35,12 +35,8 @@ class ReadmeCluster(InPlaceCluster):
 @pytest.fixture
 async def cluster(tmp_path: Path) -> AsyncIterator[ReadmeCluster]:
     c = ReadmeCluster(tmp_path, "llama-8b", [])
-    try:
-        await c.start(timeout=150)
-        await c.watch()
+    async with running(c):
         yield c
-    finally:
-        await c.stop()
 
 
 async def test_the_readme_loop_recovers_a_killed_rank_in_place(cluster: ReadmeCluster) -> None:
