@@ -76,8 +76,9 @@ async def _demo(args: argparse.Namespace, faults: list, workdir: Path) -> int:  
                 shown = 0
                 while not refresh.is_set():
                     for t, text in cluster.observer.timeline[shown:]:
+                        # An error's text ("[/__w/.../pair.cc:553]") is not markup.
                         console.print(time.strftime("%H:%M:%S ", time.localtime(t)) + text,
-                                      highlight=False)
+                                      highlight=False, markup=False)
                     shown = len(cluster.observer.timeline)
                     await asyncio.sleep(0.5)
                 return

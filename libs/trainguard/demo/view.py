@@ -7,6 +7,7 @@ import time
 from rich.console import Group
 from rich.panel import Panel
 from rich.table import Table
+from rich.text import Text
 
 from .cluster import Observer
 from .runner import Outcome
@@ -24,7 +25,7 @@ def live(obs: Observer, title: str, lines: int = 14) -> Group:
                       f"[red]{age:.0f}s ago[/]" if age > 3 else "now")
     events = "\n".join(time.strftime("%H:%M:%S ", time.localtime(t)) + text
                        for t, text in obs.timeline[-lines:]) or "(no events yet)"
-    return Group(ranks, Panel(events, title="incident timeline"))
+    return Group(ranks, Panel(Text(events), title="incident timeline"))  # text, not markup
 
 
 def summary(outcomes: list[Outcome], goodput: float, how: str = "") -> Table:
