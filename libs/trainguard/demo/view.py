@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from rich.console import Group
+from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -38,5 +39,5 @@ def summary(outcomes: list[Outcome], goodput: float, how: str = "") -> Table:
         table.add_row(o.fault.name, str(o.injected_step), o.seconds(o.detected_at),
                       o.cause or "-", " ".join(o.actions) or "-", o.seconds(o.recovered_at),
                       "-" if o.steps_lost is None else str(o.steps_lost),
-                      "[green]ok[/]" if o.ok else f"[red]{'; '.join(o.problems)}[/]")
+                      "[green]ok[/]" if o.ok else f"[red]{escape('; '.join(o.problems))}[/]")
     return table
