@@ -459,11 +459,11 @@ class Checkpointer:
         error = ""
         try:
             metadata = upload.result()
-            if as_of.group_rank == 0:
-                self._write_run_record(path)
             names = _written_names(metadata, path)
             for name in rank_files(names, as_of.group_rank):
                 files[name] = file_digest(path / name)
+            if as_of.group_rank == 0 and (written := self._write_run_record(path)):
+                files[written.name] = file_digest(written)  # committed and verified too
         except _save_errors() as exc:
             self._fail(exc)
             error = _describe(exc)
@@ -473,7 +473,10 @@ class Checkpointer:
         self._publish(report)
         return report
 
-    def _write_run_record(self, path: Path) -> None:
+    def _write_run_record(self, path: Path) -> Path | None:
+        """``run.json`` in the checkpoint directory (None where it could not be written:
+        the checkpoint stands without it). Group rank 0 reports it with its files, so the
+        coordinator commits and verifies it with the rest."""
         from trainguard.runs import collect_run_record, write_run_record  # 25 ms: not at start
 
         try:
@@ -481,9 +484,10 @@ class Checkpointer:
                 self.run_record = collect_run_record(
                     job=self.guard.job, seed=getattr(self.guard, "seed", None),
                     manifest=self.manifest, config=self.run_config)
-            write_run_record(path, self.run_record)
-        except (OSError, TrainguardError) as exc:  # the checkpoint stands without it
+            return write_run_record(path, self.run_record)
+        except (OSError, TrainguardError) as exc:
             log.warning("run record not written to %s: %s", path, exc)
+            return None
 
     def _fail(self, exc: BaseException) -> None:
         """A collective that timed out or lost a peer leaves the side group out of step with
