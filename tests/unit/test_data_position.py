@@ -66,8 +66,15 @@ def test_each_epoch_is_reshuffled_through_set_epoch() -> None:
     assert sampler.epoch == 1 and sorted(e0) == sorted(e1) == DATA and e0 != e1
 
 
-def test_an_abandoned_step_reads_its_batch_again() -> None:
+def rewindable() -> Batches:
+    """As under an in-place recovery (its hook sets ``rewinds``)."""
     b = Batches(stateful())
+    b.rewinds = True
+    return b
+
+
+def test_an_abandoned_step_reads_its_batch_again() -> None:
+    b = rewindable()
     first = [ids(b.next(n)) for n in range(4)]
     assert b.position_before(3) is not None and b.position_before(7) is None
     b.rewind(3, shared=None)  # step 3 was abandoned: run again
@@ -78,13 +85,20 @@ def test_an_abandoned_step_reads_its_batch_again() -> None:
 
 
 def test_a_replacement_takes_the_shared_position() -> None:
-    source = Batches(stateful())
+    source = rewindable()
     batches = [ids(source.next(n)) for n in range(6)]
     shared = source.position_before(5)
-    fresh = Batches(stateful())
+    fresh = rewindable()
     assert fresh.position_before(5) is None
     fresh.rewind(5, shared)
     assert ids(fresh.next(5)) == batches[5]
+
+
+def test_without_an_in_place_recovery_no_position_is_kept_by_step() -> None:
+    b = Batches(stateful())
+    assert not b.rewinds
+    [b.next(n) for n in range(3)]
+    assert b.position_before(2) is None and b.position_before(3) is not None
 
 
 def test_an_empty_loader_is_an_error_not_a_loop() -> None:

@@ -144,6 +144,9 @@ class Reports:
         self.grad_spike_factor = grad_spike_factor
         self.norms: deque[float] = deque(maxlen=GRAD_SPIKE_WINDOW)
         """The recent finite gradient norms (the spike baseline)."""
+        self._baseline: float | None = None
+        """Their median, taken again every ``GRAD_SPIKE_WARMUP`` norms: a step pays a
+        comparison, not a sort."""
         self.grad_examinations = 0
         """Steps whose gradients were examined parameter by parameter (bad steps only)."""
         self._grads_step: int | None = None
@@ -245,6 +248,8 @@ class Reports:
                 if self._spike(norm):
                     self._name_spike(report)
                 self.norms.append(norm)
+                if len(self.norms) % GRAD_SPIKE_WARMUP == 0:
+                    self._baseline = statistics.median(self.norms)
         if self.report_every == 1:
             self.publish_step(report)
             return
@@ -254,9 +259,8 @@ class Reports:
 
     def _spike(self, norm: float) -> bool:
         """``norm`` is above ``grad_spike_factor`` times the recent finite norms' median."""
-        if not self.grad_spike_factor or len(self.norms) < GRAD_SPIKE_WARMUP:
-            return False
-        return norm > self.grad_spike_factor * statistics.median(self.norms)
+        return bool(self.grad_spike_factor) and self._baseline is not None \
+            and norm > self.grad_spike_factor * self._baseline
 
     def _model_with_grads_of(self, report: StepReport) -> Any:
         """The model, if its gradients are still the ones of ``report``'s step."""
