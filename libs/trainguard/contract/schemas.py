@@ -404,6 +404,10 @@ class CheckpointReport(Durable, kw_only=True):
     (the save's start stands in)."""
     topology: Topology | None = None
     """How the saving job laid its state out (None from older clients)."""
+    format: str = "dcp"
+    """Who wrote the files: ``dcp`` (the Checkpointer; a DCP ``.metadata`` is required) or a
+    framework's own format (``lightning``, ``hf``, ...), committed and verified the same
+    way but loaded by that framework."""
 
 
 StateKind = Literal["replicated", "sharded", "hybrid"]

@@ -206,6 +206,11 @@ class Checkpointer:
         run_config: the trainer's configuration (JSON-able), kept in the run record
             (``run.json``: code version, packages, hardware, environment, seeds, manifest)
             that group rank 0 writes beside every checkpoint (``trainguard runs show``).
+        saver: how a ``save_now`` saves when a framework writes its own checkpoints (the
+            Lightning and Hugging Face callbacks): ``saver(S)`` saves completed step S, or
+            arranges the save of a later step (a framework that saves only at a step's
+            end), and returns the step it saves, which it then reports with :meth:`commit`.
+            Default: :meth:`save` of the attached model and optimizer.
     """
 
     def __init__(self, guard: GuardHandle, root: str | os.PathLike[str], *,
@@ -214,8 +219,8 @@ class Checkpointer:
                  extra_fn: ExtraFn | None = None, memory: Every | None = "auto",
                  memory_keep: int = 3, data: Batches | None = None,
                  manifest: DatasetManifest | str | os.PathLike[str] | None = None,
-                 data_policy: str = "refuse", run_config: Mapping[str, Any] | None = None
-                 ) -> None:
+                 data_policy: str = "refuse", run_config: Mapping[str, Any] | None = None,
+                 saver: Callable[[int], int] | None = None) -> None:
         if data_policy not in DATA_POLICIES:
             raise ConfigError(f"data_policy={data_policy!r}: refuse (stop the job) or alert "
                               "(log and go on) when the data differs from the manifest")
@@ -227,6 +232,7 @@ class Checkpointer:
         self.manifest = manifest
         self.data_policy = data_policy
         self.run_config = run_config
+        self.saver = saver
         self.run_record: RunRecord | None = None
         """What group rank 0 writes as ``run.json`` (collected at its first save, off the
         training thread)."""
@@ -375,6 +381,62 @@ class Checkpointer:
                                               blocking=False, blocked=blocked,
                                               as_of=self._as_of())
 
+    def commit(self, step: int, *, format: str,
+               path: str | os.PathLike[str] | None = None) -> None:
+        """Report a checkpoint a framework wrote itself (Lightning's, the Hugging Face
+        Trainer's, torchtitan's), so the coordinator verifies and commits it as it does the
+        Checkpointer's own, and resumes and rollbacks find it.
+
+        Collective, once every rank's part of the save returned. The ranks meet on the side
+        group, so every file is on disk; then group rank 0 reports each file directly in
+        ``path`` (default :meth:`path_for`) with its checksum, on the background thread,
+        and the others report none: which rank wrote which file is the framework's
+        business. ``format`` names the framework (the coordinator requires DCP's
+        ``.metadata`` only of ``dcp``)."""
+        if step == self._last_step:
+            return
+        self.wait()
+        self._last_step = step
+        t0 = time.perf_counter()
+        where = Path(path) if path is not None else self.path_for(step)
+        as_of = self._as_of()
+        try:
+            if self.distributed and self.world_size > 1:
+                dist.barrier(group=self.group)
+        except Exception as exc:  # a peer lost mid-save: the group restarts anyway
+            self._fail(exc)
+            self._publish(self._report(step, where, {}, time.perf_counter() - t0,
+                                       time.perf_counter() - t0, _describe(exc), as_of=as_of,
+                                       format=format))
+            return
+        self._pending = self._finisher.submit(self._finish_files, step, where, t0, as_of,
+                                              format)
+
+    def _finish_files(self, step: int, path: Path, t0: float, as_of: _SaveContext,
+                      format: str) -> CheckpointReport:
+        """Background thread of :meth:`commit`: digest and report a framework's files."""
+        files: dict[str, FileDigest] = {}
+        error = ""
+        if as_of.group_rank == 0:
+            try:
+                entries = sorted(path.iterdir())
+                if not entries:
+                    raise FileNotFoundError(f"{path} holds no files")
+                nested = [e.name for e in entries if e.is_dir()]
+                if nested:
+                    raise ValueError(f"{path} holds directories ({', '.join(nested[:3])}): "
+                                     "only files directly in a checkpoint are verified")
+                for entry in entries:
+                    files[entry.name] = file_digest(entry)
+                if (written := self._write_run_record(path)):
+                    files[written.name] = file_digest(written)
+            except (OSError, ValueError) as exc:
+                error = _describe(exc)
+        total = time.perf_counter() - t0
+        report = self._report(step, path, files, 0.0, total, error, as_of=as_of, format=format)
+        self._publish(report)
+        return report
+
     def _stager_(self) -> DefaultStager | None:
         """The staging cache, made at the first async save (it imports all of DCP, which
         must not happen before the first step)."""
@@ -502,8 +564,8 @@ class Checkpointer:
         log.warning("checkpoint save failed: %s", _describe(exc))
 
     def _report(self, step: int, path: Path, files: dict[str, FileDigest], blocked: float,
-                total: float, error: str,
-                as_of: _SaveContext | None = None) -> CheckpointReport:
+                total: float, error: str, as_of: _SaveContext | None = None,
+                format: str = "dcp") -> CheckpointReport:
         g = self.guard
         as_of = as_of or self._as_of()
         return CheckpointReport(
@@ -512,7 +574,7 @@ class Checkpointer:
             seconds_blocked=blocked, seconds_total=total, files=files,
             attempt=g.identity.attempt.restart_count, group_token=as_of.group_token,
             ok=not error, error=error[:2000], time=time.time(), state_since=as_of.state_since,
-            topology=as_of.topology)
+            topology=as_of.topology, format=format)
 
     def _publish(self, report: CheckpointReport) -> None:
         with self._lock:
@@ -724,6 +786,10 @@ class Checkpointer:
         step = cmd.at_step if cmd.at_step is not None else self._completed_step()
         if step is None:
             raise RuntimeError("no step has completed yet: nothing to save")
+        if self.saver is not None:
+            if step == self._last_step:
+                return f"step={step} already saved"
+            return f"step={self.saver(step)} saving"
         model = self.guard.model if self.guard.model is not None else self._model
         optimizer = self.guard.optimizer if self.guard.optimizer is not None else self._optimizer
         if model is None:
