@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +62,8 @@ class FrameworkRun:
         self.save_requested: int | None = None
         """The step a ``save_now`` asked for, saved at the end of that step or the next."""
         self.guard.checkpoint_root = str(self.root)
+        self._point: ResumePoint | None = None
+        self._asked_at = 0.0
 
     @property
     def job_dir(self) -> Path:
@@ -70,7 +73,16 @@ class FrameworkRun:
         """The newest committed checkpoint (the coordinator, else ``<root>/<job>/LATEST``),
         asked by this rank alone: frameworks take the path before their process group
         exists. :meth:`agree` checks, once it does, that every rank got the same."""
-        return self.guard.resume_point(str(self.root))
+        self._asked_at = time.time()
+        self._point = self.guard.resume_point(str(self.root))
+        return self._point
+
+    def loaded(self) -> None:
+        """The framework restored the resume point (its first step is next): the incident
+        learns where the job came back and where the time went."""
+        if self._point is not None and self.checkpointer is not None:
+            self.checkpointer.resumed(self._point, ready=self._asked_at, loaded=time.time())
+            self._point = None
 
     def start(self, model: Any, optimizer: Any) -> Checkpointer:
         """After the framework's process group is up (collective: the Checkpointer makes

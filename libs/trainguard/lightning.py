@@ -68,6 +68,7 @@ class Trainguard(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.guard.attach(pl_module, trainer.optimizers[0] if trainer.optimizers else None)
+        self.run.loaded()
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                              batch: Any, batch_idx: int) -> None:

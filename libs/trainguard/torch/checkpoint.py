@@ -633,6 +633,12 @@ class Checkpointer:
         self._agree_loadable(found, refusal=DataRefused, what="has other data than the "
                              "manifest says")
 
+    def resumed(self, point: ResumePoint, *, ready: float, loaded: float) -> None:
+        """A framework loaded ``point`` itself (its own format): tell the incident where the
+        restarted job came back and where the time went, as :meth:`resume` does. ``ready``:
+        when the rank asked for the point; ``loaded``: when the state was in place."""
+        self._report_resume(point, point.step, [], ready, loaded)
+
     def _report_resume(self, point: ResumePoint, newest: int | None, failures: list[str],
                        ready: float, loaded: float) -> None:
         """Group rank 0 tells the incident where the restarted job came back, what it

@@ -187,8 +187,7 @@ class CheckpointerService(Service[CheckpointerSettings]):
         try:
             verdict = await asyncio.to_thread(
                 verify_checkpoint, reports, rec.world_size, mode=self.settings.verify,
-                require_metadata=self.settings.require_metadata
-                and all(rep.format == "dcp" for rep in reports.values()))
+                require_metadata=self.settings.require_metadata)
         finally:
             if keepalive:
                 keepalive.cancel()

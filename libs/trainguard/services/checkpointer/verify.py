@@ -37,7 +37,9 @@ def _safe_name(name: str) -> bool:
 
 def verify_checkpoint(reports: Mapping[int, CheckpointReport], world_size: int, *,
                       mode: str = "size", require_metadata: bool = True) -> Integrity:
-    """Judge one checkpoint from its reports (by rank) and the files on disk."""
+    """Judge one checkpoint from its reports (by rank) and the files on disk.
+    ``require_metadata`` asks DCP's ``.metadata`` of checkpoints the Checkpointer wrote
+    (format ``dcp``), not of a framework's own."""
     missing = [r for r in range(world_size) if r not in reports]
     failed = {r: rep.error or "failed without a reason" for r, rep in reports.items()
               if not rep.ok}
@@ -91,7 +93,9 @@ def verify_checkpoint(reports: Mapping[int, CheckpointReport], world_size: int, 
                     problems.append(f"rank {rank}: {name} checksum {crc:#010x} differs from "
                                     f"reported {digest.crc32:#010x}")
                     bad.add(rank)
-    if require_metadata and METADATA_FILE not in names:
+    # DCP's .metadata is what a DCP load opens first; a framework's own format has its own.
+    dcp = any(rep.format == "dcp" for rep in reports.values())
+    if require_metadata and dcp and METADATA_FILE not in names:
         problems.append(f"no rank reported {METADATA_FILE} (the checkpoint cannot be loaded)")
     if problems:
         shown = "; ".join(problems[:10])
