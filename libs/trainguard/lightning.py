@@ -88,9 +88,8 @@ class Trainguard(Callback):
         step = self.run.steps.current
         if step is None or trainer.global_step <= step.n:
             return  # accumulating: the optimizer has not stepped yet
-        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        if loss is not None and hasattr(loss, "detach"):
-            self.run.steps.report(loss=loss.detach())
+        # Lightning hands the step's loss detached; the Guard reads it later, unsynced.
+        self.run.steps.report(loss=outputs.get("loss") if isinstance(outputs, dict) else outputs)
         if self.run.steps.end() and self.run.save_due(step.n):
             path = self.path_for(step.n)
             trainer.save_checkpoint(path / CHECKPOINT_FILE, weights_only=False)
