@@ -20,13 +20,11 @@ class FrameworkCluster(InPlaceCluster):
 
     def __init__(self, workdir: Path, job: str, module: str, steps: int) -> None:
         super().__init__(workdir, job, [], steps=steps)
-        self.module = module
+        self.trainer_argv = [module]
+        self.step_time, self.ckpt_every = 0.1, CKPT_EVERY
 
     def launch_argv(self, host: str) -> list[str]:
-        argv = Cluster.launch_argv(self, host)
-        return [*argv[:argv.index("--") + 1], self.module, "--job", self.job,
-                "--root", str(self.workdir / "ckpt"), "--steps", str(self.steps),
-                "--step-time", "0.1", "--ckpt-every", str(CKPT_EVERY)]
+        return Cluster.launch_argv(self, host)  # not the toy trainer's in-place flags
 
 
 async def crash_and_resume(c: FrameworkCluster, rank: int) -> Incident:

@@ -141,8 +141,12 @@ class Cluster:
     def __init__(self, workdir: Path, job: str, *, steps: int, step_time: float,
                  ckpt_every: int, model: str = "lm", quiet: bool = True,
                  plane_env: dict[str, str] | None = None,
-                 hosts: tuple[str, ...] = HOSTS, nproc: int = 2, in_place: bool = False) -> None:
+                 hosts: tuple[str, ...] = HOSTS, nproc: int = 2, in_place: bool = False,
+                 trainer: list[str] | None = None) -> None:
         self.workdir = workdir
+        self.trainer_argv = trainer
+        """What the agents run after ``-m --`` instead of the toy trainer: a module taking
+        ``--job --root --steps --step-time --ckpt-every`` (the framework examples)."""
         self.in_place = in_place
         """The trainer recovers in place (``--in-place``: a lost rank is replaced while the
         others keep their processes, a rollback reloads in-process); else every recovery
@@ -239,11 +243,16 @@ class Cluster:
         self._spawn(host, self.launch_argv(host), self.agent_env())
 
     def launch_argv(self, host: str) -> list[str]:
-        return [sys.executable, "-m", "trainguard", "launch", "--job", self.job, "--host", host,
-                "--allow-drills", "--nnodes", f"1:{len(self.hosts)}",
-                "--nproc-per-node", str(self.nproc),
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.rdzv_port}",
-                "--rdzv-id", self.job, "--local-addr", "127.0.0.1", "-m", "--",
+        agent = [sys.executable, "-m", "trainguard", "launch", "--job", self.job, "--host", host,
+                 "--allow-drills", "--nnodes", f"1:{len(self.hosts)}",
+                 "--nproc-per-node", str(self.nproc),
+                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.rdzv_port}",
+                 "--rdzv-id", self.job, "--local-addr", "127.0.0.1", "-m", "--"]
+        if self.trainer_argv is not None:
+            return [*agent, *self.trainer_argv, "--job", self.job,
+                    "--root", str(self.workdir / "ckpt"), "--steps", str(self.steps),
+                    "--step-time", str(self.step_time), "--ckpt-every", str(self.ckpt_every)]
+        return [*agent,
                 "trainguard.examples.toy_trainer", "--job", self.job, "--model", self.model,
                 "--steps", str(self.steps), "--step-time", str(self.step_time),
                 "--ckpt-root", str(self.workdir / "ckpt"), "--ckpt-every", str(self.ckpt_every),
