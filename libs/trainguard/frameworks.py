@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -99,6 +100,14 @@ class FrameworkRun:
             raise ResumeDisagreement(
                 f"ranks were told to resume from different checkpoints "
                 f"({sorted(set(map(str, everyone)))}): restarting to ask again")
+
+    def resumed(self, point: ResumePoint | None, ready: float) -> None:
+        """The framework loaded ``point``: group rank 0 tells the incident where the
+        restarted group came back and how long it took since ``ready`` (a ``resume``
+        recovery report once the first step ended), as ``Checkpointer.resume`` does for a
+        hand-written loop."""
+        if point is not None and self.checkpointer is not None:
+            self.checkpointer._report_resume(point, point.step, [], ready, time.time())
 
     def _save_now(self, step: int) -> int:
         """``save_now`` at a safe point: saved when the step ends (a framework saves at a
