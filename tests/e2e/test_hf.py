@@ -60,12 +60,16 @@ async def test_a_killed_rank_restarts_the_trainer_from_its_committed_checkpoint(
     assert 1 in inc.ranks, inc
     assert inc.recovery is not None and inc.recovery.path == "restart", inc.recovery
     assert all(len(c.pids[r]) >= 2 for r in range(4)), c.pids  # the whole group restarted
-    # Back from a committed checkpoint (the resume pointer when training passed the
-    # failure): at most one interval, and the steps run while the kill travelled, lost.
-    assert inc.resume_step is not None and inc.resume_step >= newest, inc
-    assert (job_dir / f"step-{inc.resume_step}" / "COMMITTED").exists(), inc
-    assert inc.steps_lost is not None and inc.steps_lost <= EVERY + 5, inc
+    # Back from a committed checkpoint (the restarted group's own report): at most one
+    # interval, and the steps run while the kill travelled, lost.
+    note = inc.recovery
+    assert note.kind == "resume" and note.resumed_step is not None, note
+    loaded = note.resumed_step - 1
+    assert loaded >= newest and (job_dir / f"step-{loaded}" / "COMMITTED").exists(), note
+    assert inc.failure_step is not None, inc
+    lost = inc.failure_step - loaded
+    assert 0 <= lost <= EVERY + 5, (inc.failure_step, loaded)
     assert c.observer.max_step == STEPS - 1, c.observer.max_step
-    print(f"HF trainer: resolved {back:.1f} s after the kill, resumed after step "
-          f"{inc.resume_step}, {inc.steps_lost} steps lost, recovery {inc.recovery.seconds} s "
-          f"phases {inc.recovery.phases}")
+    print(f"HF trainer: resolved {back:.1f} s after the kill; failed at step "
+          f"{inc.failure_step}, loaded step {loaded}: {lost} steps lost; back in "
+          f"{note.seconds} s, phases {note.phases}")
