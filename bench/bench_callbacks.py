@@ -1,8 +1,7 @@
 """The framework callbacks' cost per step on the training thread, beside the hand-written loop.
 
-Each mode runs the same steps against a Guard whose bus is down (what it publishes stays
-in its bounded buffers: the training thread's cost is the same either way; publishing is
-its own thread's):
+Each mode runs the same steps with its own Guard on a live embedded nats-server (as
+``bench_client.py`` measures the loop; publishing is the Guard's own thread's):
 
 - ``loop``: ``with guard.step(n) as s:``, two phases, ``s.report(loss=...)``: the README's
   loop, the baseline;
@@ -24,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,14 +34,16 @@ import torch
 from torch import nn
 
 from trainguard import Guard
-from trainguard.runtime.embedded import free_port
+from trainguard.runtime.embedded import EmbeddedControlPlane
 
 STEPS, ROUNDS = 2000, 7
 
 
-def offline_guard() -> Guard:
-    return Guard(job="bench", rank=0, world_size=1, host="h",
-                 nats_url=f"nats://127.0.0.1:{free_port()}", heartbeat_interval=60)
+URL = ""
+
+
+def live_guard() -> Guard:
+    return Guard(job="bench-callbacks", rank=0, world_size=1, host="bench", nats_url=URL)
 
 
 def small_model() -> nn.Module:
@@ -53,7 +55,7 @@ def small_model() -> nn.Module:
 def loop_mode(grad_norm: bool) -> Callable[[int], None]:
     from trainguard.torch import grad_norm as norm
 
-    guard = offline_guard()
+    guard = live_guard()
     loss = torch.tensor(1.0)
     model = small_model()
 
@@ -70,7 +72,7 @@ def loop_mode(grad_norm: bool) -> Callable[[int], None]:
 def lightning_mode(grad_norm: bool) -> Callable[[int], None]:
     import trainguard.lightning
 
-    cb = trainguard.lightning.Trainguard(guard=offline_guard(), root="/nonexistent",
+    cb = trainguard.lightning.Trainguard(guard=live_guard(), root="/nonexistent",
                                          grad_norm=grad_norm)
     trainer: Any = SimpleNamespace(global_step=0)
     model: Any = small_model()
@@ -90,7 +92,7 @@ def hf_mode() -> Callable[[int], None]:
 
     import trainguard.hf
 
-    cb = trainguard.hf.Trainguard(guard=offline_guard(), root="/nonexistent", grad_norm=False)
+    cb = trainguard.hf.Trainguard(guard=live_guard(), root="/nonexistent", grad_norm=False)
     args = TrainingArguments(output_dir="/nonexistent/bench", report_to=[], use_cpu=True)
     state, control = TrainerState(), TrainerControl()
     model = small_model()
@@ -116,13 +118,10 @@ def main() -> int:
     p.add_argument("--out", help="write results as JSON here")
     args = p.parse_args()
     torch.set_num_threads(1)
-    modes = {"loop": loop_mode(False), "lightning": lightning_mode(False), "hf": hf_mode(),
-             "loop + grad norm": loop_mode(True), "lightning + grad norm": lightning_mode(True)}
-    samples: dict[str, list[float]] = {name: [] for name in modes}
-    for r in range(ROUNDS):  # interleaved rounds: drift falls on every mode alike
-        for name, step in modes.items():
-            samples[name].append(per_step_us(step, r * STEPS))
-    results = {name: round(statistics.median(v), 2) for name, v in samples.items()}
+    with tempfile.TemporaryDirectory() as tmp, EmbeddedControlPlane(tmp) as plane:
+        global URL
+        URL = plane.nats.url
+        results = measure()
     print(f"{'mode':<24} {'µs/step':>8} {'vs loop':>8}")
     for name, us in results.items():
         base = results["loop + grad norm" if "grad norm" in name else "loop"]
@@ -131,6 +130,16 @@ def main() -> int:
         Path(args.out).write_text(json.dumps({"us_per_step": results, "steps": STEPS,
                                               "rounds": ROUNDS}, indent=2))
     return 0
+
+
+def measure() -> dict[str, float]:
+    modes = {"loop": loop_mode(False), "lightning": lightning_mode(False), "hf": hf_mode(),
+             "loop + grad norm": loop_mode(True), "lightning + grad norm": lightning_mode(True)}
+    samples: dict[str, list[float]] = {name: [] for name in modes}
+    for r in range(ROUNDS):  # interleaved rounds: drift falls on every mode alike
+        for name, step in modes.items():
+            samples[name].append(per_step_us(step, r * STEPS))
+    return {name: round(statistics.median(v), 2) for name, v in samples.items()}
 
 
 if __name__ == "__main__":

@@ -112,14 +112,6 @@ class FrameworkRun:
                 f"ranks were told to resume from different checkpoints "
                 f"({sorted(set(map(str, everyone)))}): restarting to ask again")
 
-    def resumed(self, point: ResumePoint | None, ready: float) -> None:
-        """The framework loaded ``point``: group rank 0 tells the incident where the
-        restarted group came back and how long it took since ``ready`` (a ``resume``
-        recovery report once the first step ended), as ``Checkpointer.resume`` does for a
-        hand-written loop."""
-        if point is not None and self.checkpointer is not None:
-            self.checkpointer._report_resume(point, point.step, [], ready, time.time())
-
     def _save_now(self, step: int) -> int:
         """``save_now`` at a safe point: saved when the step ends (a framework saves at a
         step's end). At a step's exit that is ``step``; at a step's entry, the open one."""

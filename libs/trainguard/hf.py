@@ -25,7 +25,6 @@ from __future__ import annotations
 import math
 import os
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,6 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from trainguard.client import Guard
 from trainguard.contract.errors import ConfigError
-from trainguard.contract.schemas import ResumePoint
 from trainguard.frameworks import FrameworkRun
 
 HF_PREFIX = "checkpoint"
@@ -64,8 +62,6 @@ class Trainguard(TrainerCallback):
                                 grad_norm=grad_norm, checkpoint_every=checkpoint_every)
         self.guard = self.run.guard
         self._resumed: str | None = None
-        self._point: ResumePoint | None = None
-        self._asked = 0.0
         self._clipping = False
         self._awaiting_log = False
         """The step ended but HF logs it next: it stays open until ``on_log`` brings its loss."""
@@ -73,8 +69,7 @@ class Trainguard(TrainerCallback):
     def resume_path(self) -> str | None:
         """The newest committed checkpoint's directory, for
         ``trainer.train(resume_from_checkpoint=)``; None on a first start."""
-        self._asked = time.time()
-        point = self._point = self.run.resume_point()
+        point = self.run.resume_point()
         self._resumed = point.path if point is not None else None
         return self._resumed
 
@@ -98,7 +93,7 @@ class Trainguard(TrainerCallback):
         self._clipping = bool(args.max_grad_norm) and args.max_grad_norm > 0
         self.run.start(model, optimizer)
         self.run.agree(self._resumed)
-        self.run.resumed(self._point, self._asked)
+        self.run.loaded()  # the Trainer loads the checkpoint before this hook
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState,
                       control: TrainerControl, **kwargs: Any) -> None:
