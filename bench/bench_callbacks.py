@@ -36,7 +36,7 @@ from torch import nn
 from trainguard import Guard
 from trainguard.runtime.embedded import EmbeddedControlPlane
 
-STEPS, ROUNDS = 2000, 7
+STEPS, ROUNDS = 2000, 15
 
 
 URL = ""

@@ -261,7 +261,8 @@ def launch(settings: AgentSettings, torchrun_argv: list[str]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, on_signal)
     wanted = nproc if settings.warm_spares is None else settings.warm_spares
-    spares = SparePool(wanted if program.warmable else 0, os.environ, log_dir)
+    spares = SparePool(wanted if program.warmable else 0, os.environ, log_dir,
+                       target=[*(["-m"] if program.module else []), program.target])
     node.spare_pids = spares.ready_pids
     code = 1
     try:

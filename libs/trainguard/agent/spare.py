@@ -1,8 +1,9 @@
 """A warm spare: a process with the interpreter up and torch and trainguard imported,
 waiting to become a rank.
 
-The agent starts it as ``python -u -m trainguard.agent.spare <agent pid>`` with
-pipes on stdin and stdout. Once its imports are done it writes ``ready`` on stdout, then
+The agent starts it as ``python -u -m trainguard.agent.spare <agent pid> [-m module |
+script]`` with pipes on stdin and stdout. Once its imports are done (:func:`preload` too)
+it writes ``ready`` on stdout, then
 blocks on one line of stdin: a :class:`SpareOrder` (the rank's environment, argv, cwd,
 output files and what to run). It applies the order and runs the training script in this
 process, as ``python script.py`` / ``python -m module`` would (``runpy``), so the
@@ -16,8 +17,11 @@ what the imports allocated.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import ctypes
+import importlib
+import importlib.util
 import os
 import runpy
 import signal
@@ -74,6 +78,80 @@ def _warm_up() -> None:
     model(torch.zeros(1, 1)).sum().backward()
     optimizer.step()
     del torch, trainguard, model, optimizer
+
+
+def top_level_imports(source: str) -> list[tuple[str, list[str]]]:
+    """The modules a script imports at its top level, in order, each with the names it
+    takes from it (``import a.b``: ``("a.b", [])``; ``from a.b import c``: ``("a.b",
+    ["c"])``): what it loads before its first line of training runs."""
+    found: list[tuple[str, list[str]]] = []
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Import):
+            found.extend((alias.name, []) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.module, [alias.name for alias in node.names]))
+    return found
+
+
+def target_source(target: str, module: bool, path: list[str]) -> str | None:
+    """The source of a script, or of a module found on ``path`` without importing anything
+    (a package's ``__init__`` could read the rank's environment, which a spare has not got
+    yet): ``a/b/c.py`` or ``a/b/c/__main__.py`` under a ``path`` entry."""
+    if not module:
+        candidates = [target]
+    else:
+        rel = os.path.join(*target.split("."))
+        candidates = [os.path.join(entry or ".", rel + ext) for entry in path
+                      for ext in (".py", os.path.join("", "__main__.py"))]
+    for candidate in candidates:
+        with contextlib.suppress(OSError, ValueError), open(candidate, encoding="utf-8") as f:
+            return f.read()
+    return None
+
+
+def _installed(name: str) -> bool:
+    """A module of an installed distribution (its top-level package lives in
+    site-packages: importing it runs library code only), or trainguard's own."""
+    top = name.split(".")[0]
+    if top == "trainguard":
+        return True
+    try:
+        spec = importlib.util.find_spec(top)  # a top-level name: nothing is executed
+    except (ImportError, ValueError):
+        return False
+    where = (spec.origin or "") if spec is not None else ""
+    if spec is not None and not where and spec.submodule_search_locations:
+        where = next(iter(spec.submodule_search_locations), "")
+    return "site-packages" in where or "dist-packages" in where
+
+
+def preload(target: str, module: bool) -> list[str]:
+    """Import what the rank's script imports at its top level from installed libraries
+    (Lightning, transformers: seconds each), names taken from them included (a library
+    that loads its parts lazily, as transformers does, loads them then), so a replacement
+    skips that too. The user's own modules are left for the rank: they may act on its
+    environment at import. Returns what was imported; what fails to import is the rank's
+    to report."""
+    source = target_source(target, module, [os.getcwd(), *sys.path[1:]])
+    if source is None:
+        return []
+    try:
+        imports = top_level_imports(source)
+    except SyntaxError:
+        return []
+    done = []
+    for name, taken in imports:
+        if not _installed(name):
+            continue
+        try:
+            loaded = importlib.import_module(name)
+            for attr in taken:
+                if not hasattr(loaded, attr):  # a submodule not imported by its package
+                    importlib.import_module(f"{name}.{attr}")
+        except Exception:
+            continue
+        done.append(name)
+    return done
 
 
 def _redirect(path: str, fd: int) -> None:
@@ -135,6 +213,10 @@ def main() -> None:
     parent = int(sys.argv[1])
     _die_with(parent)
     _warm_up()
+    target = sys.argv[2:]
+    if target:
+        module = target[0] == "-m"
+        preload(target[-1], module)
     sys.stdout.buffer.write(READY)
     sys.stdout.flush()
     line = sys.stdin.buffer.readline()

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from . import procs
 from .spare import READY, SpareOrder, encode_order
@@ -30,10 +30,11 @@ SPARE_MODULE = "trainguard.agent.spare"
 
 
 class Spare:
-    def __init__(self, env: Mapping[str, str], log_path: str) -> None:
+    def __init__(self, env: Mapping[str, str], log_path: str,
+                 target: Sequence[str] = ()) -> None:
         with open(log_path, "ab") as err:
             self.popen: subprocess.Popen[bytes] = subprocess.Popen(
-                [sys.executable, "-u", "-m", SPARE_MODULE, str(os.getpid())],
+                [sys.executable, "-u", "-m", SPARE_MODULE, str(os.getpid()), *target],
                 env=dict(env), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
                 start_new_session=True)
         self.log_path = log_path
@@ -79,8 +80,12 @@ class Spare:
 
 class SparePool:
     def __init__(self, size: int, env: Mapping[str, str], log_dir: str, *,
-                 ready_timeout: float = 120.0, max_failures: int = 3) -> None:
+                 ready_timeout: float = 120.0, max_failures: int = 3,
+                 target: Sequence[str] = ()) -> None:
         self.size = max(0, size)
+        self.target = list(target)
+        """``["-m", module]`` or ``[script]``: the rank's program, whose top-level imports
+        from installed libraries each spare makes before it is ready."""
         self.env = dict(env)
         self.log_dir = log_dir
         self.ready_timeout = ready_timeout
@@ -113,7 +118,7 @@ class SparePool:
             if len(self._spares) < self.size and all(s.ready.is_set() for s in self._spares):
                 self.started_total += 1
                 path = os.path.join(self.log_dir, f"spare-{self.started_total}.log")
-                self._spares.append(Spare(self.env, path))
+                self._spares.append(Spare(self.env, path, self.target))
 
     def take(self) -> Spare | None:
         """A ready spare, out of the pool (None when none is ready)."""
