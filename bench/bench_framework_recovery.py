@@ -5,11 +5,11 @@ each) runs one trainer at a time: the plain loop (``trainguard.examples.toy_trai
 without ``--in-place``: the restart path, the same as the callbacks'), the Lightning
 callback (``trainguard.examples.lightning_trainer``) and the Hugging Face one
 (``trainguard.examples.hf_trainer``), each saving every 10 steps. Once a checkpoint is
-committed and training is past it, rank 1 is killed; reported per trainer: the incident's
-time back (the agent's word of the failure to the first step after the restart) and its
-phases, and the steps lost. The loop's figure is the baseline the callbacks' target is set
-against ("as fast as the plain loop's path for the same state"); the frameworks' imports
-weigh on their process start.
+committed, training is past it and every host's warm spares are ready (they import what
+the trainer imports from installed libraries), rank 1 is killed. Reported per trainer:
+the incident's time back (the agent's word of the failure to the first step after the
+restart) and its phases, and the steps lost. The loop's figure is the baseline the
+callbacks' target is set against ("as fast as the plain loop's path for the same state").
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from trainguard.contract.codec import encode_durable
+from trainguard.contract.codec import decode_telemetry, encode_durable
 from trainguard.contract.envelope import make_headers
+from trainguard.contract.schemas import NodeHeartbeat
 from trainguard.contract.subjects import Subjects
 from trainguard.contract.targets import addressed
 from trainguard.demo.cluster import Cluster
@@ -32,7 +33,7 @@ TRAINERS = {
     "lightning": ["trainguard.examples.lightning_trainer"],
     "hf": ["trainguard.examples.hf_trainer"],
 }
-EVERY, STEPS = 10, 80
+EVERY, STEPS = 10, 400
 
 
 async def until(cond: object, timeout: float, what: str) -> None:
@@ -50,8 +51,18 @@ async def one(name: str, work: Path) -> dict[str, object]:
     try:
         await c.start(timeout=180)
         obs = c.observer
+        spares: dict[str, int] = {}
+
+        async def beat(msg: object) -> None:
+            hb = decode_telemetry(msg.data)  # type: ignore[attr-defined]
+            if isinstance(hb, NodeHeartbeat):
+                spares[hb.host] = len(hb.spares)
+
+        await c.nc.subscribe(Subjects(c.prefix).pattern("node", job=c.job), cb=beat)
         await until(lambda: any(k.status == "committed" for k in obs.checkpoints)
                     and obs.max_step >= 2 * EVERY + 2, 180, "a committed checkpoint")
+        await until(lambda: len(spares) == len(c.hosts)
+                    and min(spares.values()) >= c.nproc, 180, "every host's spares ready")
         subject, cmd = addressed(Subjects(c.prefix), c.job, "kill", {}, issuer="cli", rank=1,
                                  host="node-a")
         await c.publish(subject, encode_durable(cmd),
