@@ -64,6 +64,7 @@ async def crash_and_resume(c: FrameworkCluster, rank: int, own_file: str) -> Inc
     assert inc.failure_step is not None, inc
     lost = inc.failure_step - loaded
     assert 0 <= lost <= CKPT_EVERY + 5, (inc.failure_step, loaded)
+    assert (inc.resume_step, inc.steps_lost) == (loaded, lost), inc  # the group's word
     assert c.observer.max_step == c.steps - 1, c.observer.max_step
     print(f"{c.job}: resolved {resolved:.1f} s after the kill; failed at step "
           f"{inc.failure_step}, loaded step {loaded}: {lost} steps lost; back in "

@@ -166,6 +166,17 @@ def test_a_cold_recovery_is_back_at_work_when_it_resolves() -> None:
     assert (inc.steps_lost, inc.recovery.path) == (7, "restart")
 
 
+def test_a_restarted_group_counts_steps_lost_from_the_step_it_loaded() -> None:
+    """Not from the coordinator's pointer at resolution: the restarted group may have
+    committed again by then (failed at 17, loaded 9, committed 19 before resolving)."""
+    inc = crash(restarted_attempt=1)
+    recovery.apply(inc, [report("g", NOW - 5, path="restart", kind="resume", resumed=10,
+                                reason="loaded step 9")])
+    assert not endings.needs_resume_step(inc, "progress")
+    endings.settle(inc, "progress", POLICY, NOW)
+    assert (inc.resume_step, inc.steps_lost, inc.recovery.path) == (9, 8, "restart")  # type: ignore[union-attr]
+
+
 def rank_ack(rank: int, outcome: AckOutcome) -> CommandAck:
     return CommandAck(command_id="c", job="j", responder=f"rank-{rank}", outcome=outcome,
                       detail="no handler" if outcome == "failed" else "")

@@ -237,9 +237,10 @@ def observed_only(inc: Incident) -> bool:
 
 
 def needs_resume_step(inc: Incident, why: Resolution) -> bool:
-    """Steps lost are counted for a job the remediator restarted: from where it resumed."""
+    """Steps lost are counted for a job the remediator restarted: from where it resumed,
+    asked of the coordinator unless the restarted group said which step it loaded."""
     return why == "progress" and inc.restarted_attempt is not None \
-        and not recovery.in_place(inc)
+        and not recovery.in_place(inc) and recovery.loaded_step(inc) is None
 
 
 def settle(inc: Incident, why: Resolution, policy: Policy, now: float,

@@ -174,9 +174,19 @@ def resolved_in_place(inc: Incident, view: JobView, now: float) -> bool:
     return True
 
 
+def loaded_step(inc: Incident) -> int | None:
+    """The checkpoint step a restarted group loaded, by its own ``resume`` report."""
+    note = inc.recovery
+    if note is None or note.kind != RESUMED or note.resumed_step is None:
+        return None
+    return note.resumed_step - 1
+
+
 def settle_note(inc: Incident, now: float) -> None:
-    """On resolution: steps lost from the in-place report; a cold recovery was back at
-    work when training passed the failure (now)."""
+    """On resolution: steps lost from the in-place report, or from the step a restarted
+    group says it loaded (the coordinator's pointer, asked at resolution, may have moved
+    on with the group's next commit); a cold recovery was back at work when training
+    passed the failure (now)."""
     note = inc.recovery
     if note is None:
         return
@@ -187,6 +197,10 @@ def settle_note(inc: Incident, now: float) -> None:
             inc.resume_step = note.resumed_step
         if note.steps_lost is not None:
             inc.steps_lost = note.steps_lost
+    elif (loaded := loaded_step(inc)) is not None:
+        inc.resume_step = loaded
+        if inc.failure_step is not None:
+            inc.steps_lost = max(0, inc.failure_step - loaded)
 
 
 # -- rollback in place ---------------------------------------------------------------------
