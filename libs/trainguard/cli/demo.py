@@ -15,6 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from trainguard.contract.envnames import setting
 from trainguard.contract.errors import ConfigError
 from trainguard.demo.scenario import FAULTS, parse_faults
 
@@ -63,8 +64,13 @@ async def _demo(args: argparse.Namespace, faults: list, workdir: Path) -> int:  
     from trainguard.demo.view import live, summary
 
     console = Console(width=None if sys.stdout.isatty() else 160)
+    # The demo plays a fault every few seconds where a real job meets one every few hours:
+    # the coordinator's checkpoint interval (Young/Daly, at least a minute by default) is
+    # compressed alike, or a restart would go back to the demo's first checkpoint.
+    compressed = {setting("interval_min"): "10", setting("mtbf_prior"): "600"}
     cluster = Cluster(workdir, "demo", steps=args.steps, step_time=args.step_time,
-                      ckpt_every=args.ckpt_every, in_place=not args.cold)
+                      ckpt_every=args.ckpt_every, in_place=not args.cold,
+                      plane_env=compressed)
     console.print(f"starting the control plane and two agents (logs in {workdir}) ...")
     try:
         await cluster.start()
