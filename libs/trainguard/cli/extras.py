@@ -23,6 +23,9 @@ EXTRA_OF: Final[dict[str, str]] = {
     "numpy": "torch",
     "pynvml": "gpu",
     "opentelemetry.exporter": "otlp",
+    "lightning": "lightning",
+    "transformers": "hf",
+    "accelerate": "hf",
     "xxhash": "",
 }
 """Top-level module (or dotted prefix) -> the extra of ``pyproject.toml`` that installs it
