@@ -69,6 +69,13 @@ class FrameworkRun:
     def job_dir(self) -> Path:
         return self.root / self.guard.job
 
+    def path_for(self, step: int) -> Path:
+        """``<root>/<job>/step-<S>``: where step S's checkpoint is committed (the layout the
+        coordinator commits, retains and points ``LATEST`` at)."""
+        from trainguard.torch.checkpoint import step_dir
+
+        return step_dir(self.root, self.guard.job, step)
+
     def resume_point(self) -> ResumePoint | None:
         """The newest committed checkpoint (the coordinator, else ``<root>/<job>/LATEST``),
         asked by this rank alone: frameworks take the path before their process group

@@ -73,10 +73,6 @@ class Trainguard(TrainerCallback):
         self._resumed = point.path if point is not None else None
         return self._resumed
 
-    def path_for(self, step: int) -> Path:
-        """``<root>/<job>/step-<S>``: where step S's checkpoint is committed."""
-        return self.run.job_dir / f"step-{step}"
-
     # -- the Trainer's hooks ------------------------------------------------------------
     def on_init_end(self, args: TrainingArguments, state: TrainerState,
                     control: TrainerControl, **kwargs: Any) -> None:
@@ -140,7 +136,7 @@ class Trainguard(TrainerCallback):
         its own part: rank 0 the model, optimizer and state, every rank its RNG file)."""
         step = state.global_step - 1
         written = self.run.job_dir / f"{HF_PREFIX}-{state.global_step}"  # = output_dir
-        target = self.path_for(step)
+        target = self.run.path_for(step)
         ckpt = self.run.checkpointer
         if ckpt is not None:
             if ckpt.distributed and ckpt.world_size > 1:

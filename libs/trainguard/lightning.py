@@ -48,7 +48,6 @@ class Trainguard(Callback):
                                 grad_norm=grad_norm, checkpoint_every=checkpoint_every)
         self.guard = self.run.guard
         self._resumed: str | None = None
-        self._trainer: pl.Trainer | None = None
 
     def resume_path(self) -> str | None:
         """The newest committed checkpoint's file, for ``trainer.fit(..., ckpt_path=)``;
@@ -61,7 +60,6 @@ class Trainguard(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        self._trainer = trainer
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
         self.run.start(pl_module, optimizer)
         self.run.agree(trainer.ckpt_path if trainer.ckpt_path is not None else self._resumed)
@@ -91,7 +89,7 @@ class Trainguard(Callback):
         # Lightning hands the step's loss detached; the Guard reads it later, unsynced.
         self.run.steps.report(loss=outputs.get("loss") if isinstance(outputs, dict) else outputs)
         if self.run.steps.end() and self.run.save_due(step.n):
-            path = self.path_for(step.n)
+            path = self.run.path_for(step.n)
             trainer.save_checkpoint(path / CHECKPOINT_FILE, weights_only=False)
             self.run.saved(step.n, path)
 
@@ -107,7 +105,3 @@ class Trainguard(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             self.run.close()
-
-    def path_for(self, step: int) -> Path:
-        """``<root>/<job>/step-<S>``: where step S's checkpoint goes."""
-        return self.run.job_dir / f"step-{step}"
