@@ -269,7 +269,7 @@ Cause = Literal[
     "gpu_lost", "hbm_ecc", "network", "storage_io", "oom", "numeric", "sdc_suspect",
     "straggler_thermal", "straggler_power", "straggler_link", "straggler_cpu",
     "straggler_foreign_process", "straggler", "data_pipeline",
-    "process_crash", "rank_hang", "unknown",
+    "process_crash", "rank_hang", "hosts_lost", "unknown",
 ]
 Severity = Literal["info", "warning", "critical"]
 # Who runs which command kind (docs/design.md, section 3). Each receiver ignores the others'.
@@ -578,6 +578,9 @@ class Diagnosis(Durable, kw_only=True):
     collateral: list[str] = []
     """Anomaly ids joined as consequences of this failure (a throughput drop while a rank
     straggles, a peer's error after a rank died): never a failure of their own."""
+    domain: str = ""
+    """``hosts_lost``: the failure domain its hosts share (``switch sw-3``); empty when no
+    topology names one (the hosts were lost together, domain unknown)."""
 
 
 class Action(Durable, kw_only=True):
@@ -720,6 +723,8 @@ class Incident(Durable, kw_only=True):
     signature: str = ""
     """The failure as on-call reads it: cause, culprit rank(s) and host(s), and the exit's
     last stderr line, from the newest diagnosis that had one."""
+    domain: str = ""
+    """The failure domain lost (``switch sw-3``), from its ``hosts_lost`` diagnosis."""
 
 
 class CheckpointCommitted(Durable, kw_only=True):

@@ -39,6 +39,7 @@ RECOMMENDED: Final[dict[Cause, tuple[str, ...]]] = {
     "data_pipeline": ("alert",),
     "process_crash": ("restart",),
     "rank_hang": ("dump", "restart"),
+    "hosts_lost": ("isolate", "restart"),
     "unknown": ("escalate",),
 }
 """Section 6's default actions; the remediator's policy decides what actually runs
