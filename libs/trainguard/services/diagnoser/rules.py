@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from trainguard.contract.domains import Topology
 from trainguard.contract.envelope import uuid7
 from trainguard.contract.evidence import (
     BadBatchEvidence,
@@ -48,9 +49,10 @@ from trainguard.runtime import xids
 from . import signatures
 from .causality import OpenAnomalies
 from .knowledge import HOT_C, PEER_ERROR, POWER_REASONS, RECOMMENDED, THERMAL_REASONS, TRACEBACK
+from .together import Group, HostLosses
 
 ROOT_CAUSES: frozenset[Cause] = frozenset({"gpu_lost", "hbm_ecc", "oom", "process_crash",
-                                           "sdc_suspect", "numeric"})
+                                           "sdc_suspect", "numeric", "hosts_lost"})
 SYMPTOM_KINDS = frozenset({"hang", "unresponsive", "crash", "throughput_drop"})
 SYMPTOM_CAUSES: frozenset[Cause] = frozenset({"network", "rank_hang", "unknown"})
 """Causes that are often a guess made from a symptom before the root shows up."""
@@ -75,6 +77,8 @@ class Conclusion:
     recognised: bool = True
     """False for the exit fallback: no signature, no hardware evidence named the cause, so
     the verdict is a low-confidence ``process_crash`` that explains nothing else."""
+    domain: str = ""
+    """``hosts_lost``: the failure domain the hosts share (empty: unknown)."""
 
 
 @dataclass
@@ -91,6 +95,9 @@ class Open:
 @dataclass
 class Decision:
     publish: list[Diagnosis] = field(default_factory=list)
+    wait: float = 0.0
+    """Decide the anomaly again in this many seconds: a host's silence waits for the
+    others of its failure domain (:mod:`.together`); nothing is published meanwhile."""
 
 
 @dataclass
@@ -103,8 +110,11 @@ class HostRecord:
 class Diagnoser:
     def __init__(self, *, window: float = 60.0, gpu_window: float = 120.0,
                  same_cause_window: float = 10.0, symptom_window: float = 20.0,
-                 steal_pct: float = 10.0, load_ratio: float = 1.5) -> None:
+                 steal_pct: float = 10.0, load_ratio: float = 1.5,
+                 domain_window: float = 0.0, topology: Topology | None = None) -> None:
         self.window = window
+        self.lost = HostLosses(domain_window, topology)
+        """Silences held for the domain window, then diagnosed as one loss per domain."""
         self.steal_pct = steal_pct
         """CPU time stolen by the hypervisor above which a straggler's CPUs are contended."""
         self.load_ratio = load_ratio
@@ -135,6 +145,8 @@ class Diagnoser:
     def follow(self, a: Anomaly) -> None:
         """Note an anomaly's transition (open, widened, resolved) without deciding."""
         self.live.observe(a)
+        if a.status == "resolved":
+            self.lost.forget(a)
 
     def on_anomaly(self, a: Anomaly, now: float,
                    history: dict[str, HostRecord] | None = None) -> Decision:
@@ -148,6 +160,22 @@ class Diagnoser:
         for o in opened:
             if a.id in o.diagnosis.anomaly_ids:
                 return Decision()  # a redelivered anomaly
+        group: Group | None = None
+        if self.lost.is_loss(a):
+            for o in opened:
+                if self.lost.fits(a, o.diagnosis):
+                    return Decision([self._widen(o, a, now)])
+            wait = self.lost.hold(a, now)
+            if wait > 0:
+                return Decision(wait=wait)
+            group = self.lost.take(a)
+            if len(group.members) > 1:
+                v = Conclusion("hosts_lost", 0.8 if group.domain else 0.6, group.ranks,
+                               group.hosts, group.facts(), domain=group.name)
+        elif a.kind in SYMPTOM_KINDS and not v.collateral and v.cause not in ROOT_CAUSES:
+            wait = self.lost.waiting(a.job, now)  # a hang while hosts go: their symptom
+            if wait > 0:
+                return Decision(wait=wait)
         root = self._absorbing(a, opened)
         if root is not None:
             return Decision([self._join(root, a, v, now, collateral=True)])
@@ -155,6 +183,11 @@ class Diagnoser:
             if self._joins(v, a, o, now):
                 return Decision([self._join(o, a, v, now, collateral=v.collateral)])
         diagnosis = self._diagnosis(a, v, now, history)
+        if group is not None and len(group.members) > 1:
+            diagnosis.anomaly_ids = [m.id for m in group.members]
+            diagnosis.onset_at = min(m.onset_at for m in group.members)
+            diagnosis.summary = (f"{group.headline()}: hosts lost (heartbeats stopped, no "
+                                 f"exit reported); recommend {' -> '.join(diagnosis.recommended)}")
         decision = Decision([diagnosis])
         for o in opened:
             od = o.diagnosis
@@ -194,6 +227,20 @@ class Diagnoser:
         return None
 
     @staticmethod
+    def _widen(o: Open, a: Anomaly, now: float) -> Diagnosis:
+        """A silence decided after its group: one more host of the same domain's loss."""
+        d = o.diagnosis
+        o.last = now
+        d.anomaly_ids.append(a.id)
+        d.ranks = sorted(set(d.ranks) | set(a.ranks))
+        d.hosts = sorted(set(d.hosts) | set(a.hosts))
+        late = round(a.onset_at - (d.onset_at or a.onset_at), 3)
+        d.evidence.append(EvidenceItem(fact=f"{', '.join(a.hosts)} lost too ({late:+.1f} s "
+                                       "after the first)", source=f"anomaly:{a.id}"))
+        d.rev += 1
+        return d
+
+    @staticmethod
     def _join(o: Open, a: Anomaly, v: Conclusion, now: float, *, collateral: bool) -> Diagnosis:
         """``a`` is a symptom of ``o``'s failure: a new revision of its diagnosis."""
         d = o.diagnosis
@@ -210,8 +257,8 @@ class Diagnoser:
 
     def _joins(self, v: Conclusion, a: Anomaly, o: Open, now: float) -> bool:
         d = o.diagnosis
-        if d.status != "open":
-            return False
+        if d.status != "open" or (d.cause == "hosts_lost" and self.lost.is_loss(a)):
+            return False  # another host's silence is not a symptom of a domain's loss
         if v.collateral or (o.root and a.kind in SYMPTOM_KINDS and v.cause not in ROOT_CAUSES
                             and now - o.last <= self.symptom_window):
             return True  # a symptom of an open root failure
@@ -240,7 +287,7 @@ class Diagnoser:
                          confidence=round(confidence, 3), ranks=v.ranks, hosts=v.hosts,
                          evidence=v.facts, recommended=recommended,
                          summary=summarize(a, v, recommended), onset_at=a.onset_at,
-                         step=a.step, time=now)
+                         step=a.step, time=now, domain=v.domain)
 
     # -- classification -------------------------------------------------------------------
     def classify(self, a: Anomaly, now: float) -> Conclusion:

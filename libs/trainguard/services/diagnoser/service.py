@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+from trainguard.contract.errors import Retry
 from trainguard.contract.schemas import (
     Anomaly,
     FlightRecorderReport,
@@ -12,6 +13,7 @@ from trainguard.contract.schemas import (
     TelemetryMessage,
     WorkerExit,
 )
+from trainguard.runtime.domains import load_topology
 from trainguard.runtime.service import Consumer, Delivery, Runtime, Service
 from trainguard.runtime.state import Keys
 from trainguard.runtime.topology import ConsumerSpec
@@ -32,7 +34,9 @@ class DiagnoserService(Service[DiagnoserSettings]):
                                same_cause_window=settings.same_cause_window,
                                symptom_window=settings.symptom_window,
                                steal_pct=settings.straggler_steal_pct,
-                               load_ratio=settings.straggler_load_ratio)
+                               load_ratio=settings.straggler_load_ratio,
+                               domain_window=settings.domain_window,
+                               topology=load_topology(settings.topology, settings.label_keys))
         self.keys = Keys(settings.prefix)
         self.flight_recorder = FlightRecorder(settings.correlation_window)
 
@@ -79,6 +83,8 @@ class DiagnoserService(Service[DiagnoserSettings]):
             history[host] = HostRecord({str(k): int(v) for k, v in raw.items()
                                         if str(v).isdigit()})
         decision = self.rules.on_anomaly(a, time.time(), history)
+        if decision.wait:  # a host's silence waits for the rest of its failure domain
+            raise Retry(delay=decision.wait, reason="waiting for the hosts lost with it")
         subject = self.settings.subjects.event(a.job, "diagnosis")
         for d in decision.publish:
             await self.runtime.publish_event(subject, d, ctx=delivery.ctx)
