@@ -129,6 +129,16 @@ class Isolate:
 
 
 @dataclass(frozen=True)
+class Fence:
+    """Hosts lost together (one failure domain): block each and run the isolate hook for
+    each, then tell their agents, answered or not (``send.hosts`` are lost: none is
+    awaited), and count the one attempt their loss ends."""
+
+    hosts: list[str]
+    send: Send
+
+
+@dataclass(frozen=True)
 class Restart:
     """Look at the job: wait as :func:`restart_waits` says, then :func:`restart`."""
 
@@ -138,7 +148,7 @@ class Hold:
     """Look at the job, then :func:`hold`."""
 
 
-Act = Outcome | Save | Rollback | Send | Isolate | Restart | Hold
+Act = Outcome | Save | Rollback | Send | Isolate | Fence | Restart | Hold
 
 
 def _send(step: IncidentStep, kind: str, hosts: list[str], params: dict[str, Any] | None = None,
@@ -163,6 +173,10 @@ def act(inc: Incident, step: IncidentStep) -> Act:
         case "dump":
             host = str(step.params["host"])
             return _send(step, "dump", [host], {"ranks": step.params.get("ranks")}, host=host)
+        case "isolate" if "hosts" in step.params:
+            hosts = [str(h) for h in step.params["hosts"]]
+            return Fence(hosts, _send(step, "isolate", hosts, counts=True,
+                                      attempt=inc.failure_attempt))
         case "isolate":
             host = str(step.params["host"])
             return Isolate(_send(step, "isolate", [host], host=host, counts=True))
@@ -190,6 +204,10 @@ def would(act: Act) -> str | None:
         case Isolate(send):
             return (f"would have isolated {send.host} (blocklisted it, run the isolate hook "
                     "and told its agent)")
+        case Fence(hosts):
+            return (f"would have isolated {len(hosts)} hosts lost together "
+                    f"({', '.join(hosts)}): blocklisted them, run the isolate hook for each "
+                    "and told their agents")
         case Send(kind, hosts, params, host):
             args = " ".join(f"{k}={v}" for k, v in sorted(params.items()))
             to = f"to {host}" if host is not None else f"to every host ({', '.join(hosts)})"
@@ -303,6 +321,17 @@ def judge(step: IncidentStep, acks: Sequence[CommandAck], send: Send) -> bool:
     verdict = ack_verdict(acks, send.hosts, send.kind, step.detail)
     step.status, step.detail = verdict.status, verdict.detail
     return verdict.retry
+
+
+def fenced(step: IncidentStep, hosts: Sequence[str], acks: Sequence[CommandAck],
+           domain: str = "") -> None:
+    """A :class:`Fence` is done once its hosts are blocklisted: the agents of lost hosts
+    cannot answer, so their acks (any that came) are only noted."""
+    answered = sorted({a.responder.removeprefix("host-") for a in acks} & set(hosts))
+    where = f" of {domain}" if domain else ""
+    step.status = "done"
+    step.detail = (f"blocklisted {len(hosts)} hosts{where}: {', '.join(hosts)}; their agents "
+                   f"told ({len(answered)} answered)")
 
 
 def note_hook(step: IncidentStep, run: HookRun) -> str:

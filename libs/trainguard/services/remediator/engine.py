@@ -137,7 +137,8 @@ def open_incident(d: Diagnosis, detected_at: float | None, now: float) -> Incide
                     ranks=list(d.ranks),
                     hosts=list(d.hosts), diagnosis_ids=[d.id], anomaly_ids=list(d.anomaly_ids),
                     onset_at=d.onset_at, detected_at=detected_at or d.time or now,
-                    diagnosed_at=d.time or now, failure_step=d.step, summary=d.summary)
+                    diagnosed_at=d.time or now, failure_step=d.step, summary=d.summary,
+                    domain=d.domain)
 
 
 def join(inc: Incident, d: Diagnosis) -> bool:
@@ -151,6 +152,7 @@ def join(inc: Incident, d: Diagnosis) -> bool:
         inc.cause = d.cause
         inc.hosts = list(d.hosts)
         inc.summary = d.summary
+        inc.domain = d.domain
     else:
         inc.hosts = sorted(set(inc.hosts) | set(d.hosts))
     if d.step is not None and (inc.failure_step is None or d.step > inc.failure_step):
@@ -191,6 +193,8 @@ def plan(inc: Incident, d: Diagnosis, policy: Policy, view: JobView,
                 notes.append("save_now skipped: the collective is hung")
                 continue
             steps.append(_step("save_now", deadline=policy.save_deadline_s))
+        elif action == "isolate" and inc.cause == "hosts_lost":
+            steps.extend(_lost_steps(inc, view, notes))
         elif action == "isolate":
             for host in inc.hosts:
                 ok, why = can_isolate(host, view)
@@ -219,6 +223,28 @@ def plan(inc: Incident, d: Diagnosis, policy: Policy, view: JobView,
             s.action == "restart" for s in steps) and any(a in RESTARTING for a in actions):
         steps.append(_step("restart"))
     return steps, notes
+
+
+def _lost_steps(inc: Incident, view: JobView, notes: list[str]) -> list[IncidentStep]:
+    """Hosts lost together leave the job together: one ``isolate`` step for all those that
+    can go (``hosts``; ``lost``: no agent there is expected to answer), an escalation for
+    each that cannot (it runs the rendezvous store, or too few hosts would remain)."""
+    steps: list[IncidentStep] = []
+    going = [h for h in inc.hosts if h in view.hosts]
+    leaving = len(going)
+    kept: list[str] = []
+    for host in inc.hosts:
+        ok, why = can_isolate(host, view, leaving) if host in view.hosts \
+            else (True, "")  # no agent record: nothing to re-form, blocklisted all the same
+        if ok:
+            kept.append(host)
+        else:
+            notes.append(f"not isolating {host}: {why}")
+            steps.append(_step("escalate", reason=f"{host} should leave the job but "
+                                                  f"cannot: {why}"))
+    if kept:
+        steps.insert(0, _step("isolate", hosts=kept, lost=True, domain=inc.domain))
+    return steps
 
 
 def culprit(inc: Incident) -> tuple[int, str] | None:
@@ -259,15 +285,15 @@ def hold_steps(inc: Incident, reason: str) -> list[IncidentStep]:
             _step("hold", reason=reason)]
 
 
-def can_isolate(host: str, view: JobView) -> tuple[bool, str]:
-    """Only when the job can go on without the host (elastic minimum still met) and the
-    host does not run the rendezvous store."""
+def can_isolate(host: str, view: JobView, leaving: int = 1) -> tuple[bool, str]:
+    """Only when the job can go on without the host (elastic minimum still met, with
+    ``leaving`` hosts going at once) and the host does not run the rendezvous store."""
     info = view.hosts.get(host)
     if info is None:
         return False, "no agent registered for it"
     if info.hosts_store:
         return False, "it runs the rendezvous store"
-    remaining = len(view.hosts) - 1
+    remaining = len(view.hosts) - leaving
     if remaining < max(1, info.nnodes_min):
         return False, (f"{remaining} node(s) would remain, below the job's minimum "
                        f"{info.nnodes_min}")

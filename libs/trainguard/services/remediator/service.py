@@ -387,6 +387,8 @@ class RemediatorService(Service[RemediatorSettings]):
                     await self.store.note_attempt(inc.job, act.attempt, time.time())
             case conduct.Isolate(send):
                 await self._isolate(inc, step, send, persist)
+            case conduct.Fence(hosts, send):
+                await self._fence(inc, step, hosts, send, persist)
             case conduct.Restart():
                 view = await self.store.view(inc.job, inc.cause)
                 for wait in conduct.restart_waits(inc, step, self.policy):
@@ -445,6 +447,35 @@ class RemediatorService(Service[RemediatorSettings]):
                 "isolate hook for %s: %s", host, line)
         if send.counts:
             await self.store.note_attempt(inc.job, send.attempt, time.time())
+
+    async def _fence(self, inc: Incident, step: IncidentStep, hosts: list[str], send: Send,
+                     persist: Persist) -> None:
+        """Hosts lost together leave together: block them all, run the isolate hook for
+        each (at once), tell each agent, awaiting none (a lost host's agent cannot answer),
+        and count the one attempt their loss ends."""
+        assert self.leader is not None
+        now = time.time()
+        for host in hosts:
+            await self.store.block(host, rules.blocklist_entry(
+                inc, now, self.settings.blocklist_ttl))
+        hooks_run = asyncio.gather(*(self._isolate_hook(inc, h) for h in hosts))
+        commands = [addressed(self.settings.subjects, inc.job, send.kind, send.params,
+                              issuer="remediator", host=host, epoch=self.leader.epoch,
+                              deadline=self.policy.ack_timeout_s) for host in hosts]
+        for _, cmd in commands:
+            conduct.sent(step, cmd.id)
+        await persist()
+        for subject, cmd in commands:
+            await self.runtime.publish_event(subject, cmd)
+        runs = await hooks_run
+        acks = [a for _, cmd in commands for a in await self._acks.collect(cmd.id, (), 0.0)]
+        conduct.fenced(step, hosts, acks, inc.domain)
+        for host, run in zip(hosts, runs, strict=True):
+            if run is not None:
+                line = conduct.note_hook(step, run)
+                (log.info if run.status == "ok" else log.error)(
+                    "isolate hook for %s: %s", host, line)
+        await self.store.note_attempt(inc.job, send.attempt, time.time())
 
     async def _isolate_hook(self, inc: Incident, host: str) -> HookRun | None:
         """Take ``host`` out of the scheduler too (None: no hook configured)."""
