@@ -145,3 +145,12 @@ def test_a_silence_that_ends_while_held_is_nobody_s_loss() -> None:
     d.on_anomaly(back, NOW + 1)
     (alone,) = d.on_anomaly(silence(0), NOW + WINDOW).publish
     assert alone.cause == "unknown" and alone.hosts == ["h00"]
+
+
+def test_a_domain_s_loss_does_not_take_over_another_host_s_guess() -> None:
+    d = diagnoser()
+    feed(d, [silence(9)], NOW - WINDOW)
+    (other,) = d.on_anomaly(silence(9), NOW).publish  # alone on sw-2: unknown
+    (dx,) = settle(d, [silence(h) for h in range(3)], NOW + 0.5)
+    assert other.cause == "unknown" and other.status == "open"
+    assert dx.cause == "hosts_lost" and "u9" not in dx.anomaly_ids

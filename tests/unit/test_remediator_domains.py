@@ -42,13 +42,20 @@ def test_one_isolate_step_for_the_domain_then_one_restart() -> None:
     assert isinstance(act, conduct.Fence) and act.hosts == LOST and act.send.counts
 
 
-def test_a_widened_revision_joins_the_same_incident() -> None:
+def test_a_host_lost_late_joins_the_incident_and_only_it_is_isolated_then() -> None:
     d = lost()
-    first = intake.admit(d, None, POLICY.cooldown_s, NOW).incident
+    admitted = intake.admit(d, None, POLICY.cooldown_s, NOW)
+    intake.plan(admitted, d, POLICY, view(), NOW, failed_in=0)
+    first = admitted.incident
     assert first is not None
+    for step in first.actions:
+        step.status = "done"
     again = intake.admit(lost(rev=2, hosts=[*LOST, "h08"]), first, POLICY.cooldown_s, NOW + 1)
-    assert again.incident is first and not again.opened
+    assert again.incident is first and not again.opened and again.replan
     assert "h08" in first.hosts
+    intake.plan(again, d, POLICY, view(), NOW + 1)
+    pending = [(s.action, s.params.get("hosts")) for s in first.actions if s.status == "pending"]
+    assert pending == [("isolate", ["h08"])]  # the restart done already is not run again
 
 
 def test_the_store_host_cannot_go_and_is_escalated_not_isolated() -> None:

@@ -196,7 +196,8 @@ class Diagnoser:
             # A root explains a recent symptom-like guess; any cause beats "unknown" on the
             # same ranks.
             explains = v.cause in ROOT_CAUSES and not v.collateral and recent \
-                and od.cause in SYMPTOM_CAUSES and v.recognised
+                and od.cause in SYMPTOM_CAUSES and v.recognised \
+                and (overlap or v.cause != "hosts_lost")  # a domain's loss: its hosts' only
             guess = od.cause == "unknown" and v.cause != "unknown" and overlap and recent
             if (explains or guess) and not o.root and od.status == "open":
                 # An earlier guess (a hang, a peer error) was a symptom of this root.

@@ -142,7 +142,8 @@ def open_incident(d: Diagnosis, detected_at: float | None, now: float) -> Incide
 
 
 def join(inc: Incident, d: Diagnosis) -> bool:
-    """Merge ``d`` into ``inc``; True if the root cause changed (a re-plan is due)."""
+    """Merge ``d`` into ``inc``; True if the root cause changed, or hosts lost together
+    gained one (a re-plan is due)."""
     if d.id not in inc.diagnosis_ids:
         inc.diagnosis_ids.append(d.id)
     inc.anomaly_ids.extend(a for a in d.anomaly_ids if a not in inc.anomaly_ids)
@@ -154,7 +155,10 @@ def join(inc: Incident, d: Diagnosis) -> bool:
         inc.summary = d.summary
         inc.domain = d.domain
     else:
-        inc.hosts = sorted(set(inc.hosts) | set(d.hosts))
+        wider = sorted(set(inc.hosts) | set(d.hosts))
+        # A host lost late with its domain leaves the job too: its isolation is planned.
+        changed = inc.cause == "hosts_lost" and d.status == "open" and wider != inc.hosts
+        inc.hosts = wider
     if d.step is not None and (inc.failure_step is None or d.step > inc.failure_step):
         inc.failure_step = d.step
     return changed
@@ -230,10 +234,12 @@ def _lost_steps(inc: Incident, view: JobView, notes: list[str]) -> list[Incident
     can go (``hosts``; ``lost``: no agent there is expected to answer), an escalation for
     each that cannot (it runs the rendezvous store, or too few hosts would remain)."""
     steps: list[IncidentStep] = []
-    going = [h for h in inc.hosts if h in view.hosts]
+    isolated = {h for s in inc.actions if s.action == "isolate" and s.status == "done"
+                for h in s.params.get("hosts", [])}
+    going = [h for h in inc.hosts if h in view.hosts and h not in isolated]
     leaving = len(going)
     kept: list[str] = []
-    for host in inc.hosts:
+    for host in (h for h in inc.hosts if h not in isolated):
         ok, why = can_isolate(host, view, leaving) if host in view.hosts \
             else (True, "")  # no agent record: nothing to re-form, blocklisted all the same
         if ok:
