@@ -5,10 +5,11 @@ An embedded control plane (nats-server, redis-server) and the real detector, dia
 remediator and bridge (webhook to a local HTTP receiver), with their default settings.
 4,096 simulated ranks (512 hosts x 8, each rank's heartbeat at its own phase of the
 second, a step report per second) publish over one NATS connection as the client does;
-an agent per host says hello (host-0 runs the rendezvous store) and the survivors' agents
-acknowledge commands. The topology file puts 32 hosts on each of 16 switches. After a
-warm-up, switch sw-3 dies: its 32 hosts (256 ranks) and their agents fall silent at once,
-and the others stop stepping (they wait in a collective for the lost ranks).
+an agent per host says hello (host-0 runs the rendezvous store), beats once a second with
+its ranks' process states, and the survivors' agents acknowledge commands. The topology
+file puts 32 hosts on each of 16 switches. After a warm-up, switch sw-3 dies: its 32 hosts
+(256 ranks) and their agents fall silent at once, and the others stop stepping (they wait
+in a collective for the lost ranks).
 
 Two runs, in the same process on the same servers: the baseline with the diagnoser's
 ``domain_window`` at 0 (every host on its own, as before) and correlation on (the default
@@ -44,6 +45,7 @@ from trainguard.contract.schemas import (
     Diagnosis,
     Heartbeat,
     Incident,
+    NodeHeartbeat,
     NodeHello,
     RankHello,
     StepReport,
@@ -170,6 +172,15 @@ class Fleet:
                     job=self.job, time=now, seq=self.seq, rank=r, host=host,
                     pid=100_000 + r, step=self.step,
                     phase="comm" if self.lost else "compute", phase_elapsed=0.1))
+            for h in range(slot, HOSTS, SLOTS):  # each agent's beat: its ranks running
+                host = f"host-{h}"
+                if self.lost and host in LOST:
+                    continue
+                self.seq += 1
+                local = range(h * PER_HOST, (h + 1) * PER_HOST)
+                await self.bus.publish_telemetry(self.s.node(self.job, host), NodeHeartbeat(
+                    job=self.job, time=now, seq=self.seq, host=host,
+                    ranks=dict.fromkeys(local, "S"), pids={r: 100_000 + r for r in local}))
             slot = (slot + 1) % SLOTS
             t0 += 1.0 / SLOTS
             await asyncio.sleep(max(0.0, t0 - time.monotonic()))
@@ -281,6 +292,13 @@ def summarize(seen: Seen, pages: Pages, onset: float, window: float) -> dict[str
                   for i, revs in seen.incidents.items() if any(inc.actions for _, inc in revs)}
     last = {i: max(revs, key=lambda x: x[1].rev)[1] for i, revs in seen.incidents.items()}
     firing = [p for p in pages.got if p[1] == "firing"]
+
+    def done(action: str) -> float | None:
+        """When a revision first showed an ``action`` step done (from the loss)."""
+        times = [t for revs in seen.incidents.values() for t, inc in revs
+                 if any(s.action == action and s.status == "done" for s in inc.actions)]
+        return round(min(times) - onset, 2) if times else None
+
     return {
         "domain_window_s": window,
         "ranks": HOSTS * PER_HOST, "hosts": HOSTS, "lost_hosts": len(LOST),
@@ -298,6 +316,8 @@ def summarize(seen: Seen, pages: Pages, onset: float, window: float) -> dict[str
         "first_decision_s": round(decisions[0] - onset, 2) if decisions else None,
         "last_incident_decided_s": (round(max(first_plan.values()) - onset, 2)
                                     if first_plan else None),
+        "isolated_s": done("isolate"),
+        "restarted_s": done("restart"),
         "plans": sorted({" -> ".join(s.action for s in i.actions) for i in last.values()}),
         "isolated_in_one_step": max((len(s.params.get("hosts", [])) for i in last.values()
                                      for s in i.actions if s.action == "isolate"), default=0),
@@ -326,7 +346,9 @@ def main() -> int:
             ("onset -> all 256 lost ranks named (s)", "all_lost_ranks_named_s"),
             ("onset -> first decision (s)", "first_decision_s"),
             ("onset -> last incident decided (s)", "last_incident_decided_s"),
-            ("hosts isolated in one step", "isolated_in_one_step")]
+            ("hosts isolated in one step", "isolated_in_one_step"),
+            ("onset -> isolation done (s)", "isolated_s"),
+            ("onset -> restart acknowledged (s)", "restarted_s")]
     print("| switch lost, 4,096 ranks (32 of 512 hosts) | baseline: window 0 | "
           f"correlated: window {results[1]['domain_window_s']:g} s |\n| --- | --- | --- |")
     for label, key in rows:
