@@ -10,7 +10,10 @@ import pytest
 
 from trainguard.contract.domains import Domain
 from trainguard.contract.errors import ConfigError
+from trainguard.runtime.config import load_settings
 from trainguard.runtime.domains import LabelKeys, expand_hostlist, from_node_labels, load_topology
+from trainguard.services.diagnoser.service import DiagnoserService
+from trainguard.services.diagnoser.settings import DiagnoserSettings
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "topology"
 
@@ -77,3 +80,17 @@ def test_bad_input_names_the_setting_and_the_key(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="line 1"):
         load_topology(str(slurm))
     assert not load_topology("")
+
+
+def test_the_diagnoser_refuses_a_negative_window_and_an_unreadable_topology(
+        tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"domain_window=-1\.0: must be >= 0"):
+        load_settings(DiagnoserSettings, env={"TRAINGUARD_DOMAIN_WINDOW": "-1"})
+    settings = load_settings(DiagnoserSettings, env={},
+                             overrides={"topology": str(tmp_path / "none.conf")})
+    with pytest.raises(ConfigError, match="setting topology="):
+        DiagnoserService(settings)
+    settings = load_settings(DiagnoserSettings, env={"TRAINGUARD_TOPOLOGY": str(
+        FIXTURES / "topology.conf"), "TRAINGUARD_TOPOLOGY_ZONE_LABEL": "z"})
+    assert DiagnoserService(settings).rules.lost.domain_of("gpu001") == Domain("switch",
+                                                                                "leaf1")
