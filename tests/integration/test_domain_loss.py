@@ -225,7 +225,7 @@ async def test_a_lost_switch_is_one_incident_one_page_one_isolation(
                              what="the page and its all-clear")
             (inc,) = latest(incidents).values()
             assert inc.cause == "hosts_lost" and inc.domain == "switch sw-1"
-            assert inc.hosts == LOST and len(inc.ranks) >= 8 * PER_HOST
+            assert inc.hosts == LOST and inc.ranks == list(range(8 * PER_HOST))
             isolate = [s for s in inc.actions if s.action == "isolate"]
             assert len(isolate) == 1 and isolate[0].params["hosts"] == LOST
             assert isolate[0].status == "done" and "switch sw-1" in isolate[0].detail

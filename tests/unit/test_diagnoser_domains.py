@@ -124,8 +124,10 @@ def test_a_hang_while_hosts_go_waits_and_joins_their_loss() -> None:
     assert d.on_anomaly(hang, NOW + 0.5).wait == WINDOW - 0.5
     (lost,) = [x for dec in feed(d, [silence(h) for h in range(3)], NOW + WINDOW)
                for x in dec.publish]
+    ranks = list(lost.ranks)
     (joined,) = d.on_anomaly(hang, NOW + WINDOW + 0.1).publish
     assert joined.id == lost.id and "hang" in joined.anomaly_ids
+    assert joined.collateral == ["hang"] and joined.ranks == ranks  # a consequence only
 
 
 def test_a_late_silence_of_the_same_domain_widens_the_diagnosis() -> None:

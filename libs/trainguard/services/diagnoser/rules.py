@@ -181,13 +181,12 @@ class Diagnoser:
             return Decision([self._join(root, a, v, now, collateral=True)])
         for o in opened:
             if self._joins(v, a, o, now):
-                return Decision([self._join(o, a, v, now, collateral=v.collateral)])
+                # A domain's loss names its ranks already: what follows adds none.
+                consequence = v.collateral or o.diagnosis.cause == "hosts_lost"
+                return Decision([self._join(o, a, v, now, collateral=consequence)])
         diagnosis = self._diagnosis(a, v, now, history)
         if group is not None and len(group.members) > 1:
-            diagnosis.anomaly_ids = [m.id for m in group.members]
-            diagnosis.onset_at = min(m.onset_at for m in group.members)
-            diagnosis.summary = (f"{group.headline()}: hosts lost (heartbeats stopped, no "
-                                 f"exit reported); recommend {' -> '.join(diagnosis.recommended)}")
+            self._lost_together(diagnosis, group)
         decision = Decision([diagnosis])
         for o in opened:
             od = o.diagnosis
@@ -226,6 +225,14 @@ class Diagnoser:
             if o.diagnosis.status == "open" and roots & set(o.diagnosis.anomaly_ids):
                 return o
         return None
+
+    @staticmethod
+    def _lost_together(d: Diagnosis, group: Group) -> None:
+        """``d``, made from one of ``group``'s silences, speaks for all of them."""
+        d.anomaly_ids = [m.id for m in group.members]
+        d.onset_at = min(m.onset_at for m in group.members)
+        d.summary = (f"{group.headline()}: hosts lost (heartbeats stopped, no exit "
+                     f"reported); recommend {' -> '.join(d.recommended)}")
 
     @staticmethod
     def _widen(o: Open, a: Anomaly, now: float) -> Diagnosis:
