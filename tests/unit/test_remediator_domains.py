@@ -85,3 +85,15 @@ def test_a_fence_is_done_once_blocklisted_answered_or_not() -> None:
     assert step.status == "done"
     assert step.detail == ("blocklisted 2 hosts of switch sw-1: h00, h01; their agents told "
                            "(1 answered)")
+
+
+def test_observed_the_fence_says_what_it_would_have_done() -> None:
+    d = lost(hosts=LOST[:2])
+    admitted = intake.admit(d, None, POLICY.cooldown_s, NOW)
+    intake.plan(admitted, d, POLICY, view(), NOW, failed_in=0)
+    inc = admitted.incident
+    assert inc is not None
+    step = inc.actions[0]
+    recorded = conduct.observe(inc, step, conduct.act(inc, step), frozenset({"isolate"}))
+    assert recorded is not None and recorded.status == "observed"
+    assert recorded.detail.startswith("would have isolated 2 hosts lost together (h00, h01)")

@@ -473,7 +473,8 @@ class RemediatorService(Service[RemediatorSettings]):
         for host, run in zip(hosts, runs, strict=True):
             if run is not None:
                 line = conduct.note_hook(step, run)
-                (log.info if run.status == "ok" else log.error)(
+                logger = log.bind(job=inc.job, incident=inc.id, host=host)
+                (logger.info if run.status == "ok" else logger.error)(
                     "isolate hook for %s: %s", host, line)
         await self.store.note_attempt(inc.job, send.attempt, time.time())
 
