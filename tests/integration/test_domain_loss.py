@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis.asyncio as aioredis
 
 from tests.alerting import Receiver
@@ -167,10 +168,13 @@ def latest(incidents: list[Incident]) -> dict[str, Incident]:
     return out
 
 
+@pytest.mark.parametrize("domain", ["switch sw-1", ""], ids=["topology", "no-topology"])
 async def test_a_lost_switch_is_one_incident_one_page_one_isolation(
         nats_url: str, redis_url: str, prefix: str, job: str, nc: Any,
-        tmp_path: Path) -> None:
+        tmp_path: Path, domain: str) -> None:
+    """Without a topology the same hosts are one loss too, "hosts lost together"."""
     (tmp_path / "topology.toml").write_text(TOPOLOGY)
+    topology = str(tmp_path / "topology.toml") if domain else ""
     base = {"nats_url": nats_url, "redis_url": redis_url, "prefix": prefix}
     await provision(nc.jetstream(), streams(prefix))
     receiver = Receiver().start()
@@ -184,7 +188,7 @@ async def test_a_lost_switch_is_one_incident_one_page_one_isolation(
             **base, "tick_interval": 0.1, "progress_interval": 0.2, "lease_interval": 0.2,
             "lease_ttl": 1.5, "hb_timeout": 2.0})),
         DiagnoserService(load_settings(DiagnoserSettings, env={}, overrides={
-            **base, "domain_window": 1.5, "topology": str(tmp_path / "topology.toml")})),
+            **base, "domain_window": 1.5, "topology": topology})),
         RemediatorService(load_settings(RemediatorSettings, env={},
                                         overrides={**base, "lease_ttl": 1.0})),
     ]
@@ -224,13 +228,14 @@ async def test_a_lost_switch_is_one_incident_one_page_one_isolation(
             await wait_until(lambda: len(receiver.at("/ce")) >= 2, timeout=WAIT,
                              what="the page and its all-clear")
             (inc,) = latest(incidents).values()
-            assert inc.cause == "hosts_lost" and inc.domain == "switch sw-1"
+            assert inc.cause == "hosts_lost" and inc.domain == domain
             assert inc.hosts == LOST and inc.ranks == list(range(8 * PER_HOST))
             isolate = [s for s in inc.actions if s.action == "isolate"]
             assert len(isolate) == 1 and isolate[0].params["hosts"] == LOST
-            assert isolate[0].status == "done" and "switch sw-1" in isolate[0].detail
+            assert isolate[0].status == "done" and domain in isolate[0].detail
             assert [s.action for s in inc.actions] == ["isolate", "restart"]
-            assert inc.summary.startswith("switch sw-1: 8 hosts, 32 ranks lost within")
+            assert inc.summary.startswith(f"{domain or 'hosts lost together'}: 8 hosts, "
+                                          "32 ranks lost within")
             # One diagnosis for the eight silences (a hang joins it, if one was raised).
             opened = {d.id for d in diagnoses if d.status == "open"}
             assert len(opened) == 1, [(d.cause, d.hosts) for d in diagnoses]
@@ -248,6 +253,6 @@ async def test_a_lost_switch_is_one_incident_one_page_one_isolation(
             assert [p.headers["ce-tgstate"] for p in pages] == ["firing", "resolved"]
             first = pages[0].json()
             assert (first["cause"], first["domain"], first["id"]) == ("hosts_lost",
-                                                                     "switch sw-1", inc.id)
+                                                                     domain, inc.id)
     finally:
         receiver.stop()
