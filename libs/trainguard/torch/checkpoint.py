@@ -737,7 +737,9 @@ class Checkpointer:
         reshards it from the saved layout. The RNG states of a rank that was not part of
         the saving world are left as they are, with a warning. A checkpoint one rank
         refuses is refused by all, before any of them reads (the ranks agree first), so a
-        failure leaves every rank able to try an older one.
+        failure leaves every rank able to try an older one. Where the coordinator committed
+        it, every file the load reads (an increment's base's too) must match the commit
+        record's size and CRC32 first; the ranks share that reading.
         """
         self._model, self._optimizer = model, optimizer
         self.wait()
@@ -748,9 +750,8 @@ class Checkpointer:
             path = confine(point.path if isinstance(point, ResumePoint) else point, self.root,
                            self.guard.job)
             chain = open_chain(path, self.root, self.guard.job, required=from_bus)
-            if len(chain) > 1:  # each rank checks its share of the files a chain reads
-                for link in chain:
-                    verify_files(link, self.group_rank, self.world_size)
+            for link in chain:  # each rank checks its share of the files the load reads
+                verify_files(link, self.group_rank, self.world_size)
         except Exception as exc:
             found = exc
         self._agree_loadable(found)
