@@ -72,6 +72,7 @@ def test_the_ranks_leave_out_only_what_no_rank_saw_change() -> None:
     assert decide([RankView(10, 4, 3), RankView(10, 4, 3)], 4, keys).base is None  # bound
     assert decide([RankView(10, 3, 3), RankView(10, 3, 3)], 4, keys).base == 10
     assert decide([RankView(10, 0, 3), RankView(10, 0, 2)], 4, keys).base is None
+    assert decide([RankView(10, 0, 3, keys)], 4, keys).why_full == "every tensor changed"
 
 
 def test_a_chain_rebases_on_a_full_save_that_succeeded_only() -> None:

@@ -106,7 +106,10 @@ def decide(views: Sequence[RankView], every: int, keys: Collection[str]) -> Deci
     changed = set().union(*(v.changed for v in views))
     base = bases.pop()
     assert base is not None
-    return Decision(base, {k: base for k in sorted(keys) if k not in changed})
+    held = {k: base for k in sorted(keys) if k not in changed}
+    if not held:  # an increment of everything would only tie the restore to the base
+        return Decision(None, why_full="every tensor changed")
+    return Decision(base, held)
 
 
 class Chain:
