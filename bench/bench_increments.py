@@ -13,7 +13,8 @@ training step apart (blocking, so ``save_s`` is the whole save: hashing, DCP's w
 checksums), medians. ``bytes`` is what those saves wrote (DCP's files plus ``INCREMENT``).
 Restore: a fresh model loads the last step by its resume point, with the commit record the
 coordinator would have written (so the load verifies every file it reads): the full
-checkpoint against the chain (the increment and its base). Files go to ``--root``
+checkpoint against the chain (the increment and its base). ``hash_s``: hashing every
+tensor of the state once (what an incremental save adds to the loop). Files go to ``--root``
 (default: a temporary directory), so reads may come from the page cache.
 """
 
@@ -36,6 +37,7 @@ from trainguard.contract.commit_record import COMMIT_FILE, CommitRecord, encode_
 from trainguard.contract.schemas import CheckpointReport, ResumePoint
 from trainguard.runtime.embedded import free_port
 from trainguard.torch import Checkpointer
+from trainguard.torch.increments import digests
 
 WIDTH = 2048
 
@@ -102,13 +104,21 @@ def run(kind: str, incremental: int, root: Path, saves: int, loads: int) -> dict
         assert torch.equal(a, b)
     ckpt.close()
     guard.close(timeout=0.1)
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    state = dict(zip(("model", "optim"), get_state_dict(model, opt), strict=True))
+    hashing = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        digests(state)
+        hashing.append(time.perf_counter() - t0)
     params = sum(p.numel() for p in model.parameters())
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return {"params": params, "trained": trained, "saves": saves,
             "kinds": ["full" if r.base is None else f"incr of {r.base}" for r in ckpt.reports],
             "bytes_per_save": written // saves, "save_s": statistics.median(times),
             "save_all": times, "restore_s": statistics.median(restores),
-            "restore_all": restores}
+            "restore_all": restores, "hash_s": min(hashing)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
                                                 args.saves, args.loads)
                 r = results[f"{kind}/{mode}"]
                 print(f"{kind:8s} {mode:12s} {r['bytes_per_save'] / 1e6:8.1f} MB/save "
-                      f"save {r['save_s']:.3f}s restore {r['restore_s']:.3f}s "
+                      f"save {r['save_s']:.3f}s (hashing {r['hash_s']:.3f}s) "
+                      f"restore {r['restore_s']:.3f}s "
                       f"({', '.join(r['kinds'])})", flush=True)
     text = json.dumps(results, indent=2)
     if args.out:

@@ -193,3 +193,17 @@ def test_a_bad_incremental_setting_is_refused(tmp_path: Path, value: object) -> 
     with pytest.raises(ConfigError, match="incremental="):
         Checkpointer(guard, tmp_path, incremental=value)  # type: ignore[arg-type]
     guard.close(timeout=0.1)
+
+
+def test_the_environment_sets_incremental_saves(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    guard = offline_guard()
+    monkeypatch.setenv("TRAINGUARD_CHECKPOINT_INCREMENTAL", "5")
+    for value, expected in ((None, 5), (0, 0)):
+        ckpt = Checkpointer(guard, tmp_path, memory=None, incremental=value)
+        assert ckpt.chain.every == expected
+        ckpt.close()
+    monkeypatch.setenv("TRAINGUARD_CHECKPOINT_INCREMENTAL", "often")
+    with pytest.raises(ConfigError, match="TRAINGUARD_CHECKPOINT_INCREMENTAL='often'"):
+        Checkpointer(guard, tmp_path, memory=None)
+    guard.close(timeout=0.1)

@@ -219,7 +219,8 @@ class Checkpointer:
             only the model and optimizer tensors whose bytes differ from the full save's
             (a frozen base, an adapter's untouched layers, ...) and leave the rest to it
             (:mod:`.increments`); then a full save again. A restore reads the increment and
-            its base. 0 (the default): every save is full.
+            its base. Default ``TRAINGUARD_CHECKPOINT_INCREMENTAL``, else 0: every save is
+            full.
     """
 
     def __init__(self, guard: GuardHandle, root: str | os.PathLike[str], *,
@@ -229,7 +230,9 @@ class Checkpointer:
                  memory_keep: int = 3, data: Batches | None = None,
                  manifest: DatasetManifest | str | os.PathLike[str] | None = None,
                  data_policy: str = "refuse", run_config: Mapping[str, Any] | None = None,
-                 saver: Callable[[int], int] | None = None, incremental: int = 0) -> None:
+                 saver: Callable[[int], int] | None = None,
+                 incremental: int | None = None) -> None:
+        incremental = incremental if incremental is not None else _env_incremental()
         if isinstance(incremental, bool) or not isinstance(incremental, int) or incremental < 0:
             raise ConfigError(f"incremental={incremental!r}: the number of incremental saves "
                               "between full ones, an integer >= 0 (0: every save is full)")
@@ -965,6 +968,15 @@ class Checkpointer:
     def _completed_step(self) -> int | None:
         # The Guard has no public accessor for the last completed step yet.
         return self.guard.last_completed_step
+
+
+def _env_incremental() -> int:
+    raw = os.environ.get(envnames.CHECKPOINT_INCREMENTAL, "").strip()
+    try:
+        return int(raw) if raw else 0
+    except ValueError:
+        raise ConfigError(f"{envnames.CHECKPOINT_INCREMENTAL}={raw!r}: set it to the number of "
+                          "incremental saves between full ones (0: every save is full)") from None
 
 
 def _saved_ranks(keys: set[str]) -> set[int]:
