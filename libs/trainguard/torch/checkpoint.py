@@ -18,7 +18,9 @@ Why it is built the way it is (docs/design.md, section 7):
 
 Layout: ``<root>/<job>/step-<S>/`` holding DCP's ``__<rank>_<n>.distcp`` files and
 ``.metadata`` (written by the group's rank 0). A rank's files are those whose name starts
-with ``__<its group rank>_``; ``.metadata`` is attributed to group rank 0.
+with ``__<its group rank>_``; ``.metadata`` is attributed to group rank 0. An incremental
+save (``incremental=N``, :mod:`.increments`) also holds ``INCREMENT``, naming the full save
+whose files hold the tensors it did not write.
 """
 
 from __future__ import annotations
@@ -344,7 +346,8 @@ class Checkpointer:
         second save first waits for the previous one (the side group runs one save at a
         time). Saving the step saved last is a no-op, so a ``save_now`` and the periodic
         save of the same step do not write it twice. Failures never raise into training:
-        they become a report with ``ok=False`` that names the error.
+        they become a report with ``ok=False`` that names the error. With ``incremental``,
+        the ranks first agree whether this save is full or an increment (collective).
         """
         self._model, self._optimizer = model, optimizer
         if step == self._last_step:
