@@ -314,6 +314,7 @@ class Checkpointer:
             self._pending = None
         if self.memory is not None:
             self.memory.clear()  # ranks and shards may have moved
+        self.chain.forget()  # so may the shards the base's digests were taken of
         if not self._own_group:
             self._broken = "the process group passed to the Checkpointer did not survive " \
                            "the in-place re-form; let it make its own"
