@@ -41,6 +41,8 @@ def test_a_digest_changes_with_any_byte_dtype_or_shape() -> None:
     assert tensor_digest(torch.tensor(3.0)) != tensor_digest(torch.tensor(4.0))  # 0-dim
     assert tensor_digest(torch.ones(2, requires_grad=True)) == tensor_digest(torch.ones(2))
     assert tensor_digest(torch.zeros(0)) != tensor_digest(torch.zeros(0, 2))
+    sparse = torch.eye(3).to_sparse()
+    assert tensor_digest(sparse) != tensor_digest(sparse)  # unreadable bytes: always written
 
 
 def test_leaves_are_the_model_and_optimizer_tensors_by_path() -> None:

@@ -14,6 +14,7 @@ Pure parts here (hashing, the decision, cutting state dicts); the Checkpointer r
 
 from __future__ import annotations
 
+import os
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,14 +57,18 @@ def tensor_leaves(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
 
 def tensor_digest(tensor: torch.Tensor) -> bytes:
     """XXH3-128 of a tensor's bytes, dtype and shape; of a DTensor, its local shard. A tensor
-    off the CPU is copied to it first."""
+    off the CPU is copied to it first. One whose bytes cannot be viewed (sparse, quantized)
+    gets a digest of its own each time: it is always written."""
     to_local = getattr(tensor, "to_local", None)
     local = (to_local() if callable(to_local) else tensor).detach()
-    if local.device.type != "cpu":
-        local = local.cpu()
-    h = xxhash.xxh3_128(f"{local.dtype} {tuple(local.shape)}".encode())
-    if local.numel():
-        h.update(local.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    try:
+        if local.device.type != "cpu":
+            local = local.cpu()
+        h = xxhash.xxh3_128(f"{local.dtype} {tuple(local.shape)}".encode())
+        if local.numel():
+            h.update(local.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return os.urandom(16)
     return h.digest()
 
 
