@@ -207,6 +207,25 @@ def test_a_chain_restores_bit_for_bit_as_a_full_save_replicated_and_sharded(
         for mode in ("ddp", "fsdp"):
             same_keys, count, differ = restored[rank][mode]
             assert same_keys and count > 6 and differ == [], (rank, mode, differ)
+    # Both links reshard: the FSDP2 chain loads into one unsharded process as its full save.
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from trainguard.torch import Checkpointer
+    from trainguard.torch.increments import tensor_leaves
+
+    guard = _guard(0, 1)
+    states = []
+    for where in ("chain", "full"):
+        model, opt = _lay_out_single()
+        ckpt = Checkpointer(guard, tmp_path / "fsdp" / where, memory=None)
+        assert ckpt.load(ckpt.path_for(2), model, opt) == 2
+        ckpt.close()
+        states.append(tensor_leaves(dict(zip(("model", "optim"), get_state_dict(model, opt),
+                                             strict=True))))
+    guard.close(timeout=0.1)
+    assert states[0].keys() == states[1].keys()
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[1])
 
 
 async def test_a_broken_link_falls_back_to_the_newest_checkpoint_that_verifies(
