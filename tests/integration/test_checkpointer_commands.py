@@ -204,7 +204,7 @@ async def test_cli_lists_the_catalogue_and_saves(
         assert await asyncio.to_thread(cli.run_checkpoints, parse(["checkpoints", *common])) == 0
         out = capsys.readouterr().out
         assert f"resume point: step 40 ({tmp_path / job / 'step-40'})" in out
-        assert "40    committed  2/2" in out
+        assert "40    committed  full  2/2" in out
         args = parse(["checkpoints", *common, "--json"])
         assert await asyncio.to_thread(cli.run_checkpoints, args) == 0
         assert json.loads(capsys.readouterr().out)["pointer"]["step"] == 40

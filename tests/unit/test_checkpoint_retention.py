@@ -51,3 +51,17 @@ def test_settings_refuse_nonsense() -> None:
         CheckpointerSettings(interval_min=100, interval_max=10)
     with pytest.raises(ConfigError, match="retain"):
         CheckpointerSettings(retain=0)
+
+
+def test_the_base_of_a_kept_increment_stays() -> None:
+    chain = [Entry(10, "committed", False), Entry(11, "committed", False, base=10),
+             Entry(12, "committed", False, base=10)]
+    assert expire(chain, 1) == [11]  # 12 is kept, and reads 10
+    # A new full save frees the old chain; an expired increment no longer holds its base.
+    assert expire([Entry(20, "committed", False), *chain], 1) == [12, 11, 10]
+    assert expire([Entry(20, "committed", False), *chain], 1, pointer=11) == [12]
+    # Suspect evidence is kept with its base; a failed increment holds nothing.
+    assert expire([Entry(22, "committed", True, base=10), Entry(20, "committed", False),
+                   Entry(10, "committed", False)], 1) == []
+    assert expire([Entry(20, "committed", False), Entry(12, "failed", False, base=10),
+                   Entry(10, "committed", False)], 1) == [10]

@@ -51,7 +51,8 @@ def saved(tmp_path: Path, step: int = 2) -> tuple[Checkpointer, Path]:
 
 
 def commit(path: Path, job: str = "ckjob", step: int = 2, crc: int | None = None) -> None:
-    digest = FileDigest(bytes=0, crc32=crc32_of(path / METADATA_FILE) if crc is None else crc)
+    digest = FileDigest(bytes=(path / METADATA_FILE).stat().st_size,
+                        crc32=crc32_of(path / METADATA_FILE) if crc is None else crc)
     (path / COMMIT_FILE).write_bytes(encode_commit(CommitRecord(
         job=job, step=step, path=str(path), files={METADATA_FILE: digest})))
 

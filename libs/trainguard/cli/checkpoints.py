@@ -166,13 +166,14 @@ def format_catalogue(data: dict[str, Any]) -> str:
     for anomaly, onset in (data.get("onsets") or {}).items():
         lines.append(f"open onset: {onset.get('kind')} at step {onset.get('step')} "
                      f"(anomaly {anomaly})")
-    rows = [("STEP", "STATUS", "RANKS", "SIZE", "BLOCKED", "TOTAL", "CLOSED", "NOTE")]
+    rows = [("STEP", "STATUS", "KIND", "RANKS", "SIZE", "BLOCKED", "TOTAL", "CLOSED", "NOTE")]
     for c in data.get("checkpoints") or []:
         reported = len(c.get("reported") or [])
         note = c.get("suspect") or c.get("reason") or _layout(c.get("topology"))
         if c.get("missing_ranks") and c.get("status") in ("failed", "pending"):
             note = f"missing {c['missing_ranks']}" + (f"; {note}" if note else "")
-        rows.append((str(c.get("step")), str(c.get("status")),
+        kind = "full" if c.get("base") is None else f"incr of {c['base']}"
+        rows.append((str(c.get("step")), str(c.get("status")), kind,
                      f"{reported}/{c.get('world_size')}", _size(c.get("bytes")),
                      f"{float(c.get('seconds_blocked') or 0):.2f}s",
                      f"{float(c.get('seconds_total') or 0):.2f}s", _when(c.get("closed_at")),

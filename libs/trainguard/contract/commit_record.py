@@ -29,6 +29,11 @@ class CommitRecord(msgspec.Struct, kw_only=True):
     time: float = 0.0
     topology: Topology | None = None
     """How the saving job laid its state out, as its ranks reported it."""
+    base: int | None = None
+    """An increment's base step (None: a full checkpoint): a restore reads the base too."""
+    base_id: str = ""
+    """The base's checkpoint id when this was committed: a rank refuses a base whose own
+    commit record names another (the step saved again since)."""
 
 
 _decoder = msgspec.json.Decoder(CommitRecord)

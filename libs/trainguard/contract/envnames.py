@@ -56,6 +56,9 @@ BATCH_CHECK_EVERY: Final = setting("batch_check_every")
 """Steps between batch checks (``trainguard.torch.BatchCheck``; 0: never, default 1)."""
 BAD_BATCH: Final = setting("bad_batch")
 """``skip`` (every rank skips a step whose batch is bad anywhere) or ``report``."""
+CHECKPOINT_INCREMENTAL: Final = setting("checkpoint_incremental")
+"""Incremental saves between full ones (``trainguard.torch.Checkpointer``; 0: none, the
+default)."""
 FAST_EXIT: Final = setting("fast_exit")
 """``0`` keeps other libraries' exit handlers on a crash in place (``trainguard.client.
 fastexit``); on by default."""
@@ -81,7 +84,7 @@ judge the job: kept out of
 GUARD_KEYS: Final = frozenset({JOB, HOST, NATS_URL, SUBJECT_PREFIX, ALLOW_DRILLS, CREDENTIALS,
                                NATS_TLS_CA, FR_REQUEST, GENERATION, JOIN, RESTART_STAMPS,
                                DISABLED, CHECKPOINT_ROOT, REDIS_URL, FAST_EXIT,
-                               BATCH_CHECK_EVERY, BAD_BATCH})
+                               BATCH_CHECK_EVERY, BAD_BATCH, CHECKPOINT_INCREMENTAL})
 """The names the Guard reads (above). With every settings field's name they are what
 :func:`trainguard.runtime.config.known_variables` accepts; the per-job keys a job forwards in its
 hello (:func:`job_settings`) are detector settings (``TRAINGUARD_HANG_FLOOR``), known as

@@ -408,6 +408,11 @@ class CheckpointReport(Durable, kw_only=True):
     """Who wrote the files: ``dcp`` (the Checkpointer; a DCP ``.metadata`` is required) or a
     framework's own format (``lightning``, ``hf``, ...), committed and verified the same
     way but loaded by that framework."""
+    base: int | None = None
+    """An incremental save: the step of the full checkpoint holding the tensors it did not
+    write (``INCREMENT`` in its directory says which). None: a full save. The coordinator
+    commits an increment only once its base is committed, and keeps the base as long as
+    the increment."""
 
 
 StateKind = Literal["replicated", "sharded", "hybrid"]

@@ -18,7 +18,9 @@ Why it is built the way it is (docs/design.md, section 7):
 
 Layout: ``<root>/<job>/step-<S>/`` holding DCP's ``__<rank>_<n>.distcp`` files and
 ``.metadata`` (written by the group's rank 0). A rank's files are those whose name starts
-with ``__<its group rank>_``; ``.metadata`` is attributed to group rank 0.
+with ``__<its group rank>_``; ``.metadata`` is attributed to group rank 0. An incremental
+save (``incremental=N``, :mod:`.increments`) also holds ``INCREMENT``, naming the full save
+whose files hold the tensors it did not write.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from trainguard.contract.checksum import METADATA_FILE, file_digest
 from trainguard.contract.codec import decode_durable, encode_durable
 from trainguard.contract.envelope import uuid7
 from trainguard.contract.errors import ConfigError, TrainguardError
+from trainguard.contract.increment import INCREMENT_FILE, Increment, encode_increment
 from trainguard.contract.runrecord import DATA_POLICIES, DatasetManifest, RunRecord
 from trainguard.contract.schemas import (
     CheckpointReport,
@@ -54,9 +57,11 @@ from trainguard.contract.schemas import (
     ResumePoint,
     Topology,
 )
+from trainguard.core.files import write_atomically
 from trainguard.recovery.handle import RESUME_TIMEOUT, GuardHandle, recovery_report
 
 from .data import Batches
+from .increments import Chain, RankView, decide, digests, graft, only, without
 from .snapshots import Every, MemorySnapshots
 from .stats import state_layout
 from .trusted import (
@@ -64,11 +69,12 @@ from .trusted import (
     confine,
     encode_py_rng,
     from_blob,
-    read_metadata,
+    open_chain,
     reader_for,
     restore_py_rng,
     safe_load_planner,
     to_blob,
+    verify_files,
 )
 
 log = logging.getLogger("trainguard.checkpoint")
@@ -211,6 +217,12 @@ class Checkpointer:
             arranges the save of a later step (a framework that saves only at a step's
             end), and returns the step it saves, which it then reports with :meth:`commit`.
             Default: :meth:`save` of the attached model and optimizer.
+        incremental: after each full save, up to this many incremental ones, which write
+            only the model and optimizer tensors whose bytes differ from the full save's
+            (a frozen base, an adapter's untouched layers, ...) and leave the rest to it
+            (:mod:`.increments`); then a full save again. A restore reads the increment and
+            its base. Default ``TRAINGUARD_CHECKPOINT_INCREMENTAL``, else 0: every save is
+            full.
     """
 
     def __init__(self, guard: GuardHandle, root: str | os.PathLike[str], *,
@@ -220,7 +232,12 @@ class Checkpointer:
                  memory_keep: int = 3, data: Batches | None = None,
                  manifest: DatasetManifest | str | os.PathLike[str] | None = None,
                  data_policy: str = "refuse", run_config: Mapping[str, Any] | None = None,
-                 saver: Callable[[int], int] | None = None) -> None:
+                 saver: Callable[[int], int] | None = None,
+                 incremental: int | None = None) -> None:
+        incremental = incremental if incremental is not None else _env_incremental()
+        if isinstance(incremental, bool) or not isinstance(incremental, int) or incremental < 0:
+            raise ConfigError(f"incremental={incremental!r}: the number of incremental saves "
+                              "between full ones, an integer >= 0 (0: every save is full)")
         if data_policy not in DATA_POLICIES:
             raise ConfigError(f"data_policy={data_policy!r}: refuse (stop the job) or alert "
                               "(log and go on) when the data differs from the manifest")
@@ -233,6 +250,8 @@ class Checkpointer:
         self.data_policy = data_policy
         self.run_config = run_config
         self.saver = saver
+        self.chain = Chain(incremental)
+        """This rank's base for incremental saves (:class:`.increments.Chain`)."""
         self.run_record: RunRecord | None = None
         """What group rank 0 writes as ``run.json`` (collected at its first save, off the
         training thread)."""
@@ -295,6 +314,7 @@ class Checkpointer:
             self._pending = None
         if self.memory is not None:
             self.memory.clear()  # ranks and shards may have moved
+        self.chain.forget()  # so may the shards the base's digests were taken of
         if not self._own_group:
             self._broken = "the process group passed to the Checkpointer did not survive " \
                            "the in-place re-form; let it make its own"
@@ -327,7 +347,8 @@ class Checkpointer:
         second save first waits for the previous one (the side group runs one save at a
         time). Saving the step saved last is a no-op, so a ``save_now`` and the periodic
         save of the same step do not write it twice. Failures never raise into training:
-        they become a report with ``ok=False`` that names the error.
+        they become a report with ``ok=False`` that names the error. With ``incremental``,
+        the ranks first agree whether this save is full or an increment (collective).
         """
         self._model, self._optimizer = model, optimizer
         if step == self._last_step:
@@ -350,11 +371,17 @@ class Checkpointer:
             self._publish(self._report(step, path, {}, time.perf_counter() - t0,
                                        time.perf_counter() - t0, _describe(exc)))
             return
+        base: int | None = None
         try:
             from torch.distributed.checkpoint.filesystem import FileSystemWriter
             from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
             from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+            if self.chain.every:
+                state, increment = self._plan(step, state)
+                base = increment.base if increment is not None else None
+            else:
+                increment = None
             writer = FileSystemWriter(str(path))
             if blocking or not self.use_async:
                 metadata = dcp_save(state, storage_writer=writer, process_group=self.group,
@@ -362,7 +389,8 @@ class Checkpointer:
                 done: Future[Any] = Future()
                 done.set_result(metadata)
                 finished: Future[CheckpointReport] = Future()
-                finished.set_result(self._finish(step, path, done, t0, blocking=True))
+                finished.set_result(self._finish(step, path, done, t0, blocking=True,
+                                                 increment=increment))
                 self._pending = finished
                 return
             pending = dcp_async_save(state, storage_writer=writer, process_group=self.group,
@@ -370,16 +398,31 @@ class Checkpointer:
             upload: Future[Any] = pending if isinstance(pending, Future) \
                 else pending.upload_completion
         except _save_errors() as exc:
+            self.chain.saved(False)
             self._fail(exc)
             self._publish(self._report(step, path, {}, time.perf_counter() - t0,
-                                       time.perf_counter() - t0, _describe(exc)))
+                                       time.perf_counter() - t0, _describe(exc), base=base))
             return
         blocked = time.perf_counter() - t0
         # The rank and group as they are now: an in-place re-form may renumber this rank
         # before the save is done.
         self._pending = self._finisher.submit(self._finish, step, path, upload, t0,
                                               blocking=False, blocked=blocked,
-                                              as_of=self._as_of())
+                                              as_of=self._as_of(), increment=increment)
+
+    def _plan(self, step: int, state: dict[str, Any]) -> tuple[dict[str, Any], Increment | None]:
+        """Full or incremental (collective: the ranks agree, :func:`.increments.decide`):
+        the state to write, and the increment record where tensors are left to the base."""
+        now = digests(state)
+        views: list[RankView] = self._gather(self.chain.view(now))
+        decision = decide(views, self.chain.every, now.keys())
+        self.chain.saving(step, decision, now)
+        if decision.base is None:
+            if self.chain.base is not None:
+                log.debug("step %d saved in full: %s", step, decision.why_full)
+            return state, None
+        return without(state, decision.held.keys()), \
+            Increment(base=decision.base, held=decision.held)
 
     def commit(self, step: int, *, format: str,
                path: str | os.PathLike[str] | None = None) -> None:
@@ -512,10 +555,11 @@ class Checkpointer:
         return self._layout[1]
 
     def _finish(self, step: int, path: Path, upload: Future[Any], t0: float, *,
-                blocking: bool, blocked: float = 0.0,
-                as_of: _SaveContext | None = None) -> CheckpointReport:
+                blocking: bool, blocked: float = 0.0, as_of: _SaveContext | None = None,
+                increment: Increment | None = None) -> CheckpointReport:
         """Runs on the background thread (inline for a blocking save): wait for DCP, checksum
-        this rank's files, report (under ``as_of``, the save's start: see :meth:`_as_of`)."""
+        this rank's files, report (under ``as_of``, the save's start: see :meth:`_as_of`).
+        Group rank 0 writes an increment's ``INCREMENT`` and reports it with its files."""
         as_of = as_of or self._as_of()
         files: dict[str, FileDigest] = {}
         error = ""
@@ -524,14 +568,18 @@ class Checkpointer:
             names = _written_names(metadata, path)
             for name in rank_files(names, as_of.group_rank):
                 files[name] = file_digest(path / name)
+            if as_of.group_rank == 0 and increment is not None:
+                files[INCREMENT_FILE] = file_digest(
+                    write_atomically(path / INCREMENT_FILE, encode_increment(increment)))
             if as_of.group_rank == 0 and (written := self._write_run_record(path)):
                 files[written.name] = file_digest(written)  # committed and verified too
         except _save_errors() as exc:
             self._fail(exc)
             error = _describe(exc)
+        self.chain.saved(not error)
         total = time.perf_counter() - t0
         report = self._report(step, path, files, total if blocking else blocked, total, error,
-                              as_of=as_of)
+                              as_of=as_of, base=increment.base if increment else None)
         self._publish(report)
         return report
 
@@ -565,7 +613,7 @@ class Checkpointer:
 
     def _report(self, step: int, path: Path, files: dict[str, FileDigest], blocked: float,
                 total: float, error: str, as_of: _SaveContext | None = None,
-                format: str = "dcp") -> CheckpointReport:
+                format: str = "dcp", base: int | None = None) -> CheckpointReport:
         g = self.guard
         as_of = as_of or self._as_of()
         return CheckpointReport(
@@ -574,7 +622,7 @@ class Checkpointer:
             seconds_blocked=blocked, seconds_total=total, files=files,
             attempt=g.identity.attempt.restart_count, group_token=as_of.group_token,
             ok=not error, error=error[:2000], time=time.time(), state_since=as_of.state_since,
-            topology=as_of.topology, format=format)
+            topology=as_of.topology, format=format, base=base)
 
     def _publish(self, report: CheckpointReport) -> None:
         with self._lock:
@@ -696,7 +744,9 @@ class Checkpointer:
         reshards it from the saved layout. The RNG states of a rank that was not part of
         the saving world are left as they are, with a warning. A checkpoint one rank
         refuses is refused by all, before any of them reads (the ranks agree first), so a
-        failure leaves every rank able to try an older one.
+        failure leaves every rank able to try an older one. Where the coordinator committed
+        it, every file the load reads (an increment's base's too) must match the commit
+        record's size and CRC32 first; the ranks share that reading.
         """
         self._model, self._optimizer = model, optimizer
         self.wait()
@@ -706,15 +756,19 @@ class Checkpointer:
         try:
             path = confine(point.path if isinstance(point, ResumePoint) else point, self.root,
                            self.guard.job)
-            metadata = read_metadata(path, self.guard.job, required=from_bus)
+            chain = open_chain(path, self.root, self.guard.job, required=from_bus)
+            for link in chain:  # each rank checks its share of the files the load reads
+                verify_files(link, self.group_rank, self.world_size)
         except Exception as exc:
             found = exc
         self._agree_loadable(found)
+        self.chain.forget()  # the state comes from elsewhere: the next save starts a chain
+        metadata = chain[0].metadata
+        held = set(chain[0].increment.held) if chain[0].increment is not None else set()
         keys = set(metadata.state_dict_metadata)
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
         from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-        reader = reader_for(path, metadata)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         me = f"rank{self.group_rank}"
         state: dict[str, Any] = {"model": model_sd, "optim": optim_sd, STEP_KEY: {"step": -1}}
@@ -739,8 +793,16 @@ class Checkpointer:
         from torch.distributed.checkpoint.api import CheckpointException
 
         try:
-            dcp_load(state, storage_reader=reader, planner=safe_load_planner(),
-                     process_group=self.group, no_dist=not self.distributed)
+            # An increment's own tensors and values first, then what it left to its base
+            # (tensors only, loaded in place).
+            from_base = only(state, held)
+            state = without(state, held)
+            parts = [(chain[0], state)] + ([(chain[1], from_base)] if held else [])
+            for link, part in parts:
+                dcp_load(part, storage_reader=reader_for(link.path, link.metadata),
+                         planner=safe_load_planner(), process_group=self.group,
+                         no_dist=not self.distributed)
+            graft(state, from_base)
         except CheckpointException as exc:  # DCP wraps what a rank raised: say it plainly
             refused = [f[0] for f in exc.failures.values() if isinstance(f[0], CheckpointRefused)]
             if refused:
@@ -884,6 +946,7 @@ class Checkpointer:
         assert self.memory is not None
         started = time.time()
         self.loaded_extra = self.memory.restore(step, model, optimizer)
+        self.chain.forget()
         self.state_since = started
         self._last_step = step  # a later save of a step past it is the replayed one's
         return step
@@ -909,6 +972,15 @@ class Checkpointer:
     def _completed_step(self) -> int | None:
         # The Guard has no public accessor for the last completed step yet.
         return self.guard.last_completed_step
+
+
+def _env_incremental() -> int:
+    raw = os.environ.get(envnames.CHECKPOINT_INCREMENTAL, "").strip()
+    try:
+        return int(raw) if raw else 0
+    except ValueError:
+        raise ConfigError(f"{envnames.CHECKPOINT_INCREMENTAL}={raw!r}: set it to the number of "
+                          "incremental saves between full ones (0: every save is full)") from None
 
 
 def _saved_ranks(keys: set[str]) -> set[int]:

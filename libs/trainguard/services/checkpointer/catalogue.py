@@ -108,6 +108,10 @@ class Catalogue:
         return ReportOutcome(str(out[0]), str(out[1]), int(out[2]), int(out[3]),
                              PointerChange(str(out[4]), str(out[5])))
 
+    async def note_base(self, job: str, step: int, base: int) -> None:
+        """An incremental checkpoint's base, shown while it is still pending."""
+        await self.redis.hset(self.keys.rec(job, step), "base", str(base))
+
     async def close(self, rec: Record, status: str, fields: dict[str, str], *,
                     now: float) -> CloseOutcome:
         """Commit or fail ``rec`` if it is still the pending round it was judged as."""

@@ -60,6 +60,8 @@ class Record:
     bad_ranks: list[int]
     point: str
     report_ids: dict[int, str] = field(default_factory=dict)
+    base: int | None = None
+    """An increment's base step (None: a full checkpoint, or not closed yet)."""
 
     @property
     def reported(self) -> list[int]:
@@ -93,6 +95,7 @@ class Record:
             "seconds_total": self.seconds_total, "suspect": self.suspect,
             "reason": self.reason, "first_at": self.first_at, "closed_at": self.closed_at,
             "attempt": self.attempt, "topology": self.topology,
+            "kind": "full" if self.base is None else "incremental", "base": self.base,
         }
 
     @property
@@ -129,7 +132,7 @@ def parse_record(job: str, step: int, raw: Mapping[str, str]) -> Record | None:
         seconds_blocked=_f(raw, "blocked"), seconds_total=_f(raw, "total"),
         reason=raw.get("reason", ""), missing_ranks=_ranks(raw, "missing"),
         bad_ranks=_ranks(raw, "bad_ranks"), point=raw.get("point", ""),
-        report_ids=ids,
+        report_ids=ids, base=int(raw["base"]) if raw.get("base", "").isdigit() else None,
     )
 
 

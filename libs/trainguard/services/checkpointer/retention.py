@@ -2,7 +2,8 @@
 
 Keep the newest ``keep`` committed, non-suspect checkpoints, the resume pointer and the
 pinned one (a rollback target); suspect checkpoints newer than the oldest kept one stay
-too, as evidence. Everything else that is committed may go. Pending and failed records are
+too, as evidence; and the base of every incremental checkpoint that stays (a restore of it
+reads its base). Everything else that is committed may go. Pending and failed records are
 never candidates: an uncommitted checkpoint may still be being written, and deleting its
 files would be deleting something nobody has judged.
 """
@@ -19,6 +20,8 @@ class Entry:
     status: str
     suspect: bool
     retained: bool = True
+    base: int | None = None
+    """An incremental checkpoint's base step; None: a full one."""
 
 
 def expire(entries: Sequence[Entry], keep: int, *, pointer: int | None = None,
@@ -41,4 +44,6 @@ def expire(entries: Sequence[Entry], keep: int, *, pointer: int | None = None,
         if oldest_kept is None and e.suspect:
             continue  # nothing good to fall back on: keep the evidence
         out.append(e.step)
-    return out
+    needed = {e.base for e in ordered
+              if e.base is not None and e.status == "committed" and e.step not in out}
+    return [s for s in out if s not in needed]

@@ -71,12 +71,20 @@ log = get_logger("trainguard.checkpointer")
 RPC_QUEUE = "checkpointer"
 
 
-def commit_record(rec: Record, reports: dict[int, CheckpointReport]) -> CommitRecord:
-    """The coordinator's commit record of ``rec``: the digests every rank reported."""
+def commit_record(rec: Record, reports: dict[int, CheckpointReport], base_id: str = ""
+                  ) -> CommitRecord:
+    """The coordinator's commit record of ``rec``: the digests every rank reported, and an
+    increment's base (``base_id``: the base's checkpoint id)."""
     files = {name: digest for r in reports.values() for name, digest in r.files.items()}
     return CommitRecord(job=rec.job, step=rec.step, path=rec.path, checkpoint_id=rec.id,
                         world_size=rec.world_size, files=files, time=time.time(),
-                        topology=saved_topology(reports))
+                        topology=saved_topology(reports), base=base_of(reports),
+                        base_id=base_id)
+
+
+def base_of(reports: dict[int, CheckpointReport]) -> int | None:
+    """The base step the ranks reported (they agree on it before they write)."""
+    return next((r.base for r in reports.values() if r.base is not None), None)
 
 
 class CheckpointerService(Service[CheckpointerSettings]):
@@ -156,6 +164,8 @@ class CheckpointerService(Service[CheckpointerSettings]):
         await self._mirror(out.pointer)
         if out.state == "busy":
             raise Retry(1.0, f"step {rep.step} of {rep.job} is being deleted")
+        if rep.base is not None and out.state in ("pending", "complete", "failing"):
+            await self.catalogue.note_base(rep.job, rep.step, rep.base)
         if out.state in ("complete", "failing"):
             await self._conclude(rep.job, rep.step, delivery)
         elif out.state == "late":
@@ -183,6 +193,13 @@ class CheckpointerService(Service[CheckpointerSettings]):
         if rec is None or rec.status != "pending":
             return
         reports, problems = await cat.reports(job, step)
+        base = base_of(reports)
+        held: tuple[str, str] | None = None
+        if base is not None and not problems and len(reports) >= rec.world_size and \
+                all(r.ok for r in reports.values()):
+            held = await self._base_state(rec, base)
+            if held is None:
+                return  # the base is not judged yet: its close concludes this one
         keepalive = asyncio.create_task(self._keep_alive(delivery)) if delivery else None
         try:
             verdict = await asyncio.to_thread(
@@ -194,8 +211,13 @@ class CheckpointerService(Service[CheckpointerSettings]):
         if problems:
             verdict = type(verdict)(False, "; ".join(problems), verdict.missing_ranks,
                                     verdict.bad_ranks)
+        base_id = ""
+        if verdict.ok and held is not None:
+            base_id, why = held
+            if why:
+                verdict = type(verdict)(False, why, [], [])
         if verdict.ok:
-            verdict = await self._write_commit_record(rec, reports, verdict)
+            verdict = await self._write_commit_record(rec, reports, verdict, base_id)
         if verdict.ok:
             status = "committed"
             fields = {
@@ -208,14 +230,40 @@ class CheckpointerService(Service[CheckpointerSettings]):
             status = "failed"
             fields = {"reason": verdict.reason, "missing": json.dumps(verdict.missing_ranks),
                       "bad_ranks": json.dumps(verdict.bad_ranks)}
+        if base is not None:
+            fields["base"] = str(base)
         await self._close(rec, status, fields)
 
+    async def _base_state(self, inc: Record, base: int) -> tuple[str, str] | None:
+        """An increment commits only on a committed base: the base's id and "" when it is;
+        its id and why not when it failed or went; None while it is still pending, or not
+        reported yet within the increment's own deadline."""
+        job, step = inc.job, inc.step
+        rec = await self.catalogue.record(job, base)
+        if (rec is not None and rec.status == "pending") or \
+                (rec is None and time.time() < inc.deadline):
+            return None
+        if rec is None or rec.status != "committed" or not rec.retained:
+            state = "no record" if rec is None else rec.label
+            return "", f"its base, step {base}, is not committed ({state}): a restore of " \
+                       f"step {step} could not read the tensors it left there"
+        if rec.base is not None:
+            return rec.id, f"its base, step {base}, is itself incremental"
+        return rec.id, ""
+
+    async def _conclude_dependents(self, job: str, base: int) -> None:
+        """Increments that waited for ``base`` to be judged: conclude them now."""
+        for rec in await self.catalogue.records(job):
+            if rec.status == "pending" and rec.base == base and \
+                    len(rec.report_ids) >= rec.world_size:
+                await self._conclude(job, rec.step)
+
     async def _write_commit_record(self, rec: Record, reports: dict[int, CheckpointReport],
-                                   verdict: Integrity) -> Integrity:
+                                   verdict: Integrity, base_id: str = "") -> Integrity:
         """Vouch for the checkpoint on disk before the pointer names it: ranks open a resume
         point only where this record matches. A record that cannot be written fails it."""
         try:
-            await asyncio.to_thread(write_commit, commit_record(rec, reports))
+            await asyncio.to_thread(write_commit, commit_record(rec, reports, base_id))
         except OSError as exc:
             return type(verdict)(False, f"cannot write the commit record: {exc}", [], [])
         return verdict
@@ -235,6 +283,8 @@ class CheckpointerService(Service[CheckpointerSettings]):
             else "")
         await self._mirror(out.pointer)
         await self._announce(rec.job, rec.step)
+        if "base" not in fields:  # a full checkpoint: increments may wait on it
+            await self._conclude_dependents(rec.job, rec.step)
         if status == "committed":
             try:
                 await self._retain(rec.job)
@@ -317,7 +367,8 @@ class CheckpointerService(Service[CheckpointerSettings]):
         pointer = await cat.pointer(job)
         pointer_step = msgspec.json.decode(pointer.encode(), type=ResumePoint).step \
             if pointer else None
-        entries = [Entry(r.step, r.status, bool(r.suspect), r.retained) for r in records]
+        entries = [Entry(r.step, r.status, bool(r.suspect), r.retained, r.base)
+                   for r in records]
         steps = expire(entries, self.settings.retain, pointer=pointer_step, pin=await cat.pin(job),
                        include_expired=self.settings.delete_files)
         expired = await cat.expire(job, steps, delete=self.settings.delete_files)
@@ -439,8 +490,10 @@ class CheckpointerService(Service[CheckpointerSettings]):
         if rec is None or rec.status != "committed":
             return
         reports, _ = await self.catalogue.reports(job, point.step)
+        base = await self.catalogue.record(job, rec.base) if rec.base is not None else None
         with contextlib.suppress(OSError):
-            await asyncio.to_thread(write_commit, commit_record(rec, reports))
+            await asyncio.to_thread(write_commit, commit_record(rec, reports,
+                                                                base.id if base else ""))
 
     async def _rpc_save(self, job: str, msg: Msg) -> bytes:
         try:
