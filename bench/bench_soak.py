@@ -65,16 +65,23 @@ def main() -> int:
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--quick", action="store_true", help="2 minutes")
     p.add_argument("--out", help="write the result as JSON here")
+    p.add_argument("--workdir", help="keep the cluster's logs here (default: a temp dir)")
     args = p.parse_args()
     minutes = 2.0 if args.quick else args.minutes
-    with tempfile.TemporaryDirectory(prefix="bench-soak-") as tmp:
-        result = asyncio.run(soak(minutes, Path(tmp)))
+    if args.workdir:
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
+        result = asyncio.run(soak(minutes, Path(args.workdir)))
+    else:
+        with tempfile.TemporaryDirectory(prefix="bench-soak-") as tmp:
+            result = asyncio.run(soak(minutes, Path(tmp)))
     print(f"| soak | steps | checkpoints | anomalies | incidents | actions |\n"
           f"| --- | ---: | ---: | --- | ---: | ---: |\n"
           f"| {minutes:g} min, 4 ranks, 50 ms steps, irregular | {result['steps']} "
           f"| {result['checkpoints']} | {result['anomalies'] or 'none'} "
           f"| {result['incidents']} | {result['actions']} |")
     print(f"\ntrainer flags: --step-time {STEP_TIME} {' '.join(IRREGULAR)}")
+    for hang in result["hangs"]:
+        print(f"false hang: {hang}")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
     return 1 if result["hangs"] else 0
