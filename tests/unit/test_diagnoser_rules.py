@@ -291,3 +291,19 @@ def test_numeric_evidence_without_names_adds_no_fact() -> None:
     for ev in (NonfiniteEvidence(), GradExplosionEvidence()):
         (diag,) = Diagnoser().on_anomaly(anomaly(ev, [0], ["node-a"]), NOW).publish
         assert all(e.source != "step_report" for e in diag.evidence)
+
+
+def test_a_diagnosis_says_whether_a_worker_ended() -> None:
+    """The remediator waits for a launcher's own restart only after a worker ended: an ECC
+    rise read from NVML ends none; an ECC error a rank died of does, joined or not."""
+    d = Diagnoser()
+    (read,) = d.on_anomaly(anomaly(GpuHealthEvidence(
+        ecc_uncorrected_volatile=EccRise(from_=0, to=2)), [1], ["node-a"], "g1"), NOW).publish
+    assert read.cause == "hbm_ecc" and not read.worker_exited
+    d.observe_exit(exit_of(1, "node-a", ECC_TEXT, NOW))
+    (died,) = d.on_anomaly(crash(1, "node-a", ECC_TEXT, "c1"), NOW + 1).publish
+    assert died.id == read.id and died.worker_exited
+    other = Diagnoser()
+    other.observe_exit(exit_of(3, "node-b", ECC_TEXT, NOW - 3))
+    (crashed,) = other.on_anomaly(crash(3, "node-b", ECC_TEXT), NOW).publish
+    assert crashed.cause == "hbm_ecc" and crashed.worker_exited

@@ -36,6 +36,7 @@ def incident(*steps: IncidentStep, **kw: Any) -> Incident:
     fields: dict[str, Any] = {"id": "i1", "job": "j", "cause": "process_crash",
                               "status": "mitigating", "onset_at": NOW - 10,
                               "detected_at": NOW - 9, "failure_step": 17, "failure_attempt": 4,
+                              "worker_exited": True,
                               "summary": "rank 3 on node-b: process_crash", **kw}
     return Incident(actions=list(steps), **fields)
 
@@ -151,22 +152,28 @@ def test_a_restart_after_a_reload_in_place_is_moot() -> None:
 # -- restarts and holds ------------------------------------------------------------------
 
 WAITS = [
-    # cause, failure attempt, an isolation done, the culprit's restart: (seconds, every)
-    ("process_crash", 4, False, False, [(POLICY.launcher_grace_s, 1.0)]),
-    ("process_crash", None, False, False, []),  # failure attempt unknown: nothing to see
-    ("rank_hang", 4, False, False, []),  # the launcher does not restart a hang
-    ("hbm_ecc", 4, True, False, [(recovery.RESIZE_WAIT_S, 0.5), (POLICY.launcher_grace_s, 1.0)]),
-    ("gpu_lost", None, True, False, [(recovery.RESIZE_WAIT_S, 0.5)]),
-    ("rank_hang", 4, False, True, []),
+    # cause, failure attempt, a worker exited, an isolation done, the culprit's restart:
+    # (seconds, every)
+    ("process_crash", 4, True, False, False, [(POLICY.launcher_grace_s, 1.0)]),
+    ("process_crash", None, True, False, False, []),  # failure attempt unknown: nothing to see
+    ("rank_hang", 4, False, False, False, []),  # the launcher does not restart a hang
+    ("hbm_ecc", 4, True, True, False,
+     [(recovery.RESIZE_WAIT_S, 0.5), (POLICY.launcher_grace_s, 1.0)]),
+    # ECC read from NVML, every worker still running: nothing would restart the group
+    ("hbm_ecc", 4, False, False, False, []),
+    ("hbm_ecc", 4, False, True, False, [(recovery.RESIZE_WAIT_S, 0.5)]),
+    ("gpu_lost", None, False, True, False, [(recovery.RESIZE_WAIT_S, 0.5)]),
+    ("rank_hang", 4, False, False, True, []),
 ]
 
 
-@pytest.mark.parametrize(("cause", "failed_in", "isolated", "culprit", "waits"), WAITS)
-def test_restart_waits(cause: str, failed_in: int | None, isolated: bool, culprit: bool,
-                       waits: list[tuple[float, float]]) -> None:
+@pytest.mark.parametrize(("cause", "failed_in", "exited", "isolated", "culprit", "waits"),
+                         WAITS)
+def test_restart_waits(cause: str, failed_in: int | None, exited: bool, isolated: bool,
+                       culprit: bool, waits: list[tuple[float, float]]) -> None:
     restart = step("restart", rank=3, host="node-b") if culprit else step("restart")
     steps = (step("isolate", "done", host="node-b"), restart) if isolated else (restart,)
-    inc = incident(*steps, cause=cause, failure_attempt=failed_in)
+    inc = incident(*steps, cause=cause, failure_attempt=failed_in, worker_exited=exited)
     assert [(w.seconds, w.every) for w in conduct.restart_waits(inc, restart, POLICY)] == waits
 
 

@@ -183,19 +183,22 @@ def test_acks_complete(acks: list[CommandAck], hosts: list[str], complete: bool)
 
 
 LAUNCHER = [
-    # cause, failure attempt, attempt now: waits, already restarted
-    ("process_crash", 0, 0, True, False),
-    ("process_crash", 0, 1, True, True),
-    ("oom", 2, None, True, False),
-    ("process_crash", None, 3, False, False),  # failure attempt unknown: cannot tell
-    ("network", 0, 1, False, True),  # a hang: the launcher does not restart, but it did
+    # cause, failure attempt, a worker exited, attempt now: waits, already restarted
+    ("process_crash", 0, True, 0, True, False),
+    ("process_crash", 0, True, 1, True, True),
+    ("oom", 2, True, None, True, False),
+    ("process_crash", None, True, 3, False, False),  # failure attempt unknown: cannot tell
+    ("hbm_ecc", 2, False, 2, False, False),  # ECC read from NVML: no worker ended
+    ("network", 0, False, 1, False, True),  # a hang: the launcher does not restart, but it did
 ]
 
 
-@pytest.mark.parametrize(("cause", "failed_in", "attempt", "waits", "restarted"), LAUNCHER)
-def test_launcher_restart(cause: str, failed_in: int | None, attempt: int | None, waits: bool,
-                          restarted: bool) -> None:
-    inc = incident(("restart", "pending"), cause=cause, failure_attempt=failed_in)
+@pytest.mark.parametrize(("cause", "failed_in", "exited", "attempt", "waits", "restarted"),
+                         LAUNCHER)
+def test_launcher_restart(cause: str, failed_in: int | None, exited: bool,
+                          attempt: int | None, waits: bool, restarted: bool) -> None:
+    inc = incident(("restart", "pending"), cause=cause, failure_attempt=failed_in,
+                   worker_exited=exited)
     assert engine.waits_for_launcher(inc) is waits
     assert engine.launcher_restarted(inc, JobView(attempt=attempt)) is restarted
 

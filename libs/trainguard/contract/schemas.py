@@ -583,6 +583,9 @@ class Diagnosis(Durable, kw_only=True):
     collateral: list[str] = []
     """Anomaly ids joined as consequences of this failure (a throughput drop while a rank
     straggles, a peer's error after a rank died): never a failure of their own."""
+    worker_exited: bool = False
+    """A worker's process ended in this failure (an exit report is among its anomalies),
+    so a launcher restarts its group by itself; an ECC count read from NVML ends none."""
     domain: str = ""
     """``hosts_lost``: the failure domain its hosts share (``switch sw-3``); empty when no
     topology names one (the hosts were lost together, domain unknown)."""
@@ -730,6 +733,8 @@ class Incident(Durable, kw_only=True):
     last stderr line, from the newest diagnosis that had one."""
     domain: str = ""
     """The failure domain lost (``switch sw-3``), from its ``hosts_lost`` diagnosis."""
+    worker_exited: bool = False
+    """One of its diagnoses saw a worker's process end (:attr:`Diagnosis.worker_exited`)."""
 
 
 class CheckpointCommitted(Durable, kw_only=True):

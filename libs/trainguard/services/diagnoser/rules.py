@@ -254,6 +254,7 @@ class Diagnoser:
         d = o.diagnosis
         o.last = now
         d.anomaly_ids.append(a.id)
+        d.worker_exited = d.worker_exited or a.kind == "crash"
         if collateral:
             d.collateral.append(a.id)
         else:
@@ -295,7 +296,8 @@ class Diagnoser:
                          confidence=round(confidence, 3), ranks=v.ranks, hosts=v.hosts,
                          evidence=v.facts, recommended=recommended,
                          summary=summarize(a, v, recommended), onset_at=a.onset_at,
-                         step=a.step, time=now, domain=v.domain)
+                         step=a.step, time=now, domain=v.domain,
+                         worker_exited=a.kind == "crash")
 
     # -- classification -------------------------------------------------------------------
     def classify(self, a: Anomaly, now: float) -> Conclusion:

@@ -138,7 +138,7 @@ def open_incident(d: Diagnosis, detected_at: float | None, now: float) -> Incide
                     hosts=list(d.hosts), diagnosis_ids=[d.id], anomaly_ids=list(d.anomaly_ids),
                     onset_at=d.onset_at, detected_at=detected_at or d.time or now,
                     diagnosed_at=d.time or now, failure_step=d.step, summary=d.summary,
-                    domain=d.domain)
+                    domain=d.domain, worker_exited=d.worker_exited)
 
 
 def join(inc: Incident, d: Diagnosis) -> bool:
@@ -148,6 +148,7 @@ def join(inc: Incident, d: Diagnosis) -> bool:
         inc.diagnosis_ids.append(d.id)
     inc.anomaly_ids.extend(a for a in d.anomaly_ids if a not in inc.anomaly_ids)
     inc.ranks = sorted(set(inc.ranks) | set(d.ranks))
+    inc.worker_exited = inc.worker_exited or d.worker_exited
     changed = d.cause != inc.cause and d.status == "open" and d.cause != "unknown"
     if changed:
         inc.cause = d.cause
@@ -396,8 +397,10 @@ def blocklist_entry(inc: Incident, now: float, ttl: float = 0.0) -> BlocklistEnt
 
 def waits_for_launcher(inc: Incident) -> bool:
     """A dead worker: torchrun restarts the group by itself, so a restart first gives it
-    the chance rather than restarting a group that is already coming back."""
-    return inc.cause in CRASHING and inc.failure_attempt is not None
+    the chance rather than restarting a group that is already coming back. Only where a
+    worker did end: an ECC error read from NVML leaves every worker running, and nothing
+    would restart the group while the wait lasts."""
+    return inc.cause in CRASHING and inc.failure_attempt is not None and inc.worker_exited
 
 
 def launcher_restarted(inc: Incident, view: JobView) -> bool:
