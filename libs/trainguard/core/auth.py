@@ -299,7 +299,11 @@ class Access:
         if secret is not None:
             options.update(user=secret.user, password=secret.password)
         if self.nats_creds:
+            # nats-py reads the file again on every reconnect: a renewed one is used.
             options["user_credentials"] = self.nats_creds
+            inbox = _inbox_of_file(self.nats_creds)
+            if inbox:  # the credential confines replies to its own inbox
+                options["inbox_prefix"] = inbox
         if self.nats_nkey:
             options["nkeys_seed"] = self.nats_nkey
         if self.nats_tls:
@@ -319,9 +323,37 @@ class Access:
         return options
 
 
+CREDS_HEAD: Final = b"-----BEGIN NATS USER JWT-----"
+"""How a NATS ``.creds`` file starts (one identity's JWT and seed, ``jwt`` mode)."""
+
+
+def is_creds_file(path: str) -> bool:
+    """Whether ``path`` is a NATS ``.creds`` file rather than a role's JSON credentials."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(CREDS_HEAD)) == CREDS_HEAD
+    except OSError:
+        return False
+
+
+def _inbox_of_file(path: str) -> str | None:
+    from .identities import inbox_of
+
+    try:
+        return inbox_of(Path(path).read_text())
+    except (OSError, ValueError):
+        return None  # nats-py reports what is wrong with the file when it connects
+
+
 def access_from(credentials: str = "", *, nats_creds: str = "", nats_nkey: str = "",
                 nats_tls: TlsFiles = TlsFiles(), redis_tls: TlsFiles = TlsFiles()) -> Access:
-    """An :class:`Access` from setting values; file problems are :class:`ConfigError`."""
+    """An :class:`Access` from setting values; file problems are :class:`ConfigError`.
+
+    ``credentials`` may name a NATS ``.creds`` file (a rank's or an agent's own identity
+    in ``jwt`` mode): it is then used as ``nats_creds``, so a rank needs one variable
+    whichever mode the control plane runs."""
+    if credentials and not nats_creds and is_creds_file(credentials):
+        credentials, nats_creds = "", credentials
     for name, path in (("nats_creds", nats_creds), ("nats_nkey", nats_nkey),
                        ("nats_tls_ca", nats_tls.ca), ("nats_tls_cert", nats_tls.cert),
                        ("redis_tls_ca", redis_tls.ca), ("redis_tls_cert", redis_tls.cert)):

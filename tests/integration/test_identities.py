@@ -1,0 +1,159 @@
+"""Scoped identities against a real nats-server in operator mode (JWT auth, memory resolver).
+
+Each credential is minted here the way the control plane mints it; the server, not
+trainguard, refuses what an identity may not do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import nats.errors
+import pytest
+from nats.aio.client import Client as NATS
+
+from tests.conftest import wait_until
+from trainguard.contract.subjects import Subjects, stream_name
+from trainguard.core.auth import access_from
+from trainguard.core.identities import Minter, Trust, agent_durable, expiry_of
+from trainguard.core.natsjwt import claims_of, jwt_of_creds
+from trainguard.runtime.embedded import NatsServer, free_port
+from trainguard.runtime.topology import ConsumerSpec, ensure_consumer, provision, streams
+
+PREFIX = "tg"
+S = Subjects(PREFIX)
+
+
+@pytest.fixture
+def trust(tmp_path: Path) -> Trust:
+    return Trust.ensure(tmp_path / "trust")
+
+
+@pytest.fixture
+def operator_nats(tmp_path: Path, trust: Trust) -> Iterator[NatsServer]:
+    server = NatsServer(free_port(), tmp_path / "nats", auth=trust.server_config())
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+class Client:
+    """A connection under one credential, keeping the server's errors it was sent."""
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+        self.nc: Any = None
+
+    async def error_cb(self, exc: Exception) -> None:
+        self.errors.append(str(exc).lower())
+
+    def refused(self, subject: str) -> bool:
+        return any("permissions violation" in e and subject.lower() in e for e in self.errors)
+
+
+@contextlib.asynccontextmanager
+async def connected(server: NatsServer, creds_text: str,
+                    tmp_path: Path) -> AsyncIterator[Client]:
+    path = tmp_path / f"{free_port()}.creds"
+    path.write_text(creds_text)
+    client = Client()
+    client.nc = NATS()
+    try:  # closed even when the connect is refused (else its socket leaks)
+        await client.nc.connect(server.url, error_cb=client.error_cb, allow_reconnect=False,
+                                connect_timeout=5, **access_from(str(path)).nats_options())
+        yield client
+    finally:
+        await client.nc.close()
+
+
+async def received(nc: Any, subject: str) -> list[str]:
+    seen: list[str] = []
+
+    async def cb(msg: Any) -> None:
+        seen.append(msg.subject)
+
+    await nc.subscribe(subject, cb=cb)
+    await nc.flush()
+    return seen
+
+
+async def test_a_rank_publishes_its_own_subjects_only(
+        operator_nats: NatsServer, trust: Trust, tmp_path: Path) -> None:
+    minter = trust.minter
+    async with connected(operator_nats, minter.mint_role("detector", PREFIX), tmp_path) as svc, \
+            connected(operator_nats, minter.mint_rank(PREFIX, "j", 1, 600), tmp_path) as rank:
+        seen = await received(svc.nc, "tg.>")
+        for subject in (S.step("j", 2), S.hb("k", 1), S.step("j", 1)):
+            await rank.nc.publish(subject, b"x")
+        await rank.nc.flush()
+        await wait_until(lambda: seen, what="the rank's own step report")
+        await wait_until(lambda: rank.refused(S.step("j", 2)) and rank.refused(S.hb("k", 1)),
+                         what="the server to refuse both foreign subjects")
+        await svc.nc.flush()
+        assert seen == [S.step("j", 1)]
+
+
+async def test_a_rank_cannot_hear_another_ranks_commands_or_pull_an_agents_consumer(
+        operator_nats: NatsServer, trust: Trust, tmp_path: Path) -> None:
+    minter = trust.minter
+    async with connected(operator_nats, minter.mint_rank(PREFIX, "j", 1, 600), tmp_path) as rank:
+        await rank.nc.subscribe(S.cmd_rank("j", 2))
+        await rank.nc.subscribe(S.cmd_rank("j", 1))
+        durable = agent_durable("j", "h1")
+        pull = f"$JS.API.CONSUMER.MSG.NEXT.{stream_name(PREFIX, 'cmds')}.{durable}"
+        await rank.nc.publish(pull, b"{}")
+        await rank.nc.flush()
+        await wait_until(lambda: rank.refused(S.cmd_rank("j", 2)) and rank.refused(pull),
+                         what="both refusals")
+        assert not rank.refused(S.cmd_rank("j", 1))
+
+
+async def test_an_agent_pulls_its_own_command_consumer_and_not_another_hosts(
+        operator_nats: NatsServer, trust: Trust, tmp_path: Path) -> None:
+    minter = trust.minter
+    specs = {h: ConsumerSpec("cmds", agent_durable("j", h),
+                             (S.cmd_all("j"), S.cmd_host("j", h)), ack_wait=30.0)
+             for h in ("h1", "h2")}
+    async with connected(operator_nats, minter.mint_role("remediator", PREFIX),
+                         tmp_path) as svc, \
+            connected(operator_nats, minter.mint_agent(PREFIX, "j", "h1"), tmp_path) as agent:
+        await provision(svc.nc.jetstream(), streams(PREFIX))
+        await ensure_consumer(svc.nc.jetstream(), PREFIX, specs["h2"])
+        js = agent.nc.jetstream()
+        stream = await ensure_consumer(js, PREFIX, specs["h1"])
+        own = await js.pull_subscribe_bind(specs["h1"].durable, stream)
+        for h in ("h2", "h1"):
+            await svc.nc.jetstream().publish(S.cmd_host("j", h), f"for {h}".encode())
+        [msg] = await own.fetch(1, timeout=10)
+        assert msg.data == b"for h1"
+        await msg.ack()
+        other = await js.pull_subscribe_bind(specs["h2"].durable, stream)
+        with pytest.raises((nats.errors.Error, asyncio.TimeoutError)):
+            await other.fetch(1, timeout=2)
+        await wait_until(lambda: agent.refused(specs["h2"].durable),
+                         what="the server to refuse another host's durable")
+        with pytest.raises((nats.errors.Error, asyncio.TimeoutError)):
+            await ensure_consumer(js, PREFIX, specs["h2"])
+        # The command for h2 is still h2's to take.
+        info = await svc.nc.jetstream().consumer_info(stream, specs["h2"].durable)
+        assert info.num_pending == 1
+
+
+async def test_an_expired_credential_is_refused(operator_nats: NatsServer, trust: Trust,
+                                                tmp_path: Path) -> None:
+    minter: Minter = trust.minter
+    text = minter.mint_rank(PREFIX, "j", 1, ttl=-5)
+    exp = expiry_of(text)
+    assert exp is not None and claims_of(jwt_of_creds(text))["exp"] == int(exp)
+    with pytest.raises(nats.errors.Error, match=r"(?i)authorization|expired"):
+        async with connected(operator_nats, text, tmp_path):
+            pass
+    # A live one of the same rank connects: the refusal was the expiry's.
+    async with connected(operator_nats, minter.mint_rank(PREFIX, "j", 1, 600), tmp_path):
+        pass
