@@ -296,7 +296,7 @@ class Access:
     def nats_options(self) -> dict[str, Any]:
         options: dict[str, Any] = {}
         secret = self.credentials.nats if self.credentials else None
-        if secret is not None:
+        if secret is not None and not self.nats_creds:
             options.update(user=secret.user, password=secret.password)
         if self.nats_creds:
             # nats-py reads the file again on every reconnect: a renewed one is used.

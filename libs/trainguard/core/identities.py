@@ -33,7 +33,7 @@ from trainguard.contract.subjects import (
     stream_name,
 )
 
-from .auth import Role, nats_permissions, write_private
+from .auth import ROLES, Role, nats_permissions, write_private
 from .natsjwt import (
     Key,
     Permissions,
@@ -200,3 +200,22 @@ def inbox_of(creds_text: str) -> str | None:
         if pattern.startswith(f"{INBOX_ROOT}.") and pattern.endswith(".>"):
             return str(pattern[:-2])
     return None
+
+
+PER_IDENTITY: Final = frozenset({"rank", "agent"})
+"""Roles that get no shared credential in ``jwt`` mode: each rank and each host's agent
+has its own (:meth:`Minter.mint_rank`, :meth:`Minter.mint_agent`)."""
+
+
+def ensure_role_creds(directory: Path, trust: Trust, prefix: str) -> dict[Role, Path]:
+    """``<role>.creds`` for every shared role (the services, on-call, operator) under
+    ``directory``, minted once (no expiry: the control plane's own processes)."""
+    out: dict[Role, Path] = {}
+    for role in ROLES:
+        if role in PER_IDENTITY:
+            continue
+        path = directory / f"{role}.creds"
+        if not path.is_file():
+            write_private(path, trust.minter.mint_role(role, prefix))
+        out[role] = path
+    return out
