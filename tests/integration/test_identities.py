@@ -6,6 +6,7 @@ trainguard, refuses what an identity may not do.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterator
@@ -17,6 +18,9 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from tests.conftest import wait_until
+from trainguard.cli import main as cli_main
+from trainguard.cli.credentials import run as cli_run
+from trainguard.contract.errors import ConfigError
 from trainguard.contract.subjects import Subjects, stream_name
 from trainguard.core.auth import access_from
 from trainguard.core.identities import Minter, Trust, agent_durable, expiry_of
@@ -157,3 +161,32 @@ async def test_an_expired_credential_is_refused(operator_nats: NatsServer, trust
     # A live one of the same rank connects: the refusal was the expiry's.
     async with connected(operator_nats, minter.mint_rank(PREFIX, "j", 1, 600), tmp_path):
         pass
+
+
+async def test_credentials_cli_mints_a_deployment_the_server_enforces(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``trainguard credentials --jwt``: the server's config and each identity's file."""
+    out = tmp_path / "creds"
+    assert cli_main(["credentials", "--jwt", "--out", str(out), "--agent", "j:node-a",
+                     "--rank", "j:0", "--ttl", "600"]) == 0
+    assert "rank 0 of j" in capsys.readouterr().out
+    server = NatsServer(free_port(), tmp_path / "nats",
+                        auth=(out / "nats-operator.conf").read_text())
+    server.start()
+    try:
+        async with connected(server, (out / "detector.creds").read_text(), tmp_path) as svc, \
+                connected(server, (out / "rank-j-0.creds").read_text(), tmp_path) as rank:
+            seen = await received(svc.nc, "tg.>")
+            await rank.nc.publish(S.hb("j", 1), b"x")
+            await rank.nc.publish(S.hb("j", 0), b"x")
+            await rank.nc.flush()
+            await wait_until(lambda: seen and rank.refused(S.hb("j", 1)),
+                             what="rank 0's beat through, rank 1's refused")
+            assert seen == [S.hb("j", 0)]
+        assert expiry_of((out / "agent-j-node-a.creds").read_text()) is None
+    finally:
+        server.stop()
+    with pytest.raises(ConfigError, match="JOB:HOST"):
+        cli_run(argparse.Namespace(job="*", template=False, out=str(out), jwt=True,
+                                   agent=["node-a"], rank=[], ttl=600.0, agent_ttl=None,
+                                   prefix=PREFIX))
