@@ -43,7 +43,7 @@ def test_a_rank_may_name_only_its_own_subjects_and_inbox(tmp_path) -> None:
     path = tmp_path / "rank.creds"
     path.write_text(text)
     options = access_from(str(path)).nats_options()  # a .creds file as the credentials
-    assert options["user_credentials"] == str(path)
+    assert options["user_credentials"].path == str(path)
     assert options["inbox_prefix"] == "_INBOX.j.r3"
 
 

@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from typing import Final
 
 from trainguard.contract import envnames, timeline
 from trainguard.contract.errors import TrainguardError
@@ -41,6 +42,10 @@ from .spare import SpareOrder
 from .spares import SparePool
 
 log = logging.getLogger("trainguard.agent")
+
+
+RANK_FIELD: Final = "{rank}"
+"""Where a ``rank_credentials`` path names each rank's own file, the rank's number goes."""
 
 
 @dataclass(frozen=True)
@@ -287,6 +292,11 @@ class Supervisor:
                 "TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
             envnames.GENERATION: str(generation),
         })
+        # Per-rank credentials (``--rank-credentials DIR/rank-J-{rank}.creds``): each rank
+        # is handed its own file's path, never another's.
+        creds = env.get(envnames.CREDENTIALS, "")
+        if RANK_FIELD in creds:
+            env[envnames.CREDENTIALS] = creds.replace(RANK_FIELD, str(rank))
         return env
 
     def _spawn(self, local_rank: int, rank: int, generation: int,
