@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,11 +19,12 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from tests.conftest import wait_until
+from trainguard import Guard
 from trainguard.cli import main as cli_main
 from trainguard.cli.credentials import run as cli_run
 from trainguard.contract.errors import ConfigError
 from trainguard.contract.subjects import Subjects, stream_name
-from trainguard.core.auth import access_from
+from trainguard.core.auth import access_from, write_private
 from trainguard.core.identities import Minter, Trust, agent_durable, expiry_of
 from trainguard.core.natsjwt import claims_of, jwt_of_creds
 from trainguard.runtime.embedded import NatsServer, free_port
@@ -190,3 +192,67 @@ async def test_credentials_cli_mints_a_deployment_the_server_enforces(
         cli_run(argparse.Namespace(job="*", template=False, out=str(out), jwt=True,
                                    agent=["node-a"], rank=[], ttl=600.0, agent_ttl=None,
                                    prefix=PREFIX))
+
+
+async def test_a_rank_renewed_before_expiry_loses_no_telemetry(
+        operator_nats: NatsServer, trust: Trust, tmp_path: Path) -> None:
+    """A rank's credential is rewritten before it expires (as its renewal does): the
+    Guard switches to a connection made with the new one before the old expires, every
+    step report arrives once, and it keeps publishing past the first credential's
+    expiry. (nats-py does not reconnect after the server ends an expired connection.)"""
+    minter = trust.minter
+    path = tmp_path / "rank-0.creds"
+    write_private(path, minter.mint_rank(PREFIX, "j", 0, ttl=4))
+    expires = expiry_of(path.read_text())
+    assert expires is not None
+    async with connected(operator_nats, minter.mint_role("detector", PREFIX), tmp_path) as svc:
+        seen = await received(svc.nc, S.step("j", 0))
+        guard = Guard(job="j", rank=0, world_size=1, host="h", nats_url=operator_nats.url,
+                      prefix=PREFIX, heartbeat_interval=0.2, credentials=str(path))
+        try:
+            step = 0
+
+            def take_step() -> None:
+                nonlocal step
+                with guard.step(step):
+                    pass
+                step += 1
+
+            await wait_until(lambda: take_step() or seen, what="the first step report")
+            write_private(path, minter.mint_rank(PREFIX, "j", 0, ttl=600))  # the renewal
+            await wait_until(lambda: guard.transport.stats.renewals == 1,
+                             what="the switch to the renewed credential")
+            while time.time() < expires + 1.5:  # past the first credential's expiry
+                take_step()
+                await asyncio.sleep(0.02)
+            await wait_until(lambda: len(seen) == step, timeout=15,
+                             what=f"all {step} step reports")
+        finally:
+            guard.close()
+    assert "ended_by_server" not in guard.transport.stats.errors
+    assert guard.transport.stats.dropped == 0
+
+
+async def test_a_rank_whose_credential_expired_connects_again_with_the_renewed_one(
+        operator_nats: NatsServer, trust: Trust, tmp_path: Path) -> None:
+    """Renewed too late: the server ends the expired connection; the Guard connects
+    anew (nats-py would not) with the file as it is then, and reports resume."""
+    minter = trust.minter
+    path = tmp_path / "rank-0.creds"
+    write_private(path, minter.mint_rank(PREFIX, "j", 0, ttl=2))
+    async with connected(operator_nats, minter.mint_role("detector", PREFIX), tmp_path) as svc:
+        seen = await received(svc.nc, S.step("j", 0))
+        guard = Guard(job="j", rank=0, world_size=1, host="h", nats_url=operator_nats.url,
+                      prefix=PREFIX, heartbeat_interval=0.2, credentials=str(path))
+        try:
+            with guard.step(0):
+                pass
+            await wait_until(lambda: seen, what="the first step report")
+            await wait_until(lambda: guard.transport.stats.errors.get("ended_by_server"),
+                             what="the server to end the expired connection")
+            write_private(path, minter.mint_rank(PREFIX, "j", 0, ttl=600))
+            with guard.step(1):
+                pass
+            await wait_until(lambda: len(seen) == 2, what="the report after the renewal")
+        finally:
+            guard.close()
