@@ -20,14 +20,23 @@ from nats.aio.client import Client as NATS
 
 from tests.conftest import wait_until
 from trainguard import Guard
+from trainguard.agent.rankcreds import CredentialsRefused, RankCredentials
 from trainguard.cli import main as cli_main
 from trainguard.cli.credentials import run as cli_run
 from trainguard.contract.errors import ConfigError
+from trainguard.contract.rpc import CREDS
 from trainguard.contract.subjects import Subjects, stream_name
 from trainguard.core.auth import access_from, write_private
-from trainguard.core.identities import Minter, Trust, agent_durable, expiry_of
+from trainguard.core.identities import (
+    Minter,
+    Trust,
+    agent_durable,
+    expiry_of,
+    issuer_permissions,
+)
 from trainguard.core.natsjwt import claims_of, jwt_of_creds
 from trainguard.runtime.embedded import NatsServer, free_port
+from trainguard.runtime.issuer import serve_issuer
 from trainguard.runtime.topology import ConsumerSpec, ensure_consumer, provision, streams
 
 PREFIX = "tg"
@@ -256,3 +265,42 @@ async def test_a_rank_whose_credential_expired_connects_again_with_the_renewed_o
             await wait_until(lambda: len(seen) == 2, what="the report after the renewal")
         finally:
             guard.close()
+
+
+async def test_an_agent_obtains_and_renews_its_ranks_credentials_from_the_issuer(
+        operator_nats: NatsServer, trust: Trust, tmp_path: Path) -> None:
+    """The issuer mints, for the public keys an agent made, credentials for its own job's
+    ranks; each file works for its rank only; a renewal rewrites them later-expiring; an
+    agent of another job cannot ask for this job's ranks (the server refuses the ask)."""
+    minter = trust.minter
+    issuer_creds = minter.mint("issuer", issuer_permissions(PREFIX))
+    async with connected(operator_nats, issuer_creds, tmp_path) as issuer, \
+            connected(operator_nats, minter.mint_agent(PREFIX, "j", "h1"), tmp_path) as agent, \
+            connected(operator_nats, minter.mint_agent(PREFIX, "k", "h9"), tmp_path) as other:
+        await serve_issuer(issuer.nc, minter, PREFIX, ttl=600)
+        ranks = RankCredentials(tmp_path / "ranks", S, "j", "h1")
+        first = await ranks.obtain(agent.nc, [0, 1])
+        assert ranks.pattern.format(rank=1) == str(ranks.path(1))
+        assert (ranks.path(0).stat().st_mode & 0o777) == 0o600
+        async with connected(operator_nats, minter.mint_role("detector", PREFIX),
+                             tmp_path) as svc, \
+                connected(operator_nats, ranks.path(1).read_text(), tmp_path) as rank:
+            seen = await received(svc.nc, "tg.>")
+            await rank.nc.publish(S.step("j", 0), b"x")
+            await rank.nc.publish(S.step("j", 1), b"x")
+            await rank.nc.flush()
+            await wait_until(lambda: seen and rank.refused(S.step("j", 0)), timeout=30,
+                             what="rank 1's own report through, rank 0's refused")
+            assert seen == [S.step("j", 1)]
+        before = ranks.path(0).read_text()
+        assert await ranks.obtain(agent.nc, ranks.ranks) >= first  # the renewal
+        assert ranks.path(0).read_text() != before and ranks.renew_in() > 0
+        with pytest.raises(CredentialsRefused):  # job k's agent, on job j's subject
+            await RankCredentials(tmp_path / "k", S, "j", "h9", timeout=2).obtain(
+                other.nc, [0])
+        await wait_until(lambda: other.refused(S.rpc("j", "creds")),
+                         what="the server to refuse job k's agent")
+        bad = await agent.nc.request(S.rpc("j", "creds"),
+                                     b'{"host": "h1", "keys": {"0": "not-a-key"}}', timeout=5)
+        reply = CREDS.decode_reply(bad.data)
+        assert not reply.ok and "not a user public key" in reply.reason

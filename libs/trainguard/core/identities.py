@@ -20,11 +20,15 @@ account (:class:`Trust`), with permissions naming its own subjects only:
 
 from __future__ import annotations
 
+import base64
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+import nkeys
+
+from trainguard.contract.rpc import RankCredentialsReply, RankCredentialsRequest
 from trainguard.contract.subjects import (
     Subjects,
     bucket_name,
@@ -47,6 +51,24 @@ from .natsjwt import (
 
 INBOX_ROOT: Final = "_INBOX"
 RANK_KINDS: Final = ("hb", "step", "fp", "ckpt", "recovery", "reg")
+
+
+def is_user_key(key: str) -> bool:
+    """Whether ``key`` is an nkey user public key (``U``, base32, its checksum right)."""
+    try:
+        raw = base64.b32decode(key + "=" * (-len(key) % 8))
+    except (ValueError, TypeError):
+        return False
+    return (len(raw) == 35 and key.startswith("U")
+            and nkeys.crc16(bytearray(raw[:-2])).to_bytes(2, "little") == raw[-2:])
+
+
+def issuer_permissions(prefix: str) -> Permissions:
+    """The control plane's credential issuer: it hears ``rpc.creds`` of every job and
+    answers; it publishes nothing else (an empty allow list would allow everything)."""
+    return Permissions(publish=(Subjects(prefix).dead_pattern(),),
+                       subscribe=(Subjects(prefix).pattern("rpc", tail="creds"),
+                                  f"{INBOX_ROOT}.>"), responses=True)
 
 
 def agent_durable(job: str, host: str) -> str:
@@ -90,7 +112,7 @@ def agent_permissions(prefix: str, job: str, host: str) -> Permissions:
     return Permissions(
         publish=(s.gpu(job, h), s.node(job, h), s.exit(job, h), s.fr(job, h),
                  s.reg_node(job, h), s.pattern("recovery", job), s.pattern("ack", job), s.dead(job),
-                 s.rpc_save(job), s.event(job, "preflight"),
+                 s.rpc_save(job), s.rpc(job, "creds"), s.event(job, "preflight"),
                  f"{api}.INFO", f"{api}.STREAM.INFO.*", f"{api}.STREAM.NAMES", *consumer,
                  f"{api}.DIRECT.GET.{fence}", f"{api}.DIRECT.GET.{fence}.>",
                  f"{api}.STREAM.MSG.GET.{fence}"),
@@ -127,6 +149,25 @@ class Minter:
 
     def mint_role(self, role: Role, prefix: str, ttl: float | None = None) -> str:
         return self.mint(role, role_permissions(role, prefix), ttl)
+
+    def issue(self, prefix: str, job: str, req: RankCredentialsRequest, ttl: float,
+              limit: int, now: float | None = None) -> RankCredentialsReply:
+        """The issuer's answer to an agent of ``job`` (the subject's job: the server
+        confines an agent's credential to its own): a JWT per rank for the public key the
+        agent made, expiring ``ttl`` seconds from ``now``. Refused whole if any rank or
+        key is bad, or more than ``limit`` ranks are asked for."""
+        if not req.keys or len(req.keys) > limit:
+            return RankCredentialsReply(ok=False, reason=f"ask for 1 to {limit} ranks, not "
+                                                         f"{len(req.keys)}")
+        for rank, key in req.keys.items():
+            if rank < 0 or not is_user_key(key):
+                return RankCredentialsReply(ok=False, reason=f"rank {rank}: {key!r} is not "
+                                                             "a user public key (U...)")
+        expires = (now if now is not None else time.time()) + ttl
+        jwts = {rank: user_jwt(self.signer, self.account, key, f"rank-{job}-{rank}",
+                               rank_permissions(prefix, job, rank), expires)
+                for rank, key in req.keys.items()}
+        return RankCredentialsReply(ok=True, jwts=jwts, expires=expires)
 
 
 KEY_FILES: Final = ("operator", "system", "account", "signer")
