@@ -117,6 +117,10 @@ def test_up_starts_embedded_servers_answers_and_stops_cleanly(tmp_path: Path, se
         if auth == "jwt":  # operator mode: a password user is no user at all
             assert "operator:" in (tmp_path / "nats" / "nats-server.auth").read_text()
             assert (tmp_path / "creds" / "detector.creds").is_file()
+            deadline = time.monotonic() + 30
+            while "issuer: ready" not in text:  # agents' source of their ranks' credentials
+                assert time.monotonic() < deadline and proc.poll() is None, text
+                text += proc.stdout.readline()
         assert ("bridge: skipped (no sink configured" in text) != secure, text
         for name in ("detector", "diagnoser", "remediator", "checkpointer",
                      *(("bridge",) if secure else ())):

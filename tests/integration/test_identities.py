@@ -20,11 +20,15 @@ from nats.aio.client import Client as NATS
 
 from tests.conftest import wait_until
 from trainguard import Guard
+from trainguard.agent.link import AgentLink
+from trainguard.agent.node import LocalNode
 from trainguard.agent.rankcreds import CredentialsRefused, RankCredentials
+from trainguard.agent.settings import AgentSettings
 from trainguard.cli import main as cli_main
 from trainguard.cli.credentials import run as cli_run
 from trainguard.contract.errors import ConfigError
 from trainguard.contract.rpc import CREDS
+from trainguard.contract.schemas import NodeHello
 from trainguard.contract.subjects import Subjects, stream_name
 from trainguard.core.auth import access_from, write_private
 from trainguard.core.identities import (
@@ -34,8 +38,9 @@ from trainguard.core.identities import (
     expiry_of,
     issuer_permissions,
 )
-from trainguard.core.natsjwt import claims_of, jwt_of_creds
-from trainguard.runtime.embedded import NatsServer, free_port
+from trainguard.core.natsjwt import Permissions, claims_of, jwt_of_creds
+from trainguard.runtime.config import load_settings
+from trainguard.runtime.embedded import EmbeddedControlPlane, NatsServer, free_port
 from trainguard.runtime.issuer import serve_issuer
 from trainguard.runtime.topology import ConsumerSpec, ensure_consumer, provision, streams
 
@@ -304,3 +309,56 @@ async def test_an_agent_obtains_and_renews_its_ranks_credentials_from_the_issuer
                                      b'{"host": "h1", "keys": {"0": "not-a-key"}}', timeout=5)
         reply = CREDS.decode_reply(bad.data)
         assert not reply.ok and "not a user public key" in reply.reason
+
+
+async def test_an_agent_in_jwt_mode_hands_each_rank_its_own_credential(
+        tmp_path: Path) -> None:
+    """The agent's link on its host's credential (the embedded servers of ``trainguard up
+    --auth jwt``, with the issuer): it binds its own command consumer, says hello, and
+    obtains rank 3's credential before that rank would start; the rank's Guard reports
+    on it."""
+    plane = EmbeddedControlPlane(tmp_path / "plane", secure=True, prefix=PREFIX,
+                                 auth_mode="jwt")
+    plane.start()
+    try:
+        assert plane.trust is not None
+        minter = plane.trust.minter
+        issuer_creds = minter.mint("issuer", issuer_permissions(PREFIX))
+        agent_file = tmp_path / "agent-j-node-a.creds"
+        write_private(agent_file, minter.mint_agent(PREFIX, "j", "node-a"))
+        async with connected(plane.nats, issuer_creds, tmp_path) as issuer, \
+                connected(plane.nats, minter.mint("test", Permissions((">",), (">",))),
+                          tmp_path) as observer:
+            await serve_issuer(issuer.nc, minter, PREFIX, ttl=600)
+            await provision(observer.nc.jetstream(), streams(PREFIX))  # as the services do
+            seen = await received(observer.nc, "tg.j.>")
+            rc = RankCredentials(tmp_path / "ranks", S, "j", "node-a")
+            settings = load_settings(AgentSettings, env={}, overrides={
+                "nats_url": plane.nats.url, "redis_url": plane.redis.url, "prefix": PREFIX,
+                "job": "j", "host": "node-a", "node_interval": 0.2, "gpu_interval": 60.0,
+                "credentials": str(plane.credentials["agent"]),
+                "nats_creds": str(agent_file), "rank_credentials": rc.pattern})
+            node = LocalNode(settings, hosts_store=False, gpu=None,
+                             publish_exit=lambda _: None)
+            link = AgentLink(settings, node, NodeHello(job="j", host="node-a"))
+            link.rank_credentials = rc
+            link.start()
+            try:
+                assert await asyncio.to_thread(link.ready.wait, 30), "agent link not ready"
+                await asyncio.to_thread(link.ensure_rank_credentials, 3)
+                assert rc.ranks == {3}
+                guard = Guard(job="j", rank=3, world_size=4, host="node-a",
+                              nats_url=plane.nats.url, prefix=PREFIX,
+                              credentials=rc.pattern.format(rank=3))
+                try:
+                    with guard.step(0):
+                        pass
+                    await wait_until(lambda: S.step("j", 3) in seen, timeout=30,
+                                     what="rank 3's step report on its own credential")
+                finally:
+                    guard.close()
+                assert S.reg_node("j", "node-a") in seen and S.node("j", "node-a") in seen
+            finally:
+                link.close()
+    finally:
+        plane.stop()

@@ -25,7 +25,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Final
 
@@ -103,8 +103,12 @@ class Supervisor:
     def __init__(self, *, node: LocalNode, rdzv: JobRendezvous, program: Program,
                  nproc: int, max_restarts: int, log_dir: str, spares: SparePool,
                  stop_grace: float, monitor_interval: float = 0.1,
-                 refill_delay: float = 1.0, in_place: bool = True) -> None:
+                 refill_delay: float = 1.0, in_place: bool = True,
+                 credentials: Callable[[int], None] | None = None) -> None:
         self.node = node
+        self.credentials = credentials
+        """Makes sure a rank's own credential file exists before it starts (``jwt``
+        mode: obtained from the control plane's issuer)."""
         self.rdzv = rdzv
         self.program = program
         self.nproc = nproc
@@ -303,6 +307,8 @@ class Supervisor:
                restart_count: int, *, join: bool = False,
                extra: Mapping[str, str] | None = None) -> RankProc:
         assert self.round is not None
+        if self.credentials is not None:
+            self.credentials(rank)
         stdout, stderr = rank_files(self.log_dir, restart_count, local_rank, generation)
         error_file = os.path.join(os.path.dirname(stderr), "error.json")
         env = self.rank_env(self.round, local_rank, rank, generation, restart_count,

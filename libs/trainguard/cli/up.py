@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 from trainguard.contract.envnames import setting
 from trainguard.contract.errors import ConfigError
 from trainguard.core.auth import ensure_credentials, role_of_service
-from trainguard.core.identities import Trust, ensure_role_creds
+from trainguard.core.identities import Trust, ensure_issuer_creds, ensure_role_creds
 from trainguard.dashboard import DEFAULT_PORT as DASHBOARD_PORT
 from trainguard.dashboard import run_dashboard
 from trainguard.runtime import registry, telemetry
@@ -186,6 +186,8 @@ async def _serve(names: list[str], base: Settings, creds_dir: Path | None,
         tasks.append(asyncio.create_task(_supervise(cls(settings), stop), name=name))
     if dashboard is not None:
         tasks.append(asyncio.create_task(_dashboard(base, creds_dir, dashboard, stop, jwt)))
+    if jwt and creds_dir is not None:
+        tasks.append(asyncio.create_task(_issuer(base, creds_dir, stop)))
     if not names:
         _say("services: none installed")
     _say("trainguard up: running; Ctrl-C or SIGTERM stops everything")
@@ -240,6 +242,29 @@ async def _dashboard(base: Settings, creds_dir: Path | None, port: int,
                                                    f"{s.port}/"))
     except Exception as exc:
         _say(f"dashboard: not started ({exc})")
+
+
+async def _issuer(base: Settings, creds_dir: Path, stop: asyncio.Event) -> None:
+    """The credential issuer (``jwt`` mode): agents obtain their ranks' credentials from it.
+    One that cannot start stops nothing else (ranks then get none: said here)."""
+    from trainguard.runtime.bus import connect_nats
+    from trainguard.runtime.issuer import serve_issuer
+
+    trust = Trust.ensure(creds_dir / "trust")
+    creds = ensure_issuer_creds(creds_dir, trust, base.prefix)
+    try:
+        nc = await connect_nats(base.nats_url, name="trainguard-issuer",
+                                timeout=base.connect_timeout,
+                                access=base.replace(nats_creds=str(creds), credentials="")
+                                .access.nats_options())
+        await serve_issuer(nc, trust.minter, base.prefix, ttl=base.rank_creds_ttl)
+    except Exception as exc:
+        _say(f"issuer: not started ({exc}); ranks get no credentials")
+        return
+    _say(f"issuer: ready (rank credentials for {base.rank_creds_ttl:.0f} s)")
+    await stop.wait()
+    with contextlib.suppress(Exception):
+        await nc.close()
 
 
 async def _supervise(service: Service, stop: asyncio.Event) -> None:

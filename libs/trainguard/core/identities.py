@@ -248,6 +248,14 @@ PER_IDENTITY: Final = frozenset({"rank", "agent"})
 has its own (:meth:`Minter.mint_rank`, :meth:`Minter.mint_agent`)."""
 
 
+def ensure_issuer_creds(directory: Path, trust: Trust, prefix: str) -> Path:
+    """``issuer.creds``: the control plane's credential issuer's own identity."""
+    path = directory / "issuer.creds"
+    if not path.is_file():
+        write_private(path, trust.minter.mint("issuer", issuer_permissions(prefix)))
+    return path
+
+
 def ensure_role_creds(directory: Path, trust: Trust, prefix: str) -> dict[Role, Path]:
     """``<role>.creds`` for every shared role (the services, on-call, operator) under
     ``directory``, minted once (no expiry: the control plane's own processes)."""

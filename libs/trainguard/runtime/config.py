@@ -86,6 +86,9 @@ class Settings:
     (``<data-dir>/creds/<role>.json``); ``jwt``, operator mode, a credential per identity
     (``<role>.creds`` for the services, per host and per rank minted by
     ``trainguard credentials --jwt``)."""
+    rank_creds_ttl: float = 3600.0
+    """``jwt`` mode: seconds a rank's credential from the control plane's issuer lives (its
+    agent renews it at two thirds of that)."""
     nats_nkey: str = ""
     """A NATS nkey seed file."""
     nats_tls_ca: str = ""
