@@ -105,7 +105,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--procs", type=int, default=4)
     ap.add_argument("--inflight", type=int, default=64)
-    ap.add_argument("--json", default="", help="write the results here too")
+    ap.add_argument("--out", default="", help="write the results here too (JSON)")
     args = ap.parse_args()
     ns = [int(n) for n in args.ns.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
@@ -157,8 +157,8 @@ def main() -> int:
                       f"{pc / n * 1e6:4.0f} us, jwt {jc / n * 1e6:4.0f} us   (rounds: "
                       f"password {', '.join(f'{t:.2f}' for t in times['password'])}; jwt "
                       f"{', '.join(f'{t:.2f}' for t in times['jwt'])})", flush=True)
-            if args.json:
-                Path(args.json).write_text(json.dumps({"mint_us": mint_us, "results": {
+            if args.out:
+                Path(args.out).write_text(json.dumps({"mint_us": mint_us, "results": {
                     str(n): t for n, t in results.items()}}, indent=2))
         finally:
             operator.stop()
