@@ -186,6 +186,7 @@ def test_up_refuses_a_taken_port(tmp_path: Path) -> None:
     (("up", "--nats", "localhost:4222"), "is not a valid URL"),
     (("up", "--redis", "http://x"), "redis_url='http://x' is not a valid URL"),
     (("up", "--nats-port", "70000"), "use a TCP port between 1 and 65535"),
+    (("up", "--auth", "jwt", "--insecure"), "auth_mode=jwt (--auth jwt"),
 ])
 def test_bad_arguments_say_what_is_wrong(args: tuple[str, ...], message: str) -> None:
     env = {k: v for k, v in os.environ.items() if not k.endswith("_URL")

@@ -63,7 +63,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="with --jwt: seconds a rank's credential lives (default 3600); "
                         "agents' never expire unless --agent-ttl")
     p.add_argument("--agent-ttl", type=float, default=None,
-                   help="with --jwt: seconds an agent's credential lives (default: no expiry)")
+                   help="with --jwt: seconds an agent's credential lives (default: no expiry; "
+                        "an agent does not renew its own: give it one that outlives the job)")
     p.add_argument("--template", action="store_true",
                    help="print the nats-server authorization block with passwords from "
                         "TG_<ROLE>_PASSWORD variables (the shipped deploy/nats-auth.conf)")

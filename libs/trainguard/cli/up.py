@@ -123,6 +123,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("up: give both --nats and --redis (external servers, your own "
                           "credentials) or neither (embedded servers, generated ones), or "
                           "add --insecure")
+    if base.auth_mode == "jwt" and not secure:
+        raise ConfigError("up: auth_mode=jwt (--auth jwt / TRAINGUARD_AUTH_MODE) sets up the "
+                          "embedded servers; drop --insecure, --nats and --redis, or use "
+                          "`trainguard credentials --jwt` for servers you run")
     creds_dir = data / "creds"
     nats_auth = redis_auth = ""
     jwt = secure and base.auth_mode == "jwt"
