@@ -39,6 +39,7 @@ from trainguard.contract.schemas import (
     XidEvent,
 )
 from trainguard.core import tracing
+from trainguard.core.identities import agent_durable
 from trainguard.core.receiver import Unreadable
 from trainguard.runtime.bus import Bus, BusUnavailable, connect_nats
 from trainguard.runtime.deadletter import MAX_REASON, clip
@@ -71,7 +72,7 @@ away, before it is dropped with a warning."""
 def consumer_spec(settings: AgentSettings) -> ConsumerSpec:
     s = settings.subjects
     return ConsumerSpec(
-        "cmds", f"agent-{settings.job}-{settings.host}",
+        "cmds", agent_durable(settings.job, settings.host),  # jwt permissions name it
         (s.cmd_all(settings.job), s.cmd_host(settings.job, settings.host)),
         ack_wait=120.0, inactive_threshold=3600.0)
 

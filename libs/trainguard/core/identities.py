@@ -11,11 +11,13 @@ account (:class:`Trust`), with permissions naming its own subjects only:
   (``_INBOX.J.rR.>``, which :meth:`trainguard.core.auth.Access.nats_options` reads back
   from the credential); short-lived;
 * the agent of host ``H`` of job ``J``: its host's telemetry, hello and exits, its ranks'
-  recovery reports, acks, the dead-letter subject, ``rpc.save``, its node's pre-flight
-  event; subscribe ``cmd.all``, ``cmd.host.H`` and its inbox; and of JetStream's API only
+  recovery reports, acks, the dead-letter subject, ``rpc.save``, ``rpc.creds`` (its
+  ranks' credentials, :mod:`trainguard.runtime.issuer`), its node's pre-flight event;
+  subscribe ``cmd.all``, ``cmd.host.H`` and its inbox; and of JetStream's API only
   what its own durable command consumer (``agent-J-H``) needs to be created, read,
   pulled and acknowledged;
-* a service role: the same permissions as in the static mode.
+* a service role: the same permissions as in the static mode;
+* the issuer: it answers ``rpc.creds`` and nothing else.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Final
 
 import nkeys
 
+from trainguard.contract.binding import RANK_KINDS
 from trainguard.contract.rpc import RankCredentialsReply, RankCredentialsRequest
 from trainguard.contract.subjects import (
     Subjects,
@@ -50,7 +53,6 @@ from .natsjwt import (
 )
 
 INBOX_ROOT: Final = "_INBOX"
-RANK_KINDS: Final = ("hb", "step", "fp", "ckpt", "recovery", "reg")
 
 
 def is_user_key(key: str) -> bool:
@@ -90,7 +92,8 @@ def rank_permissions(prefix: str, job: str, rank: int) -> Permissions:
     s = Subjects(prefix)
     r = check_rank(rank)
     return Permissions(
-        publish=(*(s.pattern(k, job, str(r)) for k in RANK_KINDS), s.pattern("ack", job),
+        publish=(*(s.pattern(k, job, str(r)) for k in sorted(RANK_KINDS)),
+                 s.pattern("ack", job),
                  s.rpc_resume(job)),
         subscribe=(s.cmd_all(job), s.cmd_rank(job, r), f"{rank_inbox(job, r)}.>"))
 
