@@ -10,7 +10,13 @@ import json
 import nkeys
 
 from trainguard.core.auth import access_from
-from trainguard.core.identities import Trust, agent_permissions, inbox_of, rank_permissions
+from trainguard.core.identities import (
+    Trust,
+    agent_permissions,
+    ensure_role_creds,
+    inbox_of,
+    rank_permissions,
+)
 from trainguard.core.natsjwt import Key, claims_of, encode, jwt_of_creds
 
 
@@ -53,3 +59,13 @@ def test_an_agent_may_use_only_its_own_durable() -> None:
     assert api and all(".agent-j-h1" in s for s in api)
     assert "$JS.ACK.TG_CMDS.agent-j-h1.>" in p.publish
     assert "tg.j.cmd.host.h1" in p.subscribe and "tg.j.cmd.host.*" not in p.subscribe
+
+
+def test_role_credentials_are_kept_and_reminted_only_for_a_new_trust(tmp_path) -> None:
+    first, second = Trust.new(), Trust.new()
+    paths = ensure_role_creds(tmp_path, first, "tg")
+    assert "rank" not in paths and "agent" not in paths  # theirs are per identity
+    kept = paths["detector"].read_text()
+    assert ensure_role_creds(tmp_path, first, "tg")["detector"].read_text() == kept
+    renewed = ensure_role_creds(tmp_path, second, "tg")["detector"].read_text()
+    assert claims_of(jwt_of_creds(renewed))["iss"] == second.signer.public

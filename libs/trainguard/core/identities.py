@@ -251,10 +251,19 @@ PER_IDENTITY: Final = frozenset({"rank", "agent"})
 has its own (:meth:`Minter.mint_rank`, :meth:`Minter.mint_agent`)."""
 
 
+def _signed_by(path: Path, trust: Trust) -> bool:
+    """Whether ``path`` holds a credential the current trust's signing key minted (one
+    from a trust made anew would be refused)."""
+    try:
+        return bool(claims_of(jwt_of_creds(path.read_text())).get("iss") == trust.signer.public)
+    except (OSError, ValueError):
+        return False
+
+
 def ensure_issuer_creds(directory: Path, trust: Trust, prefix: str) -> Path:
     """``issuer.creds``: the control plane's credential issuer's own identity."""
     path = directory / "issuer.creds"
-    if not path.is_file():
+    if not _signed_by(path, trust):
         write_private(path, trust.minter.mint("issuer", issuer_permissions(prefix)))
     return path
 
@@ -267,7 +276,7 @@ def ensure_role_creds(directory: Path, trust: Trust, prefix: str) -> dict[Role, 
         if role in PER_IDENTITY:
             continue
         path = directory / f"{role}.creds"
-        if not path.is_file():
+        if not _signed_by(path, trust):
             write_private(path, trust.minter.mint_role(role, prefix))
         out[role] = path
     return out
