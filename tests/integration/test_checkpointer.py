@@ -130,8 +130,10 @@ class Coordinator:
 
 @contextlib.asynccontextmanager
 async def coordinator(nats_url: str, redis_url: str, prefix: str, job: str,
+                      access: dict[str, Any] | None = None,
                       **extra: Any) -> AsyncIterator[Coordinator]:
-    nc = await nats.connect(nats_url)
+    """``access``: the test's own connection options (on a server with auth)."""
+    nc = await nats.connect(nats_url, **(access or {}))
     s = Subjects(prefix)
     await provision(nc.jetstream(), streams(prefix))
     c = Coordinator(Bus(nc, s, source="trainguard/test"), prefix, job)

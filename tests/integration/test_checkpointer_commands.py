@@ -26,6 +26,9 @@ from trainguard import Guard
 from trainguard.cli import checkpoints as cli
 from trainguard.contract.codec import decode_durable
 from trainguard.contract.schemas import Command, Incident
+from trainguard.core.auth import load_credentials, write_private
+from trainguard.core.natsjwt import Permissions
+from trainguard.runtime.embedded import EmbeddedControlPlane
 from trainguard.runtime.state import Keys, Progress, encode_progress
 
 
@@ -33,10 +36,11 @@ class Rank(threading.Thread):
     """One stand-in rank: steps in lockstep with its peers, saves when asked."""
 
     def __init__(self, url: str, prefix: str, job: str, rank: int, world: int, root: Path,
-                 barrier: threading.Barrier, *, ignore: bool = False) -> None:
+                 barrier: threading.Barrier, *, ignore: bool = False,
+                 credentials: str | None = None) -> None:
         super().__init__(name=f"rank-{rank}", daemon=True)
         self.guard = Guard(job=job, rank=rank, world_size=world, host="node-t", nats_url=url,
-                           prefix=prefix, heartbeat_interval=0.2)
+                           prefix=prefix, heartbeat_interval=0.2, credentials=credentials)
         self.rank, self.world, self.root, self.job = rank, world, root, job
         self.barrier = barrier
         self.ignore = ignore
@@ -67,9 +71,12 @@ class Rank(threading.Thread):
 
 @contextlib.contextmanager
 def ranks(url: str, prefix: str, job: str, root: Path, world: int = 2,
-          ignore: tuple[int, ...] = ()) -> Iterator[list[Rank]]:
+          ignore: tuple[int, ...] = (),
+          credentials: dict[int, str] | None = None) -> Iterator[list[Rank]]:
+    """``credentials``: each rank's own file (``jwt`` mode)."""
     barrier = threading.Barrier(world)
-    group = [Rank(url, prefix, job, r, world, root, barrier, ignore=r in ignore)
+    group = [Rank(url, prefix, job, r, world, root, barrier, ignore=r in ignore,
+                  credentials=(credentials or {}).get(r))
              for r in range(world)]
     for r in group:
         r.start()
@@ -115,10 +122,55 @@ async def commands(c: Coordinator, job: str) -> list[Command]:
 
 async def test_save_now_retries_too_late_and_returns_the_committed_step(
         nats_url: str, redis_url: str, prefix: str, job: str, tmp_path: Path) -> None:
-    async with coordinator(nats_url, redis_url, prefix, job, save_margin_steps=2,
-                           save_margin_seconds=0.3) as c:
+    await _save_now_retries_too_late(nats_url, redis_url, prefix, job, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def jwt_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedControlPlane]:
+    """The embedded servers as ``trainguard up --auth jwt`` runs them: nats-server in
+    operator mode, each service with its role's ``.creds``."""
+    plane = EmbeddedControlPlane(tmp_path_factory.mktemp("jwt"), secure=True, prefix=JWT_PREFIX,
+                                 auth_mode="jwt")
+    plane.start()
+    try:
+        yield plane
+    finally:
+        plane.stop()
+
+
+JWT_PREFIX = "tg"
+
+
+async def test_save_now_in_jwt_mode_with_each_rank_as_itself(
+        jwt_plane: EmbeddedControlPlane, job: str, tmp_path: Path) -> None:
+    """The same save-now round trip: the coordinator on its role's ``.creds``, each rank
+    on a credential that names its own subjects only (minted as the control plane does)."""
+    assert jwt_plane.trust is not None
+    minter = jwt_plane.trust.minter
+    files: dict[int, str] = {}
+    for r in range(2):
+        files[r] = str(tmp_path / f"rank-{r}.creds")
+        write_private(Path(files[r]), minter.mint_rank(JWT_PREFIX, job, r, ttl=600))
+    observer = tmp_path / "observer.creds"  # the test's own eyes: every subject
+    write_private(observer, minter.mint("test", Permissions((">",), (">",))))
+    redis = load_credentials(jwt_plane.credentials["checkpointer"]).redis
+    assert redis is not None
+    redis_url = (f"redis://{redis.user}:{redis.password}@127.0.0.1:{jwt_plane.redis.port}/0")
+    await _save_now_retries_too_late(
+        jwt_plane.nats.url, redis_url, JWT_PREFIX, job, tmp_path,
+        access={"user_credentials": str(observer)}, rank_credentials=files,
+        credentials=str(jwt_plane.credentials["checkpointer"]),
+        nats_creds=str(jwt_plane.nats_creds["checkpointer"]))
+
+
+async def _save_now_retries_too_late(nats_url: str, redis_url: str, prefix: str, job: str,
+                                     tmp_path: Path, access: dict[str, Any] | None = None,
+                                     rank_credentials: dict[int, str] | None = None,
+                                     **settings: Any) -> None:
+    async with coordinator(nats_url, redis_url, prefix, job, access, save_margin_steps=2,
+                           save_margin_seconds=0.3, **settings) as c:
         sent = await commands(c, job)
-        with ranks(nats_url, prefix, job, tmp_path) as group:
+        with ranks(nats_url, prefix, job, tmp_path, credentials=rank_credentials) as group:
             await wait_until(lambda: min(r.step for r in group) >= 60, timeout=30,
                              what="ranks past step 60")
             # The detector's newest step lags behind the ranks: the first at_step is late.

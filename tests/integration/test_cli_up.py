@@ -68,11 +68,14 @@ def _get(url: str) -> tuple[int, str]:
         return 0, str(exc)
 
 
-@pytest.mark.parametrize("secure", [True, False], ids=["auth", "insecure"])
-def test_up_starts_embedded_servers_answers_and_stops_cleanly(tmp_path: Path,
-                                                              secure: bool) -> None:
+@pytest.mark.parametrize(("secure", "auth"), [(True, "static"), (True, "jwt"),
+                                              (False, "static")],
+                         ids=["auth", "auth-jwt", "insecure"])
+def test_up_starts_embedded_servers_answers_and_stops_cleanly(tmp_path: Path, secure: bool,
+                                                              auth: str) -> None:
     """Also with ``TRAINGUARD_LOG_FORMAT=json``: its log lines are JSON objects. With auth
-    (the default) every service connects as its own role and anonymous clients are refused.
+    (the default) every service connects as its own role and anonymous clients are refused;
+    in ``jwt`` mode each with its own ``.creds`` to a server in operator mode.
     Each service's health server is on its fixed port (base + offset) and bind address
     (127.0.0.2 here: another loopback address than the default proves the option), and
     ``/readyz?verbose`` lists every check."""
@@ -82,7 +85,8 @@ def test_up_starts_embedded_servers_answers_and_stops_cleanly(tmp_path: Path,
     proc = subprocess.Popen(
         _trainguard("up", "--nats-port", str(nats_port), "--redis-port", str(redis_port),
                     "--data-dir", str(tmp_path), "--base-port", str(base),
-                    "--health-host", host, *(() if secure else ("--insecure",))),
+                    "--health-host", host, "--auth", auth,
+                    *(() if secure else ("--insecure",))),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         # With a sink the bridge runs (as the plugin `service` role under auth); without, skipped.
         env={**os.environ, "TRAINGUARD_LOG_FORMAT": "json",
@@ -109,6 +113,14 @@ def test_up_starts_embedded_servers_answers_and_stops_cleanly(tmp_path: Path,
             s.sendall(b"PING\r\n")
             assert s.recv(7) == (b"-NOAUTH" if secure else b"+PONG\r\n")
         assert (f"creds: {tmp_path.resolve() / 'creds'}" in text) == secure, text
+        assert ("(jwt:" in text) == (auth == "jwt"), text
+        if auth == "jwt":  # operator mode: a password user is no user at all
+            assert "operator:" in (tmp_path / "nats" / "nats-server.auth").read_text()
+            assert (tmp_path / "creds" / "detector.creds").is_file()
+            deadline = time.monotonic() + 30
+            while "issuer: ready" not in text:  # agents' source of their ranks' credentials
+                assert time.monotonic() < deadline and proc.poll() is None, text
+                text += proc.stdout.readline()
         assert ("bridge: skipped (no sink configured" in text) != secure, text
         for name in ("detector", "diagnoser", "remediator", "checkpointer",
                      *(("bridge",) if secure else ())):
@@ -174,6 +186,7 @@ def test_up_refuses_a_taken_port(tmp_path: Path) -> None:
     (("up", "--nats", "localhost:4222"), "is not a valid URL"),
     (("up", "--redis", "http://x"), "redis_url='http://x' is not a valid URL"),
     (("up", "--nats-port", "70000"), "use a TCP port between 1 and 65535"),
+    (("up", "--auth", "jwt", "--insecure"), "auth_mode=jwt (--auth jwt"),
 ])
 def test_bad_arguments_say_what_is_wrong(args: tuple[str, ...], message: str) -> None:
     env = {k: v for k, v in os.environ.items() if not k.endswith("_URL")

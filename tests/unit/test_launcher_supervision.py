@@ -84,6 +84,9 @@ def test_a_rank_gets_torchruns_environment_and_its_generation(
                          spares=SparePool(0, {}, str(tmp_path)), stop_grace=1.0)
         env = sup.rank_env(rnd, 1, 1, 9, 2, "/x/error.json")
         joining = sup.rank_env(rnd, 1, 1, 9, 2, "/x/error.json", join=True)
+        # One credential file per rank: each rank's environment names its own only.
+        monkeypatch.setenv(envnames.CREDENTIALS, "/run/tg/rank-j-{rank}.creds")
+        own = sup.rank_env(rnd, 1, 1, 9, 2, "/x/error.json")
         sup.tail.close()
     finally:
         rdzv.close()
@@ -97,6 +100,7 @@ def test_a_rank_gets_torchruns_environment_and_its_generation(
         envnames.GENERATION: "9"}
     assert env["MASTER_PORT"] == str(rnd.master_port)
     assert envnames.JOIN not in env and joining[envnames.JOIN] == "peers"
+    assert own[envnames.CREDENTIALS] == "/run/tg/rank-j-1.creds"
     assert envnames.GENERATION not in envnames.job_settings(env)  # not a detector threshold
 
 

@@ -28,6 +28,7 @@ it is no longer in the job.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import ipaddress
 import logging
@@ -36,6 +37,7 @@ import signal
 import socket
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 from trainguard.contract import envnames
@@ -49,6 +51,7 @@ from .exitcodes import EXIT_HELD, EXIT_ISOLATED, EXIT_STOPPED
 from .gpu import GpuSource, ScriptedSource, open_source
 from .link import AgentLink
 from .node import FLIGHT_RECORDER_PREFIX, LocalNode
+from .rankcreds import RankCredentials
 from .rendezvous import JobRendezvous, RendezvousFailed, RendezvousPlan
 from .settings import AgentSettings
 from .spares import SparePool
@@ -190,7 +193,13 @@ def launch(settings: AgentSettings, torchrun_argv: list[str]) -> int:
     ns, hosts_store = prepare_torchrun(torchrun_argv, settings, log_dir)
     program = program_of(ns)
     plan, nproc, max_restarts = rendezvous_plan(ns)
-    if settings.credentials and not settings.rank_credentials:
+    rank_creds: RankCredentials | None = None
+    if settings.nats_creds and not settings.rank_credentials:
+        # jwt mode: each rank gets its own credential from the control plane's issuer.
+        rank_creds = RankCredentials(Path(log_dir) / "creds", settings.subjects, settings.job,
+                                     settings.host)
+        settings = dataclasses.replace(settings, rank_credentials=rank_creds.pattern)
+    elif settings.credentials and not settings.rank_credentials:
         print("trainguard launch: warning: this agent has credentials but its ranks get none "
               "(--rank-credentials FILE): a server with auth on will refuse their telemetry",
               flush=True)
@@ -221,6 +230,7 @@ def launch(settings: AgentSettings, torchrun_argv: list[str]) -> int:
                       drills_allowed=settings.allow_drills, hosts_store=hosts_store,
                       pid=os.getpid())
     link = AgentLink(settings, node, hello)
+    link.rank_credentials = rank_creds
     link_box.append(link)
     link.start()
     link.ready.wait(settings.connect_timeout + 2.0)
@@ -271,7 +281,9 @@ def launch(settings: AgentSettings, torchrun_argv: list[str]) -> int:
                                 max_restarts=max_restarts, log_dir=log_dir, spares=spares,
                                 stop_grace=settings.stop_grace,
                                 refill_delay=settings.spare_refill_delay,
-                                in_place=settings.in_place)
+                                in_place=settings.in_place,
+                                credentials=link.ensure_rank_credentials if rank_creds
+                                else None)
         supervisor_box.append(supervisor)
         node.rank_restarter = supervisor.restart_rank
         node.mark_group_restart = rdzv.mark_group_restart

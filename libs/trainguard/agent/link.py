@@ -39,6 +39,7 @@ from trainguard.contract.schemas import (
     XidEvent,
 )
 from trainguard.core import tracing
+from trainguard.core.identities import agent_durable
 from trainguard.core.receiver import Unreadable
 from trainguard.runtime.bus import Bus, BusUnavailable, connect_nats
 from trainguard.runtime.deadletter import MAX_REASON, clip
@@ -58,6 +59,7 @@ from trainguard.runtime.topology import (
 from . import procs
 from .executor import CommandExecutor
 from .node import LocalNode
+from .rankcreds import RankCredentials
 from .settings import AgentSettings
 
 log = logging.getLogger("trainguard.agent")
@@ -70,7 +72,7 @@ away, before it is dropped with a warning."""
 def consumer_spec(settings: AgentSettings) -> ConsumerSpec:
     s = settings.subjects
     return ConsumerSpec(
-        "cmds", f"agent-{settings.job}-{settings.host}",
+        "cmds", agent_durable(settings.job, settings.host),  # jwt permissions name it
         (s.cmd_all(settings.job), s.cmd_host(settings.job, settings.host)),
         ack_wait=120.0, inactive_threshold=3600.0)
 
@@ -91,6 +93,8 @@ class AgentLink:
         self._hb_seq = 0
         self.command_errors: collections.Counter[ErrorReason] = collections.Counter()
         """Exceptions the command loop caught and went on from, by reason."""
+        self.rank_credentials: RankCredentials | None = None
+        """``jwt`` mode: each local rank's own credential, obtained and renewed here."""
 
     # -- any thread ---------------------------------------------------------------------
     def publish(self, subject: str, msg: Durable) -> None:
@@ -119,6 +123,24 @@ class AgentLink:
         except Exception as exc:
             log.debug("link call failed: %r", exc)
             return None
+
+    def ensure_rank_credentials(self, rank: int) -> None:
+        """Obtain ``rank``'s own credential file before it starts, if not yet held (from
+        the supervisor's thread, bounded). One that cannot be had costs the rank its
+        telemetry (the server refuses it), never its training: said, not raised."""
+        rc = self.rank_credentials
+        if rc is None or rank in rc.ranks:
+            return
+
+        async def _obtain() -> None:
+            assert self._bus is not None
+            await rc.obtain(self._bus.nc, [rank])
+
+        self.call(_obtain, rc.timeout + 1.0)
+        if rank not in rc.ranks:
+            print(f"trainguard launch: warning: no credential for rank {rank} from the "
+                  "control plane's issuer (is `trainguard up --auth jwt` running?); its "
+                  "telemetry will be refused", flush=True)
 
     def request_save(self, deadline: float) -> str:
         """Ask the checkpoint coordinator for a save-now (preemption); bounded wait."""
@@ -200,6 +222,9 @@ class AgentLink:
             tasks = [asyncio.create_task(self._commands(sub)),
                      asyncio.create_task(self._node_beats()),
                      asyncio.create_task(self._every(s.gpu_interval, self._gpu_sample))]
+            if self.rank_credentials is not None:
+                tasks.append(asyncio.create_task(
+                    self.rank_credentials.renew_forever(bus.nc, self._stop)))
             while not self._stop.is_set():
                 await self._drain()
                 with contextlib.suppress(TimeoutError):

@@ -30,7 +30,8 @@ class AgentSettings(PreflightSettings):
     """On SIGTERM to ``trainguard launch``: how long a save-now may take before stopping."""
     rank_credentials: str = ""
     """The rank role's credentials file, handed to the ranks (``TRAINGUARD_CREDENTIALS`` of
-    their environment); the agent's own is ``credentials``."""
+    their environment); the agent's own is ``credentials``. ``{rank}`` in it becomes each
+    rank's number: one file per rank (``rank-J-{rank}.creds``, ``jwt`` mode)."""
     warm_spares: int | None = None
     """Warm spares kept per node (processes with torch imported, waiting to replace a
     rank); None (the default): one per local rank, so a whole-group restart is warm for

@@ -25,8 +25,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from typing import Final
 
 from trainguard.contract import envnames, timeline
 from trainguard.contract.errors import TrainguardError
@@ -41,6 +42,10 @@ from .spare import SpareOrder
 from .spares import SparePool
 
 log = logging.getLogger("trainguard.agent")
+
+
+RANK_FIELD: Final = "{rank}"
+"""Where a ``rank_credentials`` path names each rank's own file, the rank's number goes."""
 
 
 @dataclass(frozen=True)
@@ -98,8 +103,12 @@ class Supervisor:
     def __init__(self, *, node: LocalNode, rdzv: JobRendezvous, program: Program,
                  nproc: int, max_restarts: int, log_dir: str, spares: SparePool,
                  stop_grace: float, monitor_interval: float = 0.1,
-                 refill_delay: float = 1.0, in_place: bool = True) -> None:
+                 refill_delay: float = 1.0, in_place: bool = True,
+                 credentials: Callable[[int], None] | None = None) -> None:
         self.node = node
+        self.credentials = credentials
+        """Makes sure a rank's own credential file exists before it starts (``jwt``
+        mode: obtained from the control plane's issuer)."""
         self.rdzv = rdzv
         self.program = program
         self.nproc = nproc
@@ -287,12 +296,19 @@ class Supervisor:
                 "TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
             envnames.GENERATION: str(generation),
         })
+        # Per-rank credentials (``--rank-credentials DIR/rank-J-{rank}.creds``): each rank
+        # is handed its own file's path, never another's.
+        creds = env.get(envnames.CREDENTIALS, "")
+        if RANK_FIELD in creds:
+            env[envnames.CREDENTIALS] = creds.replace(RANK_FIELD, str(rank))
         return env
 
     def _spawn(self, local_rank: int, rank: int, generation: int,
                restart_count: int, *, join: bool = False,
                extra: Mapping[str, str] | None = None) -> RankProc:
         assert self.round is not None
+        if self.credentials is not None:
+            self.credentials(rank)
         stdout, stderr = rank_files(self.log_dir, restart_count, local_rank, generation)
         error_file = os.path.join(os.path.dirname(stderr), "error.json")
         env = self.rank_env(self.round, local_rank, rank, generation, restart_count,

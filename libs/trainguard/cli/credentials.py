@@ -14,6 +14,16 @@ this writes what they and each trainguard process need::
 ``--job J`` narrows the rank and agent permissions to one job (one file set per job).
 ``--template`` prints the shipped ``deploy/nats-auth.conf`` (passwords from environment
 variables) instead.
+
+``--jwt`` is NATS's decentralized auth instead of one user per role: the trust chain
+(``trust/``: operator, account and its signing key, made once and kept), the server's
+``nats-operator.conf`` (operator mode, memory resolver: ``include`` it), a ``<role>.creds``
+for each service and on-call role, and, per identity, a credential naming its own
+subjects only::
+
+    trainguard credentials --jwt --out /etc/trainguard --agent job1:node-a --agent job1:node-b
+    trainguard credentials --jwt --out /run/tg --rank job1:0 --rank job1:1 --ttl 3600
+    TRAINGUARD_CREDENTIALS=/run/tg/rank-job1-0.creds python train.py   # one rank
 """
 
 from __future__ import annotations
@@ -22,7 +32,7 @@ import argparse
 from pathlib import Path
 
 from trainguard.contract.errors import ConfigError
-from trainguard.contract.subjects import DEFAULT_PREFIX, check_token
+from trainguard.contract.subjects import DEFAULT_PREFIX, check_rank, check_token
 from trainguard.core.auth import (
     ROLES,
     generate,
@@ -42,6 +52,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--out", help="directory to write into (created; files are mode 0600)")
     p.add_argument("--prefix", default=DEFAULT_PREFIX, help="subject and key prefix (default tg)")
     p.add_argument("--job", default="*", help="narrow rank and agent permissions to one job")
+    p.add_argument("--jwt", action="store_true",
+                   help="decentralized auth: trust chain, operator-mode server config, "
+                        "<role>.creds, and per-identity creds (--agent, --rank)")
+    p.add_argument("--agent", action="append", default=[], metavar="JOB:HOST",
+                   help="with --jwt: mint agent-JOB-HOST.creds (repeatable)")
+    p.add_argument("--rank", action="append", default=[], metavar="JOB:RANK",
+                   help="with --jwt: mint rank-JOB-RANK.creds (repeatable)")
+    p.add_argument("--ttl", type=float, default=3600.0,
+                   help="with --jwt: seconds a rank's credential lives (default 3600); "
+                        "agents' never expire unless --agent-ttl")
+    p.add_argument("--agent-ttl", type=float, default=None,
+                   help="with --jwt: seconds an agent's credential lives (default: no expiry; "
+                        "an agent does not renew its own: give it one that outlives the job)")
     p.add_argument("--template", action="store_true",
                    help="print the nats-server authorization block with passwords from "
                         "TG_<ROLE>_PASSWORD variables (the shipped deploy/nats-auth.conf)")
@@ -58,6 +81,11 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("credentials: give --out DIR (where to write the files) or "
                           "--template")
     out = Path(args.out)
+    if args.jwt:
+        return _run_jwt(args, out)
+    if args.agent or args.rank:
+        raise ConfigError("credentials: --agent and --rank mint per-identity credentials; "
+                          "add --jwt (the static mode has one user per role)")
     creds = generate(ROLES)
     paths = write_credentials(out, creds)
     write_private(out / "nats-auth.conf", nats_authorization(creds, args.prefix, args.job))
@@ -70,4 +98,45 @@ def run(args: argparse.Namespace) -> int:
     print(f"nats-server: include {out / 'nats-auth.conf'} in its config")
     print(f"redis-server: --aclfile {out / 'redis-users.acl'} (replicas and sentinels: "
           f"include {out / 'redis-replication.conf'} / {out / 'sentinel-auth.conf'})")
+    return 0
+
+
+def _pair(flag: str, value: str) -> tuple[str, str]:
+    job, sep, name = value.partition(":")
+    what, example = ("HOST", "node-a") if flag == "--agent" else ("RANK", "0")
+    if not sep:
+        raise ConfigError(f"credentials: {flag} {value!r}: write JOB:{what} (e.g. {flag} "
+                          f"job1:{example})")
+    return check_token("job", job), name
+
+
+def _run_jwt(args: argparse.Namespace, out: Path) -> int:
+    """The trust (made once under ``out/trust``), the server's config, the shared roles'
+    ``.creds`` and Redis users, and each ``--agent``/``--rank`` credential asked for."""
+    from trainguard.core.auth import ensure_credentials
+    from trainguard.core.identities import Trust, ensure_role_creds
+
+    if args.ttl <= 0 or (args.agent_ttl is not None and args.agent_ttl <= 0):
+        raise ConfigError("credentials: --ttl and --agent-ttl are seconds, more than 0")
+    # Every identity checked before any file is written.
+    agents = [(job, check_token("host", host)) for job, host in
+              (_pair("--agent", v) for v in args.agent)]
+    ranks = [(job, check_rank(rank)) for job, rank in (_pair("--rank", v) for v in args.rank)]
+    trust = Trust.ensure(out / "trust")
+    write_private(out / "nats-operator.conf", trust.server_config())
+    creds = ensure_credentials(out)  # the Redis users: Redis has no JWTs
+    write_private(out / "redis-users.acl", redis_acl_file(creds, args.prefix))
+    for role, path in ensure_role_creds(out, trust, args.prefix).items():
+        print(f"{role}: {path}")
+    minter = trust.minter
+    for job, host in agents:
+        path = out / f"agent-{job}-{host}.creds"
+        write_private(path, minter.mint_agent(args.prefix, job, host, args.agent_ttl))
+        print(f"agent {host} of {job}: {path}")
+    for job, rank in ranks:
+        path = out / f"rank-{job}-{rank}.creds"
+        write_private(path, minter.mint_rank(args.prefix, job, rank, args.ttl))
+        print(f"rank {rank} of {job}: {path} (expires in {args.ttl:.0f} s)")
+    print(f"nats-server: include {out / 'nats-operator.conf'} in its config (operator mode)")
+    print(f"redis-server: --aclfile {out / 'redis-users.acl'}")
     return 0

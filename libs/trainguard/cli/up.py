@@ -32,17 +32,19 @@ from typing import TYPE_CHECKING
 
 from trainguard.contract.envnames import setting
 from trainguard.contract.errors import ConfigError
-from trainguard.core.auth import (
-    ensure_credentials,
-    nats_authorization,
-    redis_acl_file,
-    role_of_service,
-)
+from trainguard.core.auth import ensure_credentials, role_of_service
+from trainguard.core.identities import Trust, ensure_issuer_creds, ensure_role_creds
 from trainguard.dashboard import DEFAULT_PORT as DASHBOARD_PORT
 from trainguard.dashboard import run_dashboard
 from trainguard.runtime import registry, telemetry
 from trainguard.runtime.config import DEFAULT_NATS_PORT, DEFAULT_REDIS_PORT, Settings
-from trainguard.runtime.embedded import NatsServer, RedisServer, ServerProcess, port_taken
+from trainguard.runtime.embedded import (
+    NatsServer,
+    RedisServer,
+    ServerProcess,
+    embedded_auth,
+    port_taken,
+)
 from trainguard.runtime.ports import DEFAULT_BASE_PORT, health_port
 
 from . import extras
@@ -64,6 +66,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help=f"port of the embedded redis-server (default {DEFAULT_REDIS_PORT})")
     p.add_argument("--data-dir", default=".trainguard",
                    help="where embedded servers keep their data (default ./.trainguard)")
+    p.add_argument("--auth", choices=("static", "jwt"), default=None, dest="auth_mode",
+                   help="embedded nats-server's auth (env TRAINGUARD_AUTH_MODE): static, a "
+                        "user per role (default); jwt, operator mode with a credential per "
+                        "identity (per rank, per host: `trainguard credentials --jwt`)")
     p.add_argument("--insecure", action="store_true",
                    help="embedded servers without authentication (a quick local try only)")
     p.add_argument("--base-port", type=int, default=None,
@@ -105,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
     base_port = args.base_port
     if base_port is None and setting("base_port") not in os.environ:
         base_port = DEFAULT_BASE_PORT
-    base = settings_from(args, base_port=base_port, health_host=args.health_host)
+    base = settings_from(args, base_port=base_port, health_host=args.health_host,
+                         auth_mode=args.auth_mode)
     _check_health_ports(names, base)
     servers: list[ServerProcess] = []
     data = Path(args.data_dir).resolve()
@@ -116,12 +123,18 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("up: give both --nats and --redis (external servers, your own "
                           "credentials) or neither (embedded servers, generated ones), or "
                           "add --insecure")
+    if base.auth_mode == "jwt" and not secure:
+        raise ConfigError("up: auth_mode=jwt (--auth jwt / TRAINGUARD_AUTH_MODE) sets up the "
+                          "embedded servers; drop --insecure, --nats and --redis, or use "
+                          "`trainguard credentials --jwt` for servers you run")
     creds_dir = data / "creds"
     nats_auth = redis_auth = ""
+    jwt = secure and base.auth_mode == "jwt"
     if secure:
         creds = ensure_credentials(creds_dir)
-        nats_auth = nats_authorization(creds, base.prefix)
-        redis_auth = redis_acl_file(creds, base.prefix)
+        nats_auth, redis_auth = embedded_auth(creds_dir, creds, base.prefix, base.auth_mode)
+        if jwt:
+            ensure_role_creds(creds_dir, Trust.ensure(creds_dir / "trust"), base.prefix)
     plan: tuple[tuple[str | None, str, ServerProcess], ...] = (
         (args.nats, "nats_url", NatsServer(args.nats_port, data / "nats", auth=nats_auth)),
         (args.redis, "redis_url", RedisServer(args.redis_port, data / "redis",
@@ -137,7 +150,10 @@ def run(args: argparse.Namespace) -> int:
             servers.append(server)
             urls[key] = server.url
             _say(f"{label} {server.url} (embedded, pid {server.pid}, data {server.data_dir})")
-        if secure:
+        if jwt:
+            _say(f"creds: {creds_dir} (jwt: services and on-call <role>.creds; per host and "
+                 f"per rank: trainguard credentials --jwt --trust {creds_dir / 'trust'})")
+        elif secure:
             _say(f"creds: {creds_dir} (agents: --credentials {creds_dir / 'agent.json'} "
                  f"--rank-credentials {creds_dir / 'rank.json'}; on-call: "
                  f"{creds_dir / 'oncall.json'})")
@@ -148,14 +164,14 @@ def run(args: argparse.Namespace) -> int:
             args.dashboard_port if args.dashboard_port is not None
             else health_port("dashboard", base.base_port))
         return asyncio.run(_serve(names, base.replace(**urls),
-                                  creds_dir if secure else None, dashboard))
+                                  creds_dir if secure else None, dashboard, jwt))
     finally:
         for server in reversed(servers):
             server.stop()
 
 
 async def _serve(names: list[str], base: Settings, creds_dir: Path | None,
-                 dashboard: int | None = None) -> int:
+                 dashboard: int | None = None, jwt: bool = False) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -167,13 +183,15 @@ async def _serve(names: list[str], base: Settings, creds_dir: Path | None,
         except Exception as exc:  # a broken service must not stop the rest
             _say(f"{name}: cannot load ({exc!r}); skipped")
             continue
-        settings = _settings_for(cls, base, creds_dir)
+        settings = _settings_for(cls, base, creds_dir, jwt)
         if (why := cls.unconfigured(settings)) is not None:
             _say(f"{name}: skipped ({why})")
             continue
         tasks.append(asyncio.create_task(_supervise(cls(settings), stop), name=name))
     if dashboard is not None:
-        tasks.append(asyncio.create_task(_dashboard(base, creds_dir, dashboard, stop)))
+        tasks.append(asyncio.create_task(_dashboard(base, creds_dir, dashboard, stop, jwt)))
+    if jwt and creds_dir is not None:
+        tasks.append(asyncio.create_task(_issuer(base, creds_dir, stop)))
     if not names:
         _say("services: none installed")
     _say("trainguard up: running; Ctrl-C or SIGTERM stops everything")
@@ -196,26 +214,61 @@ def _check_health_ports(names: list[str], base: Settings) -> None:
                               "(0: free ports)")
 
 
-def _settings_for(cls: type[Service], base: Settings, creds_dir: Path | None) -> Settings:
+def _role_files(role: str, creds_dir: Path | None, jwt: bool) -> dict[str, str]:
+    """The settings that make a process ``role``: its JSON file (NATS and Redis users), and
+    in ``jwt`` mode its NATS ``.creds``."""
+    if creds_dir is None:
+        return {}
+    out = {"credentials": str(creds_dir / f"{role}.json")}
+    if jwt:
+        out["nats_creds"] = str(creds_dir / f"{role}.creds")
+    return out
+
+
+def _settings_for(cls: type[Service], base: Settings, creds_dir: Path | None,
+                  jwt: bool = False) -> Settings:
     from trainguard.runtime.config import load_settings
 
     shared = {k: getattr(base, k) for k in ("nats_url", "redis_url", "prefix", "otel_exporter",
-                                            "credentials", "base_port", "health_host")}
-    if creds_dir is not None:  # each service as its own role
-        shared["credentials"] = str(creds_dir / f"{role_of_service(cls.name)}.json")
+                                            "credentials", "nats_creds", "base_port",
+                                            "health_host")}
+    shared.update(_role_files(role_of_service(cls.name), creds_dir, jwt))  # its own role
     return load_settings(cls.settings_type, overrides=shared)
 
 
 async def _dashboard(base: Settings, creds_dir: Path | None, port: int,
-                     stop: asyncio.Event) -> None:
+                     stop: asyncio.Event, jwt: bool = False) -> None:
     """The web dashboard, as the on-call role; one that cannot start stops nothing else."""
-    settings = base.replace(credentials=str(creds_dir / "oncall.json")) if creds_dir else base
+    settings = base.replace(**_role_files("oncall", creds_dir, jwt))
     try:
         await run_dashboard(settings, host=base.health_host, port=port, stop=stop,
                             started=lambda s: _say(f"dashboard: http://{base.health_host}:"
                                                    f"{s.port}/"))
     except Exception as exc:
         _say(f"dashboard: not started ({exc})")
+
+
+async def _issuer(base: Settings, creds_dir: Path, stop: asyncio.Event) -> None:
+    """The credential issuer (``jwt`` mode): agents obtain their ranks' credentials from it.
+    One that cannot start stops nothing else (ranks then get none: said here)."""
+    from trainguard.runtime.bus import connect_nats
+    from trainguard.runtime.issuer import serve_issuer
+
+    trust = Trust.ensure(creds_dir / "trust")
+    creds = ensure_issuer_creds(creds_dir, trust, base.prefix)
+    try:
+        nc = await connect_nats(base.nats_url, name="trainguard-issuer",
+                                timeout=base.connect_timeout,
+                                access=base.replace(nats_creds=str(creds), credentials="")
+                                .access.nats_options())
+        await serve_issuer(nc, trust.minter, base.prefix, ttl=base.rank_creds_ttl)
+    except Exception as exc:
+        _say(f"issuer: not started ({exc}); ranks get no credentials")
+        return
+    _say(f"issuer: ready (rank credentials for {base.rank_creds_ttl:.0f} s)")
+    await stop.wait()
+    with contextlib.suppress(Exception):
+        await nc.close()
 
 
 async def _supervise(service: Service, stop: asyncio.Event) -> None:

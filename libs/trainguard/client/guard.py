@@ -80,6 +80,9 @@ class Guard:
         grad_spike_factor: a step's gradient norm above this many times the median of the
             recent finite ones names, in its report, the parameters with the largest
             gradients (0: never). A non-finite norm always names where it started.
+        credentials: this rank's credentials file (a role's JSON, or this rank's own
+            NATS ``.creds`` in ``jwt`` mode); default ``TRAINGUARD_CREDENTIALS``, which the
+            agent sets.
     """
 
     def __init__(
@@ -105,6 +108,7 @@ class Guard:
         enabled: bool | None = None,
         fast_exit: bool | None = None,
         grad_spike_factor: float = GRAD_SPIKE_FACTOR,
+        credentials: str | None = None,
     ) -> None:
         env = os.environ
         self.identity: Identity = resolve_identity(job, rank, world_size, host)
@@ -137,7 +141,8 @@ class Guard:
         """What the heartbeat reports; phases, drills and the DDP hook write it."""
         self.transport = Transport(self.nats_url, name=f"trainguard-{self.job}-{self.rank}",
                                    source=f"trainguard/rank/{self.job}/{self.rank}",
-                                   buffer_size=buffer_size, access=_access(env))
+                                   buffer_size=buffer_size,
+                                   access=_access(env, credentials))
         """The background thread and its buffers (read-only for callers: stats, tests)."""
         self.commands = CommandDesk(self.identity, self.subjects, self.transport,
                                     sync_every=sync_every, sync_period=sync_period,
@@ -571,11 +576,12 @@ class Guard:
         return f"checkpoint every {every} steps from step {from_step}"
 
 
-def _access(env: Mapping[str, str]) -> dict[str, Any]:
-    """The rank role's credentials and CA from the agent's variables. A bad file costs the
-    job its telemetry (logged), never its training."""
+def _access(env: Mapping[str, str], credentials: str | None = None) -> dict[str, Any]:
+    """The rank's credentials (``credentials``, else the agent's variable) and CA. A bad
+    file costs the job its telemetry (logged), never its training."""
     try:
-        return access_from(env.get(envnames.CREDENTIALS, ""),
+        return access_from(credentials if credentials is not None
+                           else env.get(envnames.CREDENTIALS, ""),
                            nats_tls=TlsFiles(ca=env.get(envnames.NATS_TLS_CA, ""))
                            ).nats_options()
     except (TrainguardError, OSError) as exc:

@@ -18,6 +18,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -55,6 +56,8 @@ class TransportStats:
     connects: int = 0
     connect_failures: int = 0
     """First-connect attempts that failed (refused, timed out): the bus is down or slow."""
+    renewals: int = 0
+    """Switches to a new connection made with a rewritten (renewed) credential file."""
     errors: dict[str, int] = field(default_factory=dict)
 
 
@@ -106,6 +109,8 @@ class Transport:
         self._stop: asyncio.Event | None = None
         self._started = threading.Event()
         self._linger = 0.0
+        self._creds_stamp: int | None = None
+        """When the credential file in use was written (a rewrite is a renewal)."""
 
     # -- called from the training thread ------------------------------------------------
     def publish(self, subject: str, msg: TelemetryMessage) -> None:
@@ -219,6 +224,9 @@ class Transport:
         connector = asyncio.create_task(self._connect_forever())
         try:
             while not self._stop.is_set():
+                if self._ended_by_server():
+                    connector = asyncio.create_task(self._connect_forever())
+                await self._renew()
                 await self._drain()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), self.flush_interval)
@@ -252,38 +260,25 @@ class Transport:
                 log.debug("periodic job failed", exc_info=True)
             await asyncio.sleep(seconds)
 
+    def _ended_by_server(self) -> bool:
+        """The connection is closed for good though nobody here closed it: the server
+        ended it with an auth error (an expired credential), after which nats-py does not
+        reconnect. The next connect reads the credential file again (a renewed one); what
+        is queued meanwhile waits in the buffers, subscriptions are made anew."""
+        nc = self._nc
+        if nc is None or not nc.is_closed:
+            return False
+        self.stats.errors["ended_by_server"] = self.stats.errors.get("ended_by_server", 0) + 1
+        self._nc = None
+        self._subscribed = 0
+        return True
+
     async def _connect_forever(self) -> None:
         """First connect with a bound, retried until it works; then NATS reconnects itself."""
         assert self._stop is not None
-        from nats.aio.client import Client as NATS
-
         while not self._stop.is_set():
-            nc = NATS()
-
-            async def _error_cb(exc: Exception) -> None:
-                key = type(exc).__name__
-                self.stats.errors[key] = self.stats.errors.get(key, 0) + 1
-
-            async def _reconnected_cb() -> None:
-                self.stats.connects += 1
-
-            try:
-                options = connect_options(self.url, name=self.name,
-                                          connect_timeout=self.connect_timeout,
-                                          error_cb=_error_cb, reconnected_cb=_reconnected_cb,
-                                          pending_size=self.pending_size)
-                options.update(self.access)
-                await asyncio.wait_for(nc.connect(**options), self.connect_timeout * 2)
-            except asyncio.CancelledError:
-                # Closed while connecting (to a frozen server, say): close the half-open
-                # socket too, or it outlives the Guard.
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(nc.close(), 1.0)
-                raise
-            except Exception:
-                self.stats.connect_failures += 1
-                with contextlib.suppress(Exception):
-                    await nc.close()
+            nc = await self._open()
+            if nc is None:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), 1.0)
                 continue
@@ -291,6 +286,74 @@ class Transport:
             self._nc = nc
             self.stats.connects += 1
             return
+
+    async def _open(self) -> NATS | None:
+        """One connect attempt (reading the credential file as it is now); None if it
+        failed (counted)."""
+        from nats.aio.client import Client as NATS
+
+        nc = NATS()
+
+        async def _error_cb(exc: Exception) -> None:
+            key = type(exc).__name__
+            self.stats.errors[key] = self.stats.errors.get(key, 0) + 1
+
+        async def _reconnected_cb() -> None:
+            self.stats.connects += 1
+
+        self._creds_stamp = self._credential_stamp()
+        try:
+            options = connect_options(self.url, name=self.name,
+                                      connect_timeout=self.connect_timeout,
+                                      error_cb=_error_cb, reconnected_cb=_reconnected_cb,
+                                      pending_size=self.pending_size)
+            options.update(self.access)
+            await asyncio.wait_for(nc.connect(**options), self.connect_timeout * 2)
+        except asyncio.CancelledError:
+            # Closed while connecting (to a frozen server, say): close the half-open
+            # socket too, or it outlives the Guard.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(nc.close(), 1.0)
+            raise
+        except Exception:
+            self.stats.connect_failures += 1
+            with contextlib.suppress(Exception):
+                await nc.close()
+            return None
+        return nc
+
+    def _credential_stamp(self) -> int | None:
+        """When the ``.creds`` file in use was last written (None: no such file)."""
+        path = getattr(self.access.get("user_credentials"), "path", None)
+        try:
+            return os.stat(path).st_mtime_ns if path else None
+        except OSError:
+            return None
+
+    async def _renew(self) -> None:
+        """The credential file was rewritten (renewed before it expires): connect with the
+        new one, subscribe, switch over, then drain the old connection, so nothing
+        published is lost. A failed connect keeps the old one and tries at the next
+        rewrite."""
+        old = self._nc
+        stamp = self._credential_stamp()
+        if old is None or stamp is None or stamp == self._creds_stamp or not old.is_connected:
+            return
+        new = await self._open()
+        if new is None:
+            return
+        saved, self._subscribed = self._subscribed, 0
+        try:
+            await self._subscribe_new(new)
+        except Exception:
+            self._subscribed = saved
+            with contextlib.suppress(Exception):
+                await new.close()
+            return
+        self._nc = new
+        self.stats.renewals += 1
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(old.drain(), 5.0)
 
     async def _subscribe_new(self, nc: NATS) -> None:
         """Make the registered subscriptions not made yet (on the transport thread only:

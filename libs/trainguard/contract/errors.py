@@ -101,3 +101,11 @@ class SkipStep(TrainguardError):
     optimizer step. Every rank must skip the same step (``trainguard.torch.BatchCheck``
     agrees on it before raising), or the ranks' collectives no longer match.
     """
+
+
+class Misaddressed(DecodeError):
+    """A message whose body names another job, rank or host than the subject it came on.
+
+    The subject is what the server's permissions bind a sender to; a body that disagrees
+    speaks in someone else's name, so a receiver dead-letters it like an unreadable one.
+    """

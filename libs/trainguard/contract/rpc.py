@@ -91,6 +91,24 @@ class CatalogueReply(msgspec.Struct, kw_only=True):
     """Set when the coordinator could not answer (an error, not an empty catalogue)."""
 
 
+class RankCredentialsRequest(msgspec.Struct, kw_only=True):
+    """An agent asks for its ranks' credentials: each rank's user public key (``U...``),
+    made on the agent's host; the seed never travels. The job is the subject's, which the
+    agent's own credential confines it to."""
+
+    host: str
+    keys: dict[int, str]
+    """Rank -> the public key its credential is for."""
+
+
+class RankCredentialsReply(msgspec.Struct, kw_only=True):
+    ok: bool
+    jwts: dict[int, str] = {}
+    """Rank -> its user JWT (permissions for that rank of the job, an expiry)."""
+    expires: float = 0.0
+    reason: str = ""
+
+
 Req = TypeVar("Req", bound=msgspec.Struct)
 Rep = TypeVar("Rep", bound=msgspec.Struct)
 
@@ -134,6 +152,9 @@ ROLLBACK: Endpoint[RollbackRequest, RollbackReply] = Endpoint(
 CATALOGUE: Endpoint[CatalogueRequest, CatalogueReply] = Endpoint(
     "checkpoints", CatalogueRequest, CatalogueReply)
 ENDPOINTS: tuple[Endpoint[Any, Any], ...] = (RESUME, SAVE, ROLLBACK, CATALOGUE)
+CREDS: Endpoint[RankCredentialsRequest, RankCredentialsReply] = Endpoint(
+    "creds", RankCredentialsRequest, RankCredentialsReply)
+"""Answered by the control plane's credential issuer (``jwt`` mode), not the coordinator."""
 
 
 class Requester(Protocol):

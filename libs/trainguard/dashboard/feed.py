@@ -16,6 +16,7 @@ import contextlib
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from trainguard.contract.binding import check_bound
 from trainguard.contract.codec import decode_telemetry
 from trainguard.contract.errors import DecodeError
 from trainguard.contract.subjects import Subjects
@@ -31,6 +32,7 @@ log = get_logger("trainguard.dashboard")
 class Feed:
     def __init__(self, nc: NATS, board: Board, prefix: str, job: str | None = None) -> None:
         self.nc, self.board, self.prefix = nc, board, prefix
+        self.subjects = Subjects(prefix)
         self.job = job or "*"
         self.undecodable = 0
         self._tasks: list[asyncio.Task[None]] = []
@@ -52,9 +54,12 @@ class Feed:
 
     async def _telemetry(self, msg: Msg) -> None:
         try:
-            self.board.telemetry(decode_telemetry(msg.data))
+            body = decode_telemetry(msg.data)
+            check_bound(self.subjects, msg.subject, body)  # not in another rank's name
         except DecodeError:
             self.undecodable += 1
+            return
+        self.board.telemetry(body)
 
     async def _events(self) -> None:
         subject = Subjects(self.prefix).pattern("event", job=self.job, tail=">")

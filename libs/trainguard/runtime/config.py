@@ -20,7 +20,7 @@ import os
 import types
 import typing
 from collections.abc import Mapping
-from typing import Any, TypeVar, get_type_hints
+from typing import Any, Literal, TypeVar, get_type_hints
 
 import msgspec
 
@@ -79,7 +79,16 @@ class Settings:
     """This process's role credentials file (``trainguard credentials``; ``trainguard up``
     writes one per role under ``<data-dir>/creds``); empty: anonymous access."""
     nats_creds: str = ""
-    """A NATS ``.creds`` file (JWT + nkey) for servers with decentralised auth."""
+    """A NATS ``.creds`` file (JWT + nkey) for servers with decentralised auth; it replaces
+    the NATS user of ``credentials`` (whose Redis user stays in use)."""
+    auth_mode: Literal["static", "jwt"] = "static"
+    """How ``trainguard up`` runs its embedded nats-server: ``static``, one user per role
+    (``<data-dir>/creds/<role>.json``); ``jwt``, operator mode, a credential per identity
+    (``<role>.creds`` for the services, per host and per rank minted by
+    ``trainguard credentials --jwt``)."""
+    rank_creds_ttl: float = 3600.0
+    """``jwt`` mode: seconds a rank's credential from the control plane's issuer lives (its
+    agent renews it at two thirds of that)."""
     nats_nkey: str = ""
     """A NATS nkey seed file."""
     nats_tls_ca: str = ""

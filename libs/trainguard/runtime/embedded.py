@@ -21,12 +21,14 @@ from types import TracebackType
 
 from trainguard.contract.errors import ServerStartError
 from trainguard.core.auth import (
+    Credentials,
     Role,
     ensure_credentials,
     nats_authorization,
     redis_acl_file,
     write_private,
 )
+from trainguard.core.identities import Trust, ensure_role_creds
 
 LOOPBACK = "127.0.0.1"
 
@@ -219,20 +221,38 @@ class RedisServer(ServerProcess):
         return sock.recv(7).startswith((b"+PONG", b"-NOAUTH"))
 
 
+def embedded_auth(creds_dir: Path, creds: dict[Role, Credentials], prefix: str,
+                  auth_mode: str) -> tuple[str, str]:
+    """The embedded servers' access rules: nats-server's (static users, or operator mode
+    with the trust kept under ``creds_dir/trust``) and Redis's ACL file."""
+    if auth_mode == "jwt":
+        nats_auth = Trust.ensure(creds_dir / "trust").server_config()
+    else:
+        nats_auth = nats_authorization(creds, prefix)
+    return nats_auth, redis_acl_file(creds, prefix)
+
+
 class EmbeddedControlPlane:
     """nats-server + redis-server under one data directory, started and stopped together."""
 
     def __init__(self, data_dir: str | os.PathLike[str], *, nats_port: int = 0,
-                 redis_port: int = 0, secure: bool = False, prefix: str = "tg") -> None:
+                 redis_port: int = 0, secure: bool = False, prefix: str = "tg",
+                 auth_mode: str = "static") -> None:
         root = Path(data_dir)
         self.credentials: dict[Role, Path] = {}
         """Per-role credentials files (``secure``): what each process is started with."""
+        self.nats_creds: dict[Role, Path] = {}
+        """``jwt`` mode: each shared role's NATS ``.creds`` (its Redis user stays in
+        :attr:`credentials`); ranks and agents get theirs from :attr:`trust`."""
+        self.trust: Trust | None = None
         nats_auth = redis_auth = ""
         if secure:
             creds = ensure_credentials(root / "creds")
             self.credentials = {role: root / "creds" / f"{role}.json" for role in creds}
-            nats_auth = nats_authorization(creds, prefix)
-            redis_auth = redis_acl_file(creds, prefix)
+            nats_auth, redis_auth = embedded_auth(root / "creds", creds, prefix, auth_mode)
+            if auth_mode == "jwt":
+                self.trust = Trust.ensure(root / "creds" / "trust")
+                self.nats_creds = ensure_role_creds(root / "creds", self.trust, prefix)
         self.nats = NatsServer(nats_port or free_port(), root / "nats", auth=nats_auth)
         self.redis = RedisServer(redis_port or free_port(), root / "redis", auth=redis_auth)
 

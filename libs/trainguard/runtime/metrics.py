@@ -24,11 +24,12 @@ from prometheus_client.process_collector import ProcessCollector
 from trainguard import __version__
 
 ErrorReason = Literal[
-    "malformed", "wrong_type", "oversized", "rejected", "handler_error", "publish_too_large",
-    "transient", "dead_letter_failed", "callback_error", "internal",
+    "malformed", "wrong_type", "oversized", "misaddressed", "rejected", "handler_error",
+    "publish_too_large", "transient", "dead_letter_failed", "callback_error", "internal",
 ]
 """Why a message raised on its way through a consumer (``trainguard_message_errors``):
-what it was (``malformed``, ``wrong_type``, ``oversized``), what its handler did
+what it was (``malformed``, ``wrong_type``, ``oversized``, ``misaddressed``: a body in
+another sender's name than its subject's), what its handler did
 (``rejected``, ``handler_error``, ``publish_too_large``, ``transient``, ``callback_error``
 for a core subscription), or what went wrong settling it (``dead_letter_failed``,
 ``internal``: a bug in the settle path). A fixed vocabulary keeps the series few."""

@@ -38,6 +38,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from typing_extensions import TypeVar
 
+from trainguard.contract.binding import check_bound
 from trainguard.contract.codec import decode_telemetry
 from trainguard.contract.errors import DecodeError, NotStarted
 from trainguard.contract.schemas import Durable, TelemetryMessage
@@ -165,7 +166,9 @@ class Runtime:
 
     async def subscribe_telemetry(self, subject: str, handler: TelemetryHandler,
                                   *, queue: str = "") -> Subscription:
-        """A core subscription whose messages are decoded, and dead-lettered if they don't.
+        """A core subscription whose messages are decoded, and dead-lettered if they don't
+        or if the body speaks for another job, rank or host than the subject
+        (:func:`~trainguard.contract.binding.check_bound`).
 
         ``handler`` is synchronous on purpose: telemetry rules are pure and fast, and a
         slow callback would back up into dropped messages.
@@ -173,14 +176,17 @@ class Runtime:
         # Counter children looked up once: per message the lookup would cost ~1.5 µs.
         ok = self.metrics.telemetry.labels(self.service.name, "ok")
         malformed = self.metrics.telemetry.labels(self.service.name, "malformed")
+        misaddressed = self.metrics.telemetry.labels(self.service.name, "misaddressed")
+        subjects = self.settings.subjects
         failed = self.metrics.telemetry.labels(self.service.name, "handler_error")
 
         async def _cb(msg: Msg) -> None:
             try:
                 decoded = decode_telemetry(msg.data)
+                check_bound(subjects, msg.subject, decoded)
             except DecodeError as exc:
-                malformed.inc()
                 reason = decode_reason(exc)
+                (misaddressed if reason == "misaddressed" else malformed).inc()
                 self.metrics.error("telemetry", reason)
                 self._queue_dead(msg, exc.reason, "telemetry", reason)
                 return

@@ -6,7 +6,8 @@
   then the dead-letter subject, which keeps it for a replay; a Retry's delay is jittered
   (:func:`retry_delay`). Wrong Redis credentials raise as a connection error but are no
   outage: they count as a handler failure;
-* :class:`Reject`, an undecodable, wrongly typed or oversized message, a handler whose
+* :class:`Reject`, an undecodable, wrongly typed or oversized message, one whose body names
+  another job, rank or host than its subject (:mod:`trainguard.contract.binding`), a handler whose
   publish was refused as too large, or one that failed ``max_deliver`` times -> the
   dead-letter subject with the reason (published *before* the ``term``: in an interest
   stream a terminated message may be gone when anyone looks for it);
@@ -34,9 +35,10 @@ from nats.js.errors import Error as JetStreamError
 from opentelemetry import trace
 from opentelemetry.context import Context
 
+from trainguard.contract.binding import check_bound
 from trainguard.contract.codec import decode_any_durable
 from trainguard.contract.envelope import H_TYPE, normalize_headers
-from trainguard.contract.errors import DecodeError, MessageTooLarge, Reject, Retry
+from trainguard.contract.errors import DecodeError, MessageTooLarge, Misaddressed, Reject, Retry
 from trainguard.contract.schemas import Durable
 from trainguard.core import tracing
 from trainguard.runtime.topology import ConsumerSpec
@@ -104,8 +106,11 @@ class Consumer:
 
 
 def decode_reason(exc: DecodeError) -> ErrorReason:
-    """How a message that does not decode is counted: over its size limit, or not ours."""
-    return "oversized" if isinstance(exc, MessageTooLarge) else "malformed"
+    """How a message that does not decode is counted: over its size limit, in another
+    sender's name than its subject's, or not ours."""
+    if isinstance(exc, MessageTooLarge):
+        return "oversized"
+    return "misaddressed" if isinstance(exc, Misaddressed) else "malformed"
 
 
 def delivery_facts(msg: Msg) -> tuple[dict[str, str], int]:
@@ -161,6 +166,7 @@ class Settler:
         headers, deliveries = delivery_facts(msg)
         try:
             body = decode_any_durable(msg.data, headers.get(H_TYPE))
+            check_bound(self.bus.subjects, msg.subject, body)
         except DecodeError as exc:
             kind = decode_reason(exc)
             self.metrics.error(name, kind)

@@ -1,0 +1,162 @@
+"""NATS decentralized auth: nkeys, JWTs (v2 claims) and ``.creds`` files, minted here.
+
+nats-server in operator mode trusts an operator key; the operator signs an account's JWT,
+the account signs (with a signing key it lists) each user's JWT, and the server checks a
+connecting client's JWT chain and its nonce signature. A user JWT carries the user's
+publish/subscribe permissions and an expiry, so one credential can be one rank of one job,
+for an hour, without touching the server's configuration.
+
+A JWT is ``b64url(header).b64url(claims).b64url(signature)`` without padding, the header
+``{"typ":"JWT","alg":"ed25519-nkey"}``, the signature the issuer nkey's Ed25519 signature
+of the first two parts. ``jti`` is the base32 SHA-256 of the claims with an empty ``jti``
+(the NATS jwt library's rule). Keys come from ``nkeys`` (the library nats-py signs with).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Final
+
+import nkeys
+
+HEADER: Final = {"typ": "JWT", "alg": "ed25519-nkey"}
+UNLIMITED: Final = -1
+
+_PREFIXES: Final = {"operator": nkeys.PREFIX_BYTE_OPERATOR,
+                    "account": nkeys.PREFIX_BYTE_ACCOUNT, "user": nkeys.PREFIX_BYTE_USER}
+
+
+@dataclass(frozen=True, slots=True)
+class Key:
+    """An nkey pair kept as its seed (``S...``); ``public`` is its ``O``/``A``/``U`` key."""
+
+    seed: str
+
+    @staticmethod
+    def new(kind: str) -> Key:
+        """A fresh random key of ``kind`` (``operator``, ``account`` or ``user``)."""
+        return Key(nkeys.encode_seed(os.urandom(32), _PREFIXES[kind]).decode())
+
+    @property
+    def public(self) -> str:
+        return str(nkeys.from_seed(self.seed.encode()).public_key.decode())
+
+    def sign(self, data: bytes) -> bytes:
+        return bytes(nkeys.from_seed(self.seed.encode()).sign(data))
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def encode(claims: dict[str, Any], issuer: Key) -> str:
+    """``claims`` signed by ``issuer`` (whose public key becomes ``iss``), with ``jti``
+    and ``iat`` filled in."""
+    body = {**claims, "iss": issuer.public, "iat": claims.get("iat") or int(time.time()),
+            "jti": ""}
+    digest = hashlib.sha256(json.dumps(body, separators=(",", ":")).encode()).digest()
+    body["jti"] = base64.b32encode(digest).decode().rstrip("=")
+    head = _b64(json.dumps(HEADER, separators=(",", ":")).encode())
+    payload = _b64(json.dumps(body, separators=(",", ":")).encode())
+    signing_input = f"{head}.{payload}".encode()
+    return f"{head}.{payload}.{_b64(issuer.sign(signing_input))}"
+
+
+def claims_of(token: str) -> dict[str, Any]:
+    """The claims of ``token``, unverified (the server verifies; this reads the expiry)."""
+    try:
+        out = json.loads(_unb64(token.split(".")[1]))
+    except (IndexError, ValueError) as exc:
+        raise ValueError(f"not a NATS JWT: {exc}") from None
+    if not isinstance(out, dict):
+        raise ValueError("not a NATS JWT: claims are not an object")
+    return out
+
+
+def operator_jwt(operator: Key, name: str) -> str:
+    """The operator's self-signed JWT, the server's ``operator`` setting."""
+    return encode({"sub": operator.public, "name": name,
+                   "nats": {"type": "operator", "version": 2}}, operator)
+
+
+def account_jwt(operator: Key, account: str, name: str, signing_keys: tuple[str, ...] = (),
+                *, jetstream: bool = True) -> str:
+    """Account ``account`` (public key) signed by ``operator``, with the ``signing_keys``
+    that may sign its users (the account's own key stays offline); ``jetstream``: it may
+    keep streams (the server's system account may not)."""
+    limits: dict[str, Any] = {"subs": UNLIMITED, "data": UNLIMITED, "payload": UNLIMITED,
+                              "imports": UNLIMITED, "exports": UNLIMITED, "wildcards": True,
+                              "conn": UNLIMITED, "leaf": UNLIMITED}
+    if jetstream:
+        limits.update(mem_storage=UNLIMITED, disk_storage=UNLIMITED, streams=UNLIMITED,
+                      consumer=UNLIMITED)
+    return encode({"sub": account, "name": name,
+                   "nats": {"limits": limits, "signing_keys": list(signing_keys),
+                            "default_permissions": {"pub": {}, "sub": {}},
+                            "type": "account", "version": 2}}, operator)
+
+
+@dataclass(frozen=True, slots=True)
+class Permissions:
+    """What a user may publish and subscribe to; ``responses``: it may answer requests
+    (publish once to a reply subject it was sent)."""
+
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+    responses: bool = False
+
+    @staticmethod
+    def from_server_block(block: dict[str, Any]) -> Permissions:
+        """From a nats-server ``permissions`` block (``auth.nats_permissions``)."""
+        return Permissions(tuple(block["publish"]["allow"]), tuple(block["subscribe"]["allow"]),
+                           bool(block.get("allow_responses")))
+
+
+def user_jwt(signer: Key, account: str, user: str, name: str, permissions: Permissions,
+             expires: float | None = None) -> str:
+    """User ``user`` (public key) of ``account``, signed by the account's signing key
+    ``signer``; ``expires``: a Unix time after which the server refuses it (and
+    disconnects it, if connected)."""
+    nats: dict[str, Any] = {"pub": {"allow": list(permissions.publish)},
+                            "sub": {"allow": list(permissions.subscribe)},
+                            "subs": UNLIMITED, "data": UNLIMITED, "payload": UNLIMITED,
+                            "issuer_account": account, "type": "user", "version": 2}
+    if permissions.responses:
+        nats["resp"] = {"max": 1, "ttl": 0}
+    claims: dict[str, Any] = {"sub": user, "name": name, "nats": nats}
+    if expires is not None:
+        claims["exp"] = int(expires)
+    return encode(claims, signer)
+
+
+def creds(token: str, seed: str) -> str:
+    """A ``.creds`` file: the user's JWT and its nkey seed, as ``nsc`` writes it (nats-py's
+    ``user_credentials`` reads it, again on every reconnect)."""
+    return ("-----BEGIN NATS USER JWT-----\n"
+            f"{token}\n"
+            "------END NATS USER JWT------\n\n"
+            "************************* IMPORTANT *************************\n"
+            "NKEY Seed printed below can be used to sign and prove identity.\n"
+            "NKEYs are sensitive and should be treated as secrets.\n\n"
+            "-----BEGIN USER NKEY SEED-----\n"
+            f"{seed}\n"
+            "------END USER NKEY SEED------\n\n"
+            "*************************************************************\n")
+
+
+def jwt_of_creds(text: str) -> str:
+    """The JWT in a ``.creds`` file's text (for its claims: expiry, inbox)."""
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("-----BEGIN NATS USER JWT") and i + 1 < len(lines):
+            return lines[i + 1].strip()
+    raise ValueError("no user JWT in this creds file")

@@ -1,0 +1,71 @@
+"""The JWT encoder and the identities' permissions (the server's verdict is in
+tests/integration/test_identities.py)."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+
+import nkeys
+
+from trainguard.core.auth import access_from
+from trainguard.core.identities import (
+    Trust,
+    agent_permissions,
+    ensure_role_creds,
+    inbox_of,
+    rank_permissions,
+)
+from trainguard.core.natsjwt import Key, claims_of, encode, jwt_of_creds
+
+
+def _part(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def test_a_jwt_is_signed_by_its_issuer_with_the_nats_header_and_jti() -> None:
+    issuer = Key.new("account")
+    token = encode({"sub": "UX", "nats": {"type": "user", "version": 2}}, issuer)
+    head, body, sig = token.split(".")
+    assert "=" not in token
+    assert json.loads(_part(head)) == {"typ": "JWT", "alg": "ed25519-nkey"}
+    claims = json.loads(_part(body))
+    assert claims["iss"] == issuer.public and claims["iss"].startswith("A")
+    unsigned = json.dumps({**claims, "jti": ""}, separators=(",", ":")).encode()
+    assert claims["jti"] == base64.b32encode(hashlib.sha256(unsigned).digest()).decode().rstrip("=")
+    verifier = nkeys.from_seed(issuer.seed.encode())
+    assert verifier.verify(f"{head}.{body}".encode(), _part(sig))
+
+
+def test_a_rank_may_name_only_its_own_subjects_and_inbox(tmp_path) -> None:
+    p = rank_permissions("tg", "j", 3)
+    assert "tg.j.step.3" in p.publish and not any(s.endswith("*") for s in p.publish
+                                                  if ".ack." not in s)
+    assert set(p.subscribe) == {"tg.j.cmd.all", "tg.j.cmd.rank.3", "_INBOX.j.r3.>"}
+    text = Trust.new().minter.mint_rank("tg", "j", 3, ttl=60)
+    assert claims_of(jwt_of_creds(text))["nats"]["sub"]["allow"] == list(p.subscribe)
+    assert inbox_of(text) == "_INBOX.j.r3"
+    path = tmp_path / "rank.creds"
+    path.write_text(text)
+    options = access_from(str(path)).nats_options()  # a .creds file as the credentials
+    assert options["user_credentials"].path == str(path)
+    assert options["inbox_prefix"] == "_INBOX.j.r3"
+
+
+def test_an_agent_may_use_only_its_own_durable() -> None:
+    p = agent_permissions("tg", "j", "h1")
+    api = [s for s in p.publish if s.startswith("$JS.API.CONSUMER")]
+    assert api and all(".agent-j-h1" in s for s in api)
+    assert "$JS.ACK.TG_CMDS.agent-j-h1.>" in p.publish
+    assert "tg.j.cmd.host.h1" in p.subscribe and "tg.j.cmd.host.*" not in p.subscribe
+
+
+def test_role_credentials_are_kept_and_reminted_only_for_a_new_trust(tmp_path) -> None:
+    first, second = Trust.new(), Trust.new()
+    paths = ensure_role_creds(tmp_path, first, "tg")
+    assert "rank" not in paths and "agent" not in paths  # theirs are per identity
+    kept = paths["detector"].read_text()
+    assert ensure_role_creds(tmp_path, first, "tg")["detector"].read_text() == kept
+    renewed = ensure_role_creds(tmp_path, second, "tg")["detector"].read_text()
+    assert claims_of(jwt_of_creds(renewed))["iss"] == second.signer.public
