@@ -14,10 +14,9 @@ from trainguard.core.identities import (
     Trust,
     agent_permissions,
     ensure_role_creds,
-    inbox_of,
     rank_permissions,
 )
-from trainguard.core.natsjwt import Key, claims_of, encode, jwt_of_creds
+from trainguard.core.natsjwt import Key, claims_of, encode, inbox_of, jwt_of_creds
 
 
 def _part(text: str) -> bytes:

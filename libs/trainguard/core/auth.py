@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any, Final, Literal, get_args
 
 import msgspec
-from nats.aio.client import RawCredentials
 
 from trainguard.contract.errors import ConfigError
 
@@ -300,6 +299,8 @@ class Access:
         if secret is not None and not self.nats_creds:
             options.update(user=secret.user, password=secret.password)
         if self.nats_creds:
+            from .credsfile import CredsFile  # nats-py's type: loaded only to connect
+
             options["user_credentials"] = CredsFile(self.nats_creds)
             inbox = _inbox_of_file(self.nats_creds)
             if inbox:  # the credential confines replies to its own inbox
@@ -323,28 +324,6 @@ class Access:
         return options
 
 
-class CredsFile(RawCredentials):
-    """A ``.creds`` file for nats-py's ``user_credentials``, read whole at every connect
-    and reconnect, so a renewed file is used from the next reconnect on. (Given a path,
-    nats-py reads the seed unbuffered, one system call per byte: about 1 ms a connect.)"""
-
-    def __init__(self, path: str) -> None:  # no UserString state: ``data`` is the file
-        self.path = path
-
-    @property
-    def data(self) -> str:
-        return Path(self.path).read_text()
-
-    @data.setter
-    def data(self, value: str) -> None:
-        raise AttributeError("a creds file is read from its path")
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, CredsFile) and other.path == self.path
-
-    __hash__ = None  # type: ignore[assignment]
-
-
 CREDS_HEAD: Final = b"-----BEGIN NATS USER JWT-----"
 """How a NATS ``.creds`` file starts (one identity's JWT and seed, ``jwt`` mode)."""
 
@@ -359,7 +338,7 @@ def is_creds_file(path: str) -> bool:
 
 
 def _inbox_of_file(path: str) -> str | None:
-    from .identities import inbox_of
+    from .natsjwt import inbox_of  # nkeys and PyNaCl: loaded only for a .creds file
 
     try:
         return inbox_of(Path(path).read_text())

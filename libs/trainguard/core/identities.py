@@ -42,6 +42,7 @@ from trainguard.contract.subjects import (
 
 from .auth import ROLES, Role, nats_permissions, write_private
 from .natsjwt import (
+    INBOX_ROOT,
     Key,
     Permissions,
     account_jwt,
@@ -51,8 +52,6 @@ from .natsjwt import (
     operator_jwt,
     user_jwt,
 )
-
-INBOX_ROOT: Final = "_INBOX"
 
 
 def is_user_key(key: str) -> bool:
@@ -230,20 +229,6 @@ def expiry_of(creds_text: str) -> float | None:
     """When the credential in ``creds_text`` expires (Unix time), or None for never."""
     exp = claims_of(jwt_of_creds(creds_text)).get("exp")
     return float(exp) if exp is not None else None
-
-
-def inbox_of(creds_text: str) -> str | None:
-    """The reply-inbox prefix a credential confines its holder to (``_INBOX.J.rR``), or
-    None where it may use any (``_INBOX.>``)."""
-    allowed = claims_of(jwt_of_creds(creds_text)).get("nats", {}).get("sub", {}).get(
-        "allow", [])
-    for pattern in allowed:
-        if pattern == f"{INBOX_ROOT}.>":
-            return None
-    for pattern in allowed:
-        if pattern.startswith(f"{INBOX_ROOT}.") and pattern.endswith(".>"):
-            return str(pattern[:-2])
-    return None
 
 
 PER_IDENTITY: Final = frozenset({"rank", "agent"})

@@ -160,3 +160,21 @@ def jwt_of_creds(text: str) -> str:
         if line.startswith("-----BEGIN NATS USER JWT") and i + 1 < len(lines):
             return lines[i + 1].strip()
     raise ValueError("no user JWT in this creds file")
+
+
+INBOX_ROOT: Final = "_INBOX"
+"""The root of reply inboxes; a rank's or an agent's credential confines it below."""
+
+
+def inbox_of(creds_text: str) -> str | None:
+    """The reply-inbox prefix a credential confines its holder to (``_INBOX.J.rR``), or
+    None where it may use any (``_INBOX.>``)."""
+    allowed = claims_of(jwt_of_creds(creds_text)).get("nats", {}).get("sub", {}).get(
+        "allow", [])
+    for pattern in allowed:
+        if pattern == f"{INBOX_ROOT}.>":
+            return None
+    for pattern in allowed:
+        if pattern.startswith(f"{INBOX_ROOT}.") and pattern.endswith(".>"):
+            return str(pattern[:-2])
+    return None
