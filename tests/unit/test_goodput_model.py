@@ -125,3 +125,14 @@ def test_an_undetected_fault_costs_no_time_and_is_counted() -> None:
     r = run(blind, 0, interval=every)
     assert r.undetected == r.failures > 0
     assert r.ettr == pytest.approx(run(blind, 0, interval=every, categories=quiet).ettr)
+
+
+def test_a_restart_redoes_the_work_since_the_last_checkpoint() -> None:
+    """Never more than one interval a failure, half of one on average (failures land
+    uniformly within the interval)."""
+    every = 600.0
+    free = restarting(detect=0.0, recover=0.0)
+    results = [run(free, s, interval=lambda c, m: every) for s in SEEDS]
+    per_failure = [r.lost.rework / r.failures for r in results]
+    assert all(x <= every for x in per_failure)
+    assert statistics.fmean(per_failure) == pytest.approx(every / 2, rel=0.15)
