@@ -119,11 +119,8 @@ def run(system: System, *, gpus: int, weeks: float, seed: int, runs: int,
 
 def _mean_lost(results: list[Result]) -> dict[str, float]:
     """Mean share of wall time per cause, over the runs."""
-    fields = ("checkpoint", "rework", "detection", "recovery")
-    total = [r.lost.total for r in results]
-    return {f: statistics.fmean(getattr(r.lost, f) / t for r, t in zip(results, total,
-                                                                         strict=True))
-            for f in fields}
+    return {cause: statistics.fmean(getattr(r.spent, cause) / r.spent.total for r in results)
+            for cause in ("checkpoint", "rework", "detection", "recovery")}
 
 
 def _pct(x: float) -> str:

@@ -70,9 +70,9 @@ def test_no_failure_leaves_one_minus_the_checkpoint_overhead() -> None:
     result = simulate(restarting(), gpus=LLAMA3_GPUS, seconds=WEEK, save_cost=cost,
                       interval=lambda c, m: every, seed=0, categories=quiet)
     assert result.failures == 0
-    assert result.ettr == pytest.approx(1 - result.lost.checkpoint / WEEK)
+    assert result.ettr == pytest.approx(1 - result.spent.checkpoint / WEEK)
     assert result.ettr == pytest.approx(every / (every + cost), abs=(every + cost) / WEEK)
-    assert result.lost.rework == result.lost.detection == result.lost.recovery == 0
+    assert result.spent.rework == result.spent.detection == result.spent.recovery == 0
 
 
 @pytest.mark.parametrize("faster", [{"recover": 30.0}, {"detect": 0.5}])
@@ -87,7 +87,7 @@ def test_in_place_beats_a_restart_on_the_same_history() -> None:
     in_place = System("in place", {f: Path(5.0, 60.0, Recovery.IN_PLACE) for f in Fault})
     for seed in SEEDS:
         kept, restarted = run(in_place, seed), run(restarting(), seed)
-        assert kept.lost.rework == 0 < restarted.lost.rework
+        assert kept.spent.rework == 0 < restarted.spent.rework
         assert kept.ettr > restarted.ettr
 
 
@@ -100,7 +100,7 @@ def test_the_young_daly_interval_minimises_the_modelled_loss() -> None:
         def rule(cost: float, mtbf: float) -> float:
             return scale * young_daly(cost, mtbf)
         results = [run(free, s, weeks=8.0, interval=rule) for s in SEEDS]
-        return statistics.fmean(r.lost.checkpoint + r.lost.rework for r in results)
+        return statistics.fmean(r.spent.checkpoint + r.spent.rework for r in results)
 
     best = loss(1.0)
     assert best < loss(0.5)
@@ -113,8 +113,8 @@ def test_the_breakdown_accounts_for_every_second() -> None:
     slow = restarting(detect=30.0, recover=900.0)
     for seed in SEEDS:
         r = run(slow, seed, gpus=262_144, weeks=1.0)
-        assert r.lost.total == pytest.approx(WEEK)
-        assert min(r.lost.detection, r.lost.recovery, r.lost.rework) >= 0
+        assert r.spent.total == pytest.approx(WEEK)
+        assert min(r.spent.detection, r.spent.recovery, r.spent.rework) >= 0
 
 
 def test_an_undetected_fault_costs_no_time_and_is_counted() -> None:
@@ -133,6 +133,6 @@ def test_a_restart_redoes_the_work_since_the_last_checkpoint() -> None:
     every = 600.0
     free = restarting(detect=0.0, recover=0.0)
     results = [run(free, s, interval=lambda c, m: every) for s in SEEDS]
-    per_failure = [r.lost.rework / r.failures for r in results]
+    per_failure = [r.spent.rework / r.failures for r in results]
     assert all(x <= every for x in per_failure)
     assert statistics.fmean(per_failure) == pytest.approx(every / 2, rel=0.15)

@@ -149,7 +149,8 @@ class Result:
     failures: int
     undetected: int
     """SDCs that the system never noticed (counted as useful time)."""
-    lost: Breakdown = field(default_factory=Breakdown)
+    spent: Breakdown = field(default_factory=Breakdown)
+    """Where the wall time went."""
 
 
 def fault_rates(gpus: int, categories: Sequence[Category] = LLAMA3_INTERRUPTIONS,
