@@ -72,7 +72,7 @@ async def test_a_group_restart_records_why_in_place_did_not_run(
         bus = Bus(nc, s, source="test")
         await bus.publish_durable(s.event(job, "diagnosis"), diagnosis(job, "d1"))
         await wait_until(lambda: seen, what="incident open")
-        await bus.publish_durable(s.recovery(job, 3), recovered(job, "fb", path="restart",
+        await bus.publish_durable(s.recovery(job, 0), recovered(job, "fb", path="restart",
                                                                 reason=why))
         await seed(redis_url, prefix, job, attempt=1, step=121)  # torchrun restarted it
         await wait_until(lambda: any(i.status == "resolved" for i in seen), timeout=30,

@@ -48,6 +48,7 @@ from trainguard.runtime.state import (
     encode_progress,
 )
 from trainguard.runtime.topology import provision, stream_name, streams
+from trainguard.services.remediator.engine import CRASHING
 from trainguard.services.remediator.service import RemediatorService
 from trainguard.services.remediator.settings import RemediatorSettings
 
@@ -111,10 +112,12 @@ async def stage(nc: Any, redis_url: str, prefix: str,
 
 def diagnosis(job: str, ident: str, cause: str = "process_crash", host: str = "node-b",
               step: int = 120) -> Diagnosis:
+    """A diagnosis as the diagnoser makes it: a crash-type cause from a worker's exit."""
     now = time.time()
     return Diagnosis(id=ident, job=job, anomaly_ids=[f"anomaly-{ident}"], cause=cause,  # type: ignore[arg-type]
                      confidence=0.8, ranks=[3], hosts=[host], step=step, time=now,
-                     onset_at=now - 3, summary=f"rank 3 on {host}: {cause}")
+                     onset_at=now - 3, summary=f"rank 3 on {host}: {cause}",
+                     worker_exited=cause in CRASHING)
 
 
 async def incidents_of(nc: Any, prefix: str, job: str) -> list[Incident]:
