@@ -9,9 +9,10 @@ server-sent events that carry that bounded summary, not every rank.
 
 It is no service (it imports the contract, core and runtime, never a service): it reads the
 bus only (no Redis, no durable consumer, no leader) as the on-call role, like ``trainguard
-events``, and the CLI runs it directly; ``board`` is the pure state, ``feed`` the bus
-side, ``grouped`` the grouped view's pure parts, ``server`` the HTTP side and ``static/index.html`` the page (HTML, CSS and JS in one
-packaged file, no build step).
+events``, and the CLI runs it directly; ``board`` is the pure state (``rankview`` a rank,
+``stepmedians`` each step's medians kept as reports arrive, ``grouped`` the grouped view's
+pure parts), ``feed`` the bus side, ``server`` the HTTP side and ``static/index.html`` the
+page (HTML, CSS and JS in one packaged file, no build step).
 """
 
 from __future__ import annotations
