@@ -42,11 +42,14 @@ def page() -> bytes:
 class DashboardServer(SmallHttpServer):
     what = "the dashboard server"
 
-    def __init__(self, board: Board, *, interval: float = INTERVAL) -> None:
+    def __init__(self, board: Board, *, interval: float = INTERVAL,
+                 html: bytes | None = None) -> None:
+        """``html``: the page served at ``/`` (the packaged one by default; the benchmark
+        serves an earlier page beside it)."""
         super().__init__()
         self.board = board
         self.interval = interval
-        self._page = page()
+        self._page = html if html is not None else page()
         self._closing = asyncio.Event()
         self._summary: tuple[int, bytes] = (-1, b"")
 
