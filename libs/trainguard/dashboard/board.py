@@ -1,4 +1,4 @@
-"""What the dashboard shows, as pure state: fed messages, read as JSON snapshots.
+"""What the dashboard shows, as pure state: fed messages, read as JSON summaries.
 
 Per job: each rank's recent steps (compute time, so a straggler stands out although
 synchronous training makes every rank's total step time equal) and where it is now (phase,
@@ -28,6 +28,9 @@ from . import grouped
 from .rankview import COMM_PHASES, STEPS_SHOWN, RankView, compute_time
 from .stepmedians import StepMedians
 
+Judgement = tuple[list[grouped.Judged], dict[int, float], float | None, float | None]
+"""Ranks judged, each step's median compute, median compute and step time."""
+
 __all__ = ["COMM_PHASES", "STEPS_SHOWN", "Board", "JobView", "RankView", "compute_time",
            "incident_row", "rank_row", "to_json"]
 
@@ -52,13 +55,14 @@ class JobView:
 
 
 class Board:
-    """Every job seen on the bus; :meth:`snapshot` is what the page renders."""
+    """Every job seen on the bus; :meth:`summary` is what the page renders."""
 
     def __init__(self, only_job: str | None = None) -> None:
         self.only_job = only_job
         self.jobs: dict[str, JobView] = {}
         self.version = 0
-        """Bumped on every change, so the server sends a snapshot only when there is news."""
+        """Bumped on every change, so the server sends a summary only when there is news."""
+        self._judgement: dict[str, tuple[int, Judgement]] = {}
 
     def _job(self, job: str) -> JobView | None:
         if self.only_job and job != self.only_job:
@@ -139,24 +143,29 @@ class Board:
         view = self.jobs.get(job)
         if view is None:
             return None
-        judged = self._judged(view, grouped.RATIO_STEPS)[0]
+        judged = self._judged(view)[0]
         ranks = sorted(view.ranks)
         contiguous = ranks == list(range(ranks[0], ranks[0] + len(ranks))) if ranks else True
         return {"job": job, "version": self.version, "world": len(ranks),
                 "first": ranks[0] if ranks else 0, "ranks": None if contiguous else ranks,
                 "codes": grouped.cell_codes(judged)}
 
-    def _judged(self, view: JobView, last: int
-                ) -> tuple[list[grouped.Judged], dict[int, float], float | None, float | None]:
-        """Each rank judged (in rank order) on its ``last`` steps, each step's median
-        compute, and the median compute and step time of the newest ``last`` steps."""
-        per_step = view.medians.read()
-        medians = {s: m[0] for s, m in per_step.items()}
+    def _judged(self, view: JobView) -> Judgement:
+        """Each rank judged (in rank order) on its newest ``RATIO_STEPS`` steps, each step's
+        median compute, and the median compute and step time of the newest steps; kept
+        until the board changes (the summary and the heat map of one version share it)."""
+        cached = self._judgement.get(view.job)
+        if cached is not None and cached[0] == self.version:
+            return cached[1]
+        last = grouped.RATIO_STEPS
+        medians = {s: m[0] for s, m in view.medians.read().items()}
         median_compute, median_step = view.medians.recent(last)
         stuck_after = max(STUCK_FLOOR, 5 * (median_step or 0))
         judged = [grouped.judge(r, grouped.rank_ratio(r, medians, last), stuck_after,
                                 view.newest) for _, r in sorted(view.ranks.items())]
-        return judged, medians, median_compute, median_step
+        out = (judged, medians, median_compute, median_step)
+        self._judgement[view.job] = (self.version, out)
+        return out
 
     def _header(self, view: JobView, median_compute: float | None,
                 median_step: float | None) -> dict[str, Any]:
@@ -177,7 +186,7 @@ class Board:
         }
 
     def _job_snapshot(self, view: JobView) -> dict[str, Any]:
-        judged, medians, median_compute, median_step = self._judged(view, grouped.RATIO_STEPS)
+        judged, medians, median_compute, median_step = self._judged(view)
         ranks = [rank_row(j, medians) for j in judged]
         slow = [x for x in ranks if x["ratio"] and x["ratio"] >= grouped.SLOW_RATIO]
         if slow:
@@ -185,7 +194,7 @@ class Board:
         return {**self._header(view, median_compute, median_step), "ranks": ranks}
 
     def _job_summary(self, view: JobView, top: int) -> dict[str, Any]:
-        judged, medians, median_compute, median_step = self._judged(view, grouped.RATIO_STEPS)
+        judged, medians, median_compute, median_step = self._judged(view)
         rows = [rank_row(j, medians) for j in grouped.outliers(judged, top)]
         slow = [x for x in rows if x["ratio"] and x["ratio"] >= grouped.SLOW_RATIO]
         if slow:

@@ -5,9 +5,10 @@ one request per connection), no framework: ``/`` is the packaged ``index.html``,
 ``/api/summary`` the board's grouped summary (what the page renders: bounded whatever the
 world size), ``/api/cells?job=J`` one heat-map character per rank (fetched only while the
 page's heat map is open), ``/api/state`` every rank in full, and ``/events`` an SSE stream
-that sends the summary when the board changed, at most every ``interval`` seconds (and a
-comment line as keep-alive), so a browser's ``EventSource`` updates live and reconnects by
-itself. The summary is built once per board version, however many pages are open.
+that sends the summary when the board changed, at most every ``interval`` seconds (or
+twice the last build, if longer; a comment line as keep-alive), so a browser's
+``EventSource`` updates live and reconnects by itself. The summary is built once per board
+version, however many pages are open.
 """
 
 from __future__ import annotations
@@ -52,13 +53,21 @@ class DashboardServer(SmallHttpServer):
         self._page = html if html is not None else page()
         self._closing = asyncio.Event()
         self._summary: tuple[int, bytes] = (-1, b"")
+        self._build_s = 0.0
 
     def summary(self) -> bytes:
         """The board's summary as JSON, built again only when the board changed."""
         version = self.board.version
         if self._summary[0] != version:
+            started = time.perf_counter()
             self._summary = (version, to_json(self.board.summary(time.time())))
+            self._build_s = time.perf_counter() - started
         return self._summary[1]
+
+    def pause(self) -> float:
+        """Seconds between updates: ``interval``, or twice the last build where that is
+        longer, so building summaries never takes over the loop that feeds the board."""
+        return max(self.interval, 2 * self._build_s)
 
     async def stop(self) -> None:
         self._closing.set()
@@ -99,6 +108,7 @@ class DashboardServer(SmallHttpServer):
                 writer.write(b": keep-alive\n\n")
                 quiet = 0.0
             await writer.drain()  # a gone browser raises ConnectionError: the stream ends
+            pause = self.pause()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._closing.wait(), self.interval)
-            quiet += self.interval
+                await asyncio.wait_for(self._closing.wait(), pause)
+            quiet += pause
