@@ -93,6 +93,10 @@ class Browser:
         return self._call("POST", f"/session/{self.session}/execute/sync",
                           {"script": script, "args": list(args)})
 
+    def script_timeout(self, seconds: float) -> None:
+        """How long :meth:`run` may wait for a script's promise (WebDriver's default: 30 s)."""
+        self._call("POST", f"/session/{self.session}/timeouts", {"script": int(seconds * 1000)})
+
     def screenshot(self, path: Path) -> None:
         png = base64.b64decode(self._call("GET", f"/session/{self.session}/screenshot"))
         path.parent.mkdir(parents=True, exist_ok=True)

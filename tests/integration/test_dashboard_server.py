@@ -34,7 +34,7 @@ def http(url: str) -> tuple[int, str, bytes]:
 
 
 def first_event(url: str) -> dict[str, Any]:
-    """The first ``state`` event of the SSE stream."""
+    """The first ``summary`` event of the SSE stream."""
     with urllib.request.urlopen(url, timeout=30) as resp:
         assert resp.headers["Content-Type"] == "text/event-stream"
         event = ""
@@ -42,10 +42,10 @@ def first_event(url: str) -> dict[str, Any]:
             line = raw.decode().rstrip("\n")
             if line.startswith("event: "):
                 event = line[7:]
-            elif line.startswith("data: ") and event == "state":
+            elif line.startswith("data: ") and event == "summary":
                 data: dict[str, Any] = json.loads(line[6:])
                 return data
-    raise AssertionError("the stream ended without a state event")
+    raise AssertionError("the stream ended without a summary event")
 
 
 async def publish_rank(nc: Any, prefix: str, job: str, rank: int) -> None:
@@ -96,7 +96,13 @@ async def test_trainguard_dashboard_serves_page_state_and_stream(
         await publish_rank(nc, prefix, job + "-other", 0)  # not this dashboard's job
         state = await asyncio.to_thread(first_event, base + "events")
         assert [j["job"] for j in state["jobs"]] == [job]
-        assert state["jobs"][0]["ranks"][0]["phase"] == "compute"
+        assert state["jobs"][0]["top"][0]["phase"] == "compute"
+        assert state["jobs"][0]["groups"][0]["group"] == "node-a"
+        _, _, body = await asyncio.to_thread(http, base + "api/summary")
+        assert json.loads(body)["jobs"][0]["world"] == 1
+        status, _, body = await asyncio.to_thread(http, base + f"api/cells?job={job}")
+        assert status == 200 and len(json.loads(body)["codes"]) == 1
+        assert (await asyncio.to_thread(http, base + "api/cells?job=nope"))[0] == 404
     finally:
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 30) == 0

@@ -1,14 +1,18 @@
 """The live web dashboard: ``trainguard dashboard`` (and ``trainguard up``).
 
-One page for on-call: a per-rank heat map of step time and phase (who is slow, who is
-stuck), the incident timeline with cause, culprit, actions and times, goodput and the
-checkpoint line, updating live over server-sent events.
+One page for on-call, readable at thousands of ranks: the outliers first (stuck or stopped
+ranks, then the slowest against the median, each with its step strip), the ranks grouped by
+host or by the failure domain an incident lost together (counts, slowest, worst phase; the
+calm groups collapsed), a per-rank heat map drawn on demand, the incident timeline with
+cause, culprit, actions and times, goodput and the checkpoint line, updating live over
+server-sent events that carry that bounded summary, not every rank.
 
 It is no service (it imports the contract, core and runtime, never a service): it reads the
 bus only (no Redis, no durable consumer, no leader) as the on-call role, like ``trainguard
-events``, and the CLI runs it directly; ``board`` is the pure state, ``feed`` the bus
-side, ``server`` the HTTP side and ``static/index.html`` the page (HTML, CSS and JS in one
-packaged file, no build step).
+events``, and the CLI runs it directly; ``board`` is the pure state (``rankview`` a rank,
+``stepmedians`` each step's medians kept as reports arrive, ``grouped`` the grouped view's
+pure parts), ``feed`` the bus side, ``server`` the HTTP side and ``static/index.html`` the
+page (HTML, CSS and JS in one packaged file, no build step).
 """
 
 from __future__ import annotations

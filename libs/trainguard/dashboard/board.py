@@ -1,4 +1,4 @@
-"""What the dashboard shows, as pure state: fed messages, read as JSON snapshots.
+"""What the dashboard shows, as pure state: fed messages, read as JSON summaries.
 
 Per job: each rank's recent steps (compute time, so a straggler stands out although
 synchronous training makes every rank's total step time equal) and where it is now (phase,
@@ -9,8 +9,6 @@ call it directly.
 
 from __future__ import annotations
 
-import statistics
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -26,31 +24,20 @@ from trainguard.contract.schemas import (
     TelemetryMessage,
 )
 
-STEPS_SHOWN: Final = 40
-"""Columns of the heat map: the newest steps of each rank."""
+from . import grouped
+from .rankview import COMM_PHASES, STEPS_SHOWN, RankView, compute_time
+from .stepmedians import StepMedians
+
+Judgement = tuple[list[grouped.Judged], dict[int, float], float | None, float | None]
+"""Ranks judged, each step's median compute, median compute and step time."""
+
+__all__ = ["COMM_PHASES", "STEPS_SHOWN", "Board", "JobView", "RankView", "compute_time",
+           "incident_row", "rank_row", "to_json"]
+
 STUCK_FLOOR: Final = 5.0
 """A rank in one phase this long (or 5 x the median step time, if longer) is stuck, or
 waiting if that phase is a collective's."""
 INCIDENTS_SHOWN: Final = 50
-COMM_PHASES: Final = frozenset({"comm"})
-"""Collective wait: a rank's own compute is its step time minus these (DDP ranks report
-``comm`` from the communication hook)."""
-
-
-@dataclass
-class RankView:
-    rank: int
-    host: str = ""
-    step: int | None = None
-    phase: str | None = None
-    phase_elapsed: float = 0.0
-    state: str = ""
-    """The agent's process state letter (R, S, T, D, ...), if an agent reports it."""
-    seen: float = 0.0
-    """Sender's clock of the newest heartbeat."""
-    steps: deque[tuple[int, float, float]] = field(
-        default_factory=lambda: deque(maxlen=STEPS_SHOWN))
-    """(step, compute seconds, total seconds) of the newest steps."""
 
 
 @dataclass
@@ -64,23 +51,18 @@ class JobView:
     newest: float = 0.0
     completed: set[int] = field(default_factory=set)
     """Distinct steps completed by any rank (a re-run step after a restart counts once)."""
-
-
-def compute_time(report: StepReport) -> float:
-    """The rank's own work in a step: its duration without collective wait."""
-    waits = sum(v for k, v in report.phases.items() if k in COMM_PHASES)
-    return max(0.0, report.duration - waits) if report.duration else \
-        sum(v for k, v in report.phases.items() if k not in COMM_PHASES)
+    medians: StepMedians = field(default_factory=StepMedians)
 
 
 class Board:
-    """Every job seen on the bus; :meth:`snapshot` is what the page renders."""
+    """Every job seen on the bus; :meth:`summary` is what the page renders."""
 
     def __init__(self, only_job: str | None = None) -> None:
         self.only_job = only_job
         self.jobs: dict[str, JobView] = {}
         self.version = 0
-        """Bumped on every change, so the server sends a snapshot only when there is news."""
+        """Bumped on every change, so the server sends a summary only when there is news."""
+        self._judgement: dict[str, tuple[int, Judgement]] = {}
 
     def _job(self, job: str) -> JobView | None:
         if self.only_job and job != self.only_job:
@@ -115,7 +97,9 @@ class Board:
             r = self._rank(view, msg.rank)
             if r.steps and msg.step <= r.steps[-1][0]:
                 r.steps.clear()  # a restart went back to an earlier step
-            r.steps.append((msg.step, compute_time(msg), msg.duration))
+            compute = compute_time(msg)
+            r.steps.append((msg.step, compute, msg.duration))
+            view.medians.add(msg.step, compute, msg.duration)
             r.step = max(r.step or 0, msg.step)
             view.completed.add(msg.step)
         elif isinstance(msg, NodeHeartbeat):
@@ -142,48 +126,49 @@ class Board:
 
     # -- reading -------------------------------------------------------------------------
     def snapshot(self, now: float) -> dict[str, Any]:
+        """Every rank in full, each with its 40-step strip (``/api/state``): complete but
+        megabytes at thousands of ranks; the page reads :meth:`summary` instead."""
         return {"time": now, "version": self.version,
-                "jobs": [self._job_snapshot(v, now) for _, v in sorted(self.jobs.items())]}
+                "jobs": [self._job_snapshot(v) for _, v in sorted(self.jobs.items())]}
 
-    def _job_snapshot(self, view: JobView, now: float) -> dict[str, Any]:
-        times = [c for r in view.ranks.values() for _, c, _ in r.steps]
-        totals = [t for r in view.ranks.values() for _, _, t in r.steps if t]
-        median_compute = statistics.median(times) if times else None
-        median_step = statistics.median(totals) if totals else None
+    def summary(self, now: float, top: int = grouped.TOP_N) -> dict[str, Any]:
+        """What the page shows, bounded whatever the world size: per job the header, the
+        ``top`` outliers in full, the groups' aggregates (calm ones collapsed), incidents."""
+        return {"time": now, "version": self.version,
+                "jobs": [self._job_summary(v, top) for _, v in sorted(self.jobs.items())]}
+
+    def cells(self, job: str) -> dict[str, Any] | None:
+        """The heat map of ``job``: one character per rank, in rank order
+        (:func:`.grouped.cell_code`); None if the board has no such job."""
+        view = self.jobs.get(job)
+        if view is None:
+            return None
+        judged = self._judged(view)[0]
+        ranks = sorted(view.ranks)
+        contiguous = ranks == list(range(ranks[0], ranks[0] + len(ranks))) if ranks else True
+        return {"job": job, "version": self.version, "world": len(ranks),
+                "first": ranks[0] if ranks else 0, "ranks": None if contiguous else ranks,
+                "codes": grouped.cell_codes(judged)}
+
+    def _judged(self, view: JobView) -> Judgement:
+        """Each rank judged (in rank order) on its newest ``RATIO_STEPS`` steps, each step's
+        median compute, and the median compute and step time of the newest steps; kept
+        until the board changes (the summary and the heat map of one version share it)."""
+        cached = self._judgement.get(view.job)
+        if cached is not None and cached[0] == self.version:
+            return cached[1]
+        last = grouped.RATIO_STEPS
+        medians = {s: m[0] for s, m in view.medians.read().items()}
+        median_compute, median_step = view.medians.recent(last)
         stuck_after = max(STUCK_FLOOR, 5 * (median_step or 0))
-        # Each cell against the median of the ranks at that step, as the detector judges
-        # stragglers: a step that was slow for everyone (the first, a checkpoint) is not.
-        at_step: dict[int, list[float]] = {}
-        for r in view.ranks.values():
-            for s, c, _ in r.steps:
-                at_step.setdefault(s, []).append(c)
-        medians = {s: statistics.median(cs) for s, cs in at_step.items()}
+        judged = [grouped.judge(r, grouped.rank_ratio(r, medians, last), stuck_after,
+                                view.newest) for _, r in sorted(view.ranks.items())]
+        out = (judged, medians, median_compute, median_step)
+        self._judgement[view.job] = (self.version, out)
+        return out
 
-        def ratio_at(s: int, c: float) -> float | None:
-            m = medians.get(s)
-            return round(c / m, 2) if m else None
-
-        ranks: list[dict[str, Any]] = []
-        for rank in sorted(view.ranks):
-            r = view.ranks[rank]
-            own = [x for s, c, _ in r.steps if (x := ratio_at(s, c)) is not None]
-            ratio = statistics.median(own) if own else None
-            ranks.append({
-                "rank": rank, "host": r.host, "step": r.step, "phase": r.phase,
-                "phase_elapsed": round(r.phase_elapsed, 2), "state": r.state,
-                # Stuck: long in its own work (or stopped). Long in a collective is waiting
-                # for the stuck one, as the detector reads it too.
-                "stuck": r.state in ("T", "t", "D") or (
-                    r.phase_elapsed > stuck_after and r.phase not in COMM_PHASES),
-                "waiting": r.phase in COMM_PHASES and r.phase_elapsed > stuck_after,
-                "silent_for": round(max(0.0, view.newest - r.seen), 2) if r.seen else None,
-                "ratio": round(ratio, 2) if ratio else None,
-                "steps": [{"step": s, "compute": round(c, 4), "ratio": ratio_at(s, c)}
-                          for s, c, _ in r.steps],
-            })
-        slow = [x for x in ranks if x["ratio"] and x["ratio"] >= 1.3]
-        if slow:
-            max(slow, key=lambda x: x["ratio"])["slowest"] = True
+    def _header(self, view: JobView, median_compute: float | None,
+                median_step: float | None) -> dict[str, Any]:
         incidents = sorted(view.incidents.values(), key=lambda i: i.detected_at or 0,
                            reverse=True)[:INCIDENTS_SHOWN]
         committed = sorted(s for s, c in view.checkpoints.items() if c.status == "committed")
@@ -198,8 +183,29 @@ class Board:
             "last_checkpoint": committed[-1] if committed else None,
             "open_incidents": sum(i.status in ("open", "mitigating") for i in incidents),
             "incidents": [incident_row(i) for i in incidents],
-            "ranks": ranks,
         }
+
+    def _job_snapshot(self, view: JobView) -> dict[str, Any]:
+        judged, medians, median_compute, median_step = self._judged(view)
+        ranks = [rank_row(j, medians) for j in judged]
+        slow = [x for x in ranks if x["ratio"] and x["ratio"] >= grouped.SLOW_RATIO]
+        if slow:
+            max(slow, key=lambda x: x["ratio"])["slowest"] = True
+        return {**self._header(view, median_compute, median_step), "ranks": ranks}
+
+    def _job_summary(self, view: JobView, top: int) -> dict[str, Any]:
+        judged, medians, median_compute, median_step = self._judged(view)
+        rows = [rank_row(j, medians) for j in grouped.outliers(judged, top)]
+        slow = [x for x in rows if x["ratio"] and x["ratio"] >= grouped.SLOW_RATIO]
+        if slow:
+            max(slow, key=lambda x: x["ratio"])["slowest"] = True
+        shown, collapsed = grouped.groups(judged, grouped.group_of(view.incidents.values()))
+        return {**self._header(view, median_compute, median_step), "top": rows,
+                "groups": shown, "collapsed": collapsed,
+                "hung": sum(j.stuck for j in judged),
+                "stopped": sum(j.stopped for j in judged),
+                "lost": sum(j.lost for j in judged),
+                "slow": sum((j.ratio or 0) >= grouped.SLOW_RATIO for j in judged)}
 
     @staticmethod
     def goodput(view: JobView, median_step: float | None) -> float | None:
@@ -227,6 +233,24 @@ def incident_row(i: Incident) -> dict[str, Any]:
         "recover_s": span(i.detected_at, i.resolved_at), "steps_lost": i.steps_lost,
         "actions": [{"action": a.action, "status": a.status, "at": a.at,
                      "detail": a.detail} for a in i.actions],
+    }
+
+
+def rank_row(j: grouped.Judged, medians: dict[int, float]) -> dict[str, Any]:
+    """A rank as a row: where it is now and its step strip against each step's median."""
+    r = j.view
+
+    def ratio_at(s: int, c: float) -> float | None:
+        m = medians.get(s)
+        return round(c / m, 2) if m else None
+
+    return {
+        "rank": r.rank, "host": r.host, "step": r.step, "phase": r.phase,
+        "phase_elapsed": round(r.phase_elapsed, 2), "state": r.state,
+        "stuck": j.stuck or j.stopped, "waiting": j.waiting, "lost": j.lost,
+        "ratio": j.ratio,
+        "steps": [{"step": s, "compute": round(c, 4), "ratio": ratio_at(s, c)}
+                  for s, c, _ in r.steps],
     }
 
 

@@ -1,10 +1,14 @@
-"""The dashboard's HTTP side: one page, a JSON snapshot, a server-sent event stream.
+"""The dashboard's HTTP side: one page, JSON reads, a server-sent event stream.
 
 The same small asyncio server the services' health endpoints use (``asyncio.start_server``,
 one request per connection), no framework: ``/`` is the packaged ``index.html``,
-``/api/state`` the board's snapshot, ``/events`` an SSE stream that sends a snapshot when
-the board changed, at most every ``interval`` seconds (and a comment line as keep-alive),
-so a browser's ``EventSource`` updates live and reconnects by itself.
+``/api/summary`` the board's grouped summary (what the page renders: bounded whatever the
+world size), ``/api/cells?job=J`` one heat-map character per rank (fetched only while the
+page's heat map is open), ``/api/state`` every rank in full, and ``/events`` an SSE stream
+that sends the summary when the board changed, at most every ``interval`` seconds (or
+twice the last build, if longer; a comment line as keep-alive), so a browser's
+``EventSource`` updates live and reconnects by itself. The summary is built once per board
+version, however many pages are open.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import contextlib
 import time
 from importlib import resources
 from typing import Final
+from urllib.parse import parse_qs
 
 from trainguard.runtime.httpd import SmallHttpServer, reply
 from trainguard.runtime.logs import get_logger
@@ -38,19 +43,38 @@ def page() -> bytes:
 class DashboardServer(SmallHttpServer):
     what = "the dashboard server"
 
-    def __init__(self, board: Board, *, interval: float = INTERVAL) -> None:
+    def __init__(self, board: Board, *, interval: float = INTERVAL,
+                 html: bytes | None = None) -> None:
+        """``html``: the page served at ``/`` (the packaged one by default; the benchmark
+        serves an earlier page beside it)."""
         super().__init__()
         self.board = board
         self.interval = interval
-        self._page = page()
+        self._page = html if html is not None else page()
         self._closing = asyncio.Event()
+        self._summary: tuple[int, bytes] = (-1, b"")
+        self._build_s = 0.0
+
+    def summary(self) -> bytes:
+        """The board's summary as JSON, built again only when the board changed."""
+        version = self.board.version
+        if self._summary[0] != version:
+            started = time.perf_counter()
+            self._summary = (version, to_json(self.board.summary(time.time())))
+            self._build_s = time.perf_counter() - started
+        return self._summary[1]
+
+    def pause(self) -> float:
+        """Seconds between updates: ``interval``, or twice the last build where that is
+        longer, so building summaries never takes over the loop that feeds the board."""
+        return max(self.interval, 2 * self._build_s)
 
     async def stop(self) -> None:
         self._closing.set()
         await super().stop()
 
     async def respond(self, method: str, target: str, writer: asyncio.StreamWriter) -> None:
-        path = target.split("?", 1)[0]
+        path, _, query = target.partition("?")
         if method not in ("GET", "HEAD"):
             await _reply(writer, "405 Method Not Allowed", "text/plain", b"GET only\n")
         elif path in ("/", "/index.html"):
@@ -58,6 +82,14 @@ class DashboardServer(SmallHttpServer):
         elif path == "/api/state":
             await _reply(writer, "200 OK", "application/json",
                          to_json(self.board.snapshot(time.time())))
+        elif path == "/api/summary":
+            await _reply(writer, "200 OK", "application/json", self.summary())
+        elif path == "/api/cells":
+            cells = self.board.cells(parse_qs(query).get("job", [""])[0])
+            if cells is None:
+                await _reply(writer, "404 Not Found", "text/plain", b"no such job\n")
+            else:
+                await _reply(writer, "200 OK", "application/json", to_json(cells))
         elif path == "/events":
             await self._stream(writer)
         else:
@@ -70,13 +102,13 @@ class DashboardServer(SmallHttpServer):
         while not self._closing.is_set():
             if self.board.version != sent:
                 sent = self.board.version
-                writer.write(b"event: state\ndata: " + to_json(self.board.snapshot(time.time()))
-                             + b"\n\n")
+                writer.write(b"event: summary\ndata: " + self.summary() + b"\n\n")
                 quiet = 0.0
             elif quiet >= KEEPALIVE:
                 writer.write(b": keep-alive\n\n")
                 quiet = 0.0
             await writer.drain()  # a gone browser raises ConnectionError: the stream ends
+            pause = self.pause()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._closing.wait(), self.interval)
-            quiet += self.interval
+                await asyncio.wait_for(self._closing.wait(), pause)
+            quiet += pause
