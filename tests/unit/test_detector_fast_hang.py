@@ -138,3 +138,19 @@ def test_a_rank_behind_in_collectives_is_named_and_judged_fast() -> None:
     found = stall_until_hang(h, 6, "comm")
     assert found <= 1.5
     assert h.opened("hang")[0].evidence.culprit_basis == "coll_seq"
+
+
+def test_a_rank_that_leaves_a_slow_batch_inside_the_stall_is_judged_on_its_new_phase() -> None:
+    """Rank 3 refills its loader alone for 0.9 s (``data``, irregular) while the rest wait,
+    then computes: the stall is past the 1 s floor as its first ``compute`` beat arrives, but
+    the step it just began says nothing yet. Seen under load: a healthy rank was restarted."""
+    h = short_job()
+    h.sim.steps(300)
+    onset = h.sim.now
+    h.sim.stall_at(12.0, lambda r, t: "comm" if r != 3 else
+                   "data" if t < onset + 0.9 else "compute")
+    [hang] = h.opened("hang")
+    assert hang.ranks == [3] and hang.evidence.limit_basis == "hang_floor"
+    began = hang.evidence.phases["3"]
+    assert began.phase == "compute"
+    assert began.elapsed >= Thresholds().hang_floor, began

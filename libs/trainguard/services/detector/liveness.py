@@ -12,7 +12,8 @@
   for (every rank heard inside the stall, most of them in a collective: the ranks send a
   heartbeat as soon as a step runs long) on ranks it can name, else ``unclear_hang_floor``
   (5 s: too few steps learned, a rank not heard since, every rank busy in its own phase or
-  waiting alike, the holder in an irregular phase, on its first step or briefly in D/t;
+  waiting alike, the holder in an irregular phase, in its phase for less than the floor (it
+  moved inside the stall), on its first step or briefly in D/t;
   :meth:`Liveness.unclear`). A learned limit
   applies when most ranks are in a phase that is long by nature (checkpoint, eval), and a
   start-up grace before the first step. The
@@ -245,9 +246,9 @@ class Liveness:
         """Why the job does not show what it waits for ("" when it does): then the
         ``unclear_hang_floor`` applies. It shows it when the step intervals are learned,
         every live rank was heard inside the stall, most of them wait in a collective on
-        ranks it can name, and these are neither in an irregular phase nor on their first step
-        as this process (a replacement warming up, a first step compiling), nor briefly in
-        D or t."""
+        ranks it can name, and these are neither in an irregular phase, nor in their phase
+        for less than ``hang_floor``, nor on their first step as this process (a replacement
+        warming up, a first step compiling), nor briefly in D or t."""
         learned, need = len(job.intervals), job.th.hang_learn_steps
         if learned < need:
             return f"{learned} of {need} step intervals learned"
@@ -262,6 +263,9 @@ class Liveness:
         irregular = sorted(self.held_in(job, census, culprits) & job.irregular_phases)
         if irregular:
             return f"held in {irregular[0]}"
+        moved = self.moved_within(job, census, culprits)
+        if moved is not None:
+            return f"rank {moved.rank} in {moved.phase} for less than hang_floor"
         first = self.first_step(job, culprits)
         if first is not None:
             return f"rank {first} on its first step"
@@ -276,6 +280,19 @@ class Liveness:
         """A rank holding the job up that has not completed a step as this process."""
         return next((i for i in culprits if i in job.ranks and job.ranks[i].last_step is None),
                     None)
+
+    @staticmethod
+    def moved_within(job: JobState, census: Census, culprits: list[int]) -> RankInfo | None:
+        """A rank holding the job up that entered its phase less than ``hang_floor`` ago: it
+        moved inside the stall (out of a slow batch into ``compute``, say), so the stall says
+        nothing yet of that phase; the fast floor waits until the phase itself lasts."""
+        live = {r.rank for r in census.live}
+        for i in culprits:
+            r = job.ranks.get(i)
+            if i in live and r is not None and r.phase_start is not None \
+                    and census.time - r.phase_start < job.th.hang_floor:
+                return r
+        return None
 
     @staticmethod
     def held_in(job: JobState, census: Census, culprits: list[int]) -> set[str]:

@@ -272,9 +272,13 @@ class SimJob:
 
     def stall(self, seconds: float, phase_of: Callable[[int], str]) -> None:
         """No step completes for ``seconds``; heartbeats go on with each rank's phase."""
+        self.stall_at(seconds, lambda r, t: phase_of(r))
+
+    def stall_at(self, seconds: float, phase_of: Callable[[int, float], str]) -> None:
+        """:meth:`stall` where a rank's phase may change with the time ``t`` of its beat."""
         events: list[tuple[float, int, TelemetryMessage]] = []
         start, until = self.now, self.now + seconds
-        self._heartbeats(start, until, lambda r, t: phase_of(r), events)
+        self._heartbeats(start, until, phase_of, events)
         self._emit(events, until)
 
 
