@@ -224,7 +224,9 @@ class Transport:
         connector = asyncio.create_task(self._connect_forever())
         try:
             while not self._stop.is_set():
-                if self._ended_by_server():
+                if self._ended_by_server() or (self._nc is None and connector.done()):
+                    # Also a connector that ended without a connection: nats-py's connect
+                    # can end cancelled from within when the server drops it mid-handshake.
                     connector = asyncio.create_task(self._connect_forever())
                 await self._renew()
                 await self._drain()
