@@ -406,3 +406,42 @@ def test_commands_sent_before_a_restarted_group_listened_are_not_waited_for() ->
         assert ran == ["s5"] and desk.agreed_seq == 5
     finally:
         g.close(timeout=1.0)
+
+
+def test_a_lost_peer_in_the_command_agreement_re_forms_the_group() -> None:
+    """The agreement is a collective too: a peer lost there must re-form the group after
+    the step it follows. Run locally, the held commands let this rank go on into the next
+    collective, which waits for peers that are re-forming without it (the data-integrity
+    drill stalled 60 s there, and the job restarted cold)."""
+    from trainguard.client.commands import Queued
+    from trainguard.contract.schemas import Command
+
+    g = Guard(job="unit", rank=0, world_size=2, nats_url=f"nats://127.0.0.1:{free_port()}",
+              sync_every=4, sync_period=0.0)
+    rec = Scripted(lambda e: isinstance(e, RuntimeError), resume=8)
+    g.set_recovery(rec)
+
+    def agreement(local: Sequence[int]) -> list[int]:
+        if g.commands.last_completed == 7:
+            raise RuntimeError(GLOO_RESET)
+        return list(local)
+
+    g.commands._find = lambda _: agreement
+    ran: list[tuple[str, int | None]] = []
+    g.commands.handlers["set_interval"] = \
+        lambda cmd: ran.append((cmd.id, g.commands.last_completed)) or ""
+    steps: list[int] = []
+    try:
+        for step in g.steps(0, 10):
+            steps.append(step)
+            if step == 7:
+                g.commands.inbox.append(Queued(Command(
+                    id="s1", job="unit", kind="set_interval", seq=1, issuer="coordinator",
+                    params={"every_steps": 7}), None, 0.0))
+            with g.step(step):
+                pass
+        assert [s for s, _ in rec.recovered] == [7]  # the step the failed agreement followed
+        assert steps == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+        assert ran == [("s1", 8)]  # held for the re-formed group, not run alone at step 7
+    finally:
+        g.close(timeout=1.0)

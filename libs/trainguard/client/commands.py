@@ -113,6 +113,15 @@ class CommandDesk:
         """Ids of commands run, in order (for tests and ``stats``)."""
         self._generation: Callable[[], int] = lambda: 0
         self._generation_rose: Callable[[int], None] = lambda _: None
+        self._absorbs: Callable[[int, Exception], bool] = lambda step, error: False
+
+    def absorb_failures(self, absorbs: Callable[[int, Exception], bool]) -> None:
+        """``absorbs(step, error)`` is asked when the agreement after ``step`` fails: True
+        when the loop recovers from it in place (a lost peer). The held commands then wait
+        for the re-formed group, which hands them on; run locally instead, they would let
+        this rank go on into the next collective and wait there for peers that are
+        re-forming without it."""
+        self._absorbs = absorbs
 
     def watch_generation(self, newest: Callable[[], int],
                          rose: Callable[[int], None]) -> None:
@@ -285,6 +294,10 @@ class CommandDesk:
                     generation=self._generation(), interval=self.cadence.proposed_interval(),
                     lowest_held=self._lowest_held())
         except Exception as exc:
+            if self._absorbs(completed, exc):
+                log.warning("collective command agreement failed (%r): the group re-forms",
+                            exc)
+                return
             log.warning("collective command agreement failed (%r); running commands locally",
                         exc)
             self.agreement = None

@@ -147,6 +147,7 @@ class Guard:
         self.commands = CommandDesk(self.identity, self.subjects, self.transport,
                                     sync_every=sync_every, sync_period=sync_period,
                                     collective_timeout=collective_timeout, state=self.state)
+        self.commands.absorb_failures(self._absorb)
         """Handlers by kind, the inbox, and what ran."""
         self._step_subject = self.subjects.step(self.job, self.rank)
         self._fp_subject = self.subjects.fp(self.job, self.rank)
