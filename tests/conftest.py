@@ -77,8 +77,9 @@ def private_redis(tmp_path: Path) -> Iterator[RedisServer]:
 
 
 async def wait_until(cond: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02,
-                     what: str = "condition") -> Any:
-    """Poll ``cond`` (sync or async) until it returns something truthy, or fail."""
+                     what: str | Callable[[], str] = "condition") -> Any:
+    """Poll ``cond`` (sync or async) until it returns something truthy, or fail.
+    ``what`` may be a callable: the failure then says what was seen at the deadline."""
     deadline = time.monotonic() + timeout
     while True:
         value = cond()
@@ -87,7 +88,8 @@ async def wait_until(cond: Callable[[], Any], timeout: float = 10.0, interval: f
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+            said = what() if callable(what) else what
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {said}")
         await asyncio.sleep(interval)
 
 

@@ -177,7 +177,10 @@ async def test_an_hsdp_replica_host_that_leaves_and_comes_back_stays_in_place(
     await wait_until(lambda: all((v := c.observer.ranks.get(r)) is not None
                                  and (v.step or -1) >= past for r in range(4)),
                      timeout=90, interval=0.5, what="the four ranks training on past it")
-    assert {r: c.pids[r] for r in (0, 1)} == survivors, c.pids  # node-a never restarted
+    # node-a's processes never restarted nor were replaced
+    assert {r: c.pids[r] for r in (0, 1)} == survivors, (
+        c.pids, [(r.kind, r.path, r.reason, r.joined) for r in c.recoveries], c.story(),
+        c.log_tail())
     assert not [r for r in c.recoveries if r.path == "restart"], c.recoveries
     # Each shard's two replicas (ranks 0 and 2, 1 and 3) hold the same state after the grow.
     after = await wait_until(lambda: [sums for step, sums in c.observer.fingerprints.items()

@@ -283,7 +283,9 @@ async def test_an_agent_publishes_its_preflight_record_and_no_other_event(
     for kind in ("preflight", "incident", "action"):
         await agent.nc.publish(S.event(job, kind), b"{}")
     await agent.nc.flush()
-    await wait_until(lambda: S.event(job, "preflight") in got, what="the preflight record")
+    await wait_until(lambda: S.event(job, "preflight") in got,
+                     what=lambda: f"the preflight record (got {got}, the agent's errors "
+                                  f"{agent.errors}, connected {agent.nc.is_connected}, the reader's errors {reader.errors})")
     await wait_until(lambda: len(agent.errors) >= 2, what="two permission errors")
     assert got == [S.event(job, "preflight")]
     assert all("permissions violation" in e.lower() for e in agent.errors), agent.errors

@@ -440,7 +440,8 @@ def test_a_lost_peer_in_the_command_agreement_re_forms_the_group() -> None:
                     params={"every_steps": 7}), None, 0.0))
             with g.step(step):
                 pass
-        assert [s for s, _ in rec.recovered] == [7]  # the step the failed agreement followed
+        # step 7 completed; the failure kept step 8 from starting
+        assert [s for s, _ in rec.recovered] == [8]
         assert steps == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
         assert ran == [("s1", 8)]  # held for the re-formed group, not run alone at step 7
     finally:

@@ -147,7 +147,8 @@ class Guard:
         self.commands = CommandDesk(self.identity, self.subjects, self.transport,
                                     sync_every=sync_every, sync_period=sync_period,
                                     collective_timeout=collective_timeout, state=self.state)
-        self.commands.absorb_failures(self._absorb)
+        self.commands.absorb_failures(
+            lambda completed, error: self._absorb(completed, error, failed_step=completed + 1))
         """Handlers by kind, the inbox, and what ran."""
         self._step_subject = self.subjects.step(self.job, self.rank)
         self._fp_subject = self.subjects.fp(self.job, self.rank)
@@ -501,9 +502,12 @@ class Guard:
         self.commands.safe_point(step.n)  # DrillCrash propagates on purpose
         return False
 
-    def _absorb(self, n: int, error: BaseException | None) -> bool:
+    def _absorb(self, n: int, error: BaseException | None, *,
+                failed_step: int | None = None) -> bool:
         """Abandon step ``n`` for an in-place recovery, if the failure is a lost peer and
-        the loop is ``guard.steps`` (a ``range`` loop could not run the step again)."""
+        the loop is ``guard.steps`` (a ``range`` loop could not run the step again).
+        ``failed_step``: the step the failure kept from completing, when not ``n`` itself
+        (a failure after ``n`` completed: the code after the step still skips its work)."""
         loop, recovery = self._loop, self._recovery
         if loop is None or recovery is None or not isinstance(error, Exception):
             return False
@@ -517,6 +521,7 @@ class Guard:
             # keep the old process group and its sockets alive until the loop moves on.
             traceback.clear_frames(error.__traceback__)
             loop.abandoned, loop.error = n, error
+            loop.failed_step = n if failed_step is None else failed_step
         return absorbed
 
     def _regrouped(self, next_step: int) -> None:

@@ -99,11 +99,14 @@ class Recovery(Protocol):
 class Loop:
     """The state of one ``guard.steps`` loop: where it goes next."""
 
-    __slots__ = ("abandoned", "error", "next_step", "regroup")
+    __slots__ = ("abandoned", "error", "failed_step", "next_step", "regroup")
 
     def __init__(self) -> None:
         self.abandoned: int | None = None
         """The step abandoned by an absorbed failure (recovered at the next iteration)."""
+        self.failed_step: int | None = None
+        """The first step the failure kept from completing: ``abandoned``, or the next one
+        when the failure came after ``abandoned`` had completed (its command agreement)."""
         self.error: BaseException | None = None
         self.next_step: int | None = None
         """Set by a rollback in place: the step the loop continues at."""
@@ -127,11 +130,11 @@ def iterate(loop: Loop, start: int, stop: int, recovery: Recovery | None,
     while step < stop:
         yield step
         if loop.abandoned is not None and recovery is not None:
-            failed, error = loop.abandoned, loop.error
-            assert error is not None
+            failed, error = loop.failed_step, loop.error
+            assert error is not None and failed is not None
             loop.error = None  # not kept alive (with its frames) across the rest of training
             step = recovery.recover(failed, error)
-            loop.abandoned = None
+            loop.abandoned = loop.failed_step = None
             regrouped(step)
         elif loop.regroup and recovery is not None:
             # After a rollback too: the agreement starts from the step it rewound to.
