@@ -10,6 +10,7 @@ import json
 import nkeys
 
 from trainguard.core.auth import access_from
+from trainguard.core.credsfile import CredsFile
 from trainguard.core.identities import (
     Trust,
     agent_permissions,
@@ -48,8 +49,25 @@ def test_a_rank_may_name_only_its_own_subjects_and_inbox(tmp_path) -> None:
     path = tmp_path / "rank.creds"
     path.write_text(text)
     options = access_from(str(path)).nats_options()  # a .creds file as the credentials
-    assert options["user_credentials"].path == str(path)
+    assert options["user_jwt_cb"].__self__.path == str(path)
+    assert options["user_jwt_cb"]().decode() == jwt_of_creds(text)  # no nonce signed yet
     assert options["inbox_prefix"] == "_INBOX.j.r3"
+
+
+def test_a_creds_file_signs_each_nonce_with_the_key_of_the_jwt_it_then_presents(
+        tmp_path) -> None:
+    minter = Trust.new().minter
+    path = tmp_path / "rank.creds"
+    options = CredsFile(str(path)).options()
+    for rank in (3, 4):  # a renewal rewrites the file: the next connect uses the new one
+        path.write_text(minter.mint_rank("tg", "j", rank, ttl=60))
+        sig = base64.b64decode(options["signature_cb"]("a-nonce"))
+        token = options["user_jwt_cb"]().decode()
+        assert token == jwt_of_creds(path.read_text())
+        seed = path.read_text().split("NKEY SEED-----\n")[1].split("\n")[0]
+        user = nkeys.from_seed(seed.encode())
+        assert user.public_key.decode() == claims_of(token)["sub"]
+        assert user.verify(b"a-nonce", sig)
 
 
 def test_an_agent_may_use_only_its_own_durable() -> None:

@@ -326,7 +326,8 @@ class Transport:
 
     def _credential_stamp(self) -> int | None:
         """When the ``.creds`` file in use was last written (None: no such file)."""
-        path = getattr(self.access.get("user_credentials"), "path", None)
+        # trainguard.core.credsfile.CredsFile's callbacks (not imported: it loads nkeys).
+        path = getattr(getattr(self.access.get("user_jwt_cb"), "__self__", None), "path", None)
         try:
             return os.stat(path).st_mtime_ns if path else None
         except OSError:

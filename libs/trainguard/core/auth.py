@@ -299,9 +299,9 @@ class Access:
         if secret is not None and not self.nats_creds:
             options.update(user=secret.user, password=secret.password)
         if self.nats_creds:
-            from .credsfile import CredsFile  # nats-py's type: loaded only to connect
+            from .credsfile import CredsFile  # nkeys and PyNaCl: loaded only to connect
 
-            options["user_credentials"] = CredsFile(self.nats_creds)
+            options.update(CredsFile(self.nats_creds).options())
             inbox = _inbox_of_file(self.nats_creds)
             if inbox:  # the credential confines replies to its own inbox
                 options["inbox_prefix"] = inbox

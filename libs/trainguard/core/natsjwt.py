@@ -139,8 +139,8 @@ def user_jwt(signer: Key, account: str, user: str, name: str, permissions: Permi
 
 
 def creds(token: str, seed: str) -> str:
-    """A ``.creds`` file: the user's JWT and its nkey seed, as ``nsc`` writes it (nats-py's
-    ``user_credentials`` reads it, again on every reconnect)."""
+    """A ``.creds`` file: the user's JWT and its nkey seed, as ``nsc`` writes it (a
+    client reads it again on every reconnect: :class:`.credsfile.CredsFile`)."""
     return ("-----BEGIN NATS USER JWT-----\n"
             f"{token}\n"
             "------END NATS USER JWT------\n\n"
