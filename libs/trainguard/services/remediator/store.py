@@ -185,9 +185,10 @@ class Store:
         return read_job_mode(raw) if raw is not None else None
 
     async def nodes(self, job: str) -> list[NodeRecord]:
-        """Every node record of ``job``, read in batches of :data:`READ_BATCH` (one
-        ``MGET`` each): a 2,048-host job is two round trips, not one per host, and a
-        restart's wait reads the view twice a second."""
+        """Every node record of ``job``: the keys scanned :data:`READ_BATCH` a step, the
+        records read as many an ``MGET``. A 2,048-host job's view is a few round trips,
+        not a ``GET`` a host (0.9-1.4 s on a loaded machine), and a decision reads it up to
+        three times before its command goes out, a restart's wait twice a second."""
         keys = [key async for key in self.redis.scan_iter(match=self.keys.node(job, "*"),
                                                          count=READ_BATCH)]
         records = []
