@@ -49,3 +49,57 @@ async def test_uncollected_acks_age_out_but_not_while_waited_for() -> None:
     box.add(ack("slow", "node-b"))
     assert sorted(a.responder for a in await waiting) == ["node-a", "node-b"]
     assert len(box) == 1
+
+
+class Counted(str):
+    """A responder that counts how often the box reads which host it names."""
+
+    reads = 0
+
+    def removeprefix(self, prefix: str, /) -> str:
+        Counted.reads += 1
+        return str(self).removeprefix(prefix)
+
+
+async def test_each_ack_of_a_group_command_is_read_a_bounded_number_of_times() -> None:
+    """2,048 agents answer one ``cmd.all``, each ack on its own turn of the loop (as acks
+    from separate reads of the socket come): the sender's bookkeeping reads each ack a
+    bounded number of times, not all those before it again on every arrival."""
+    hosts = [f"node-{h}" for h in range(2048)]
+    box = AckBox()
+    Counted.reads = 0
+    waiting = asyncio.create_task(box.collect("c", hosts, 60.0))
+    await asyncio.sleep(0)
+    for host in hosts:
+        box.add(CommandAck(job="j", command_id="c", responder=Counted(f"host-{host}"),
+                           outcome="done"))
+        await asyncio.sleep(0)  # the sender may look at what came
+    got = await asyncio.wait_for(waiting, 5.0)
+    assert len(got) == len(hosts)
+    assert Counted.reads <= 2 * len(hosts)
+
+
+async def test_collect_ends_when_every_named_host_answered() -> None:
+    box = AckBox()
+    box.add(ack("c", "host-node-a"))  # before the wait
+    waiting = asyncio.create_task(box.collect("c", {"node-a", "node-b", "node-c"}, 30.0))
+    await asyncio.sleep(0)
+    box.add(ack("c", "host-node-a"))  # again (a retry's answer): still two to hear
+    box.add(ack("c", "host-stranger"))  # not awaited: changes nothing
+    box.add(ack("c", "host-node-b"))
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    box.add(ack("c", "host-node-c"))
+    got = await asyncio.wait_for(waiting, 5.0)
+    assert [a.responder for a in got] == ["host-node-a", "host-node-a", "host-stranger",
+                                          "host-node-b", "host-node-c"]
+
+
+async def test_collect_without_named_hosts_takes_the_first_answer_or_times_out() -> None:
+    box = AckBox()
+    assert await box.collect("none", (), 0.0) == []
+    waiting = asyncio.create_task(box.collect("c", (), 30.0))
+    await asyncio.sleep(0)
+    box.add(ack("c"))
+    assert [a.responder for a in await asyncio.wait_for(waiting, 5.0)] == ["node-a"]
+    assert await box.collect("silent", {"node-a"}, 0.01) == []

@@ -473,3 +473,20 @@ def test_restarts_after(failed_in: int | None, restarts: int, attempts: set[int]
     inc = incident(("restart", "pending"), failure_attempt=failed_in)
     view = JobView(restarts_last_hour=restarts, ended_attempts=frozenset(attempts))
     assert engine.restarts_after(inc, view) == after
+
+
+def test_the_acks_of_a_group_command_make_a_bounded_detail() -> None:
+    """2,048 agents answer a group's restart: the step's detail (saved and published with
+    the incident on every revision) counts them and names only those that did not
+    succeed or did not answer, a few of each."""
+    hosts = [f"node-{h}" for h in range(2048)]
+    acks = [ack(h, "done", "restarting 8 local ranks in a new attempt " * 4)
+            for h in hosts[:2040]] + [ack(h, "failed", "disk full") for h in hosts[2040:2045]]
+    verdict = engine.ack_verdict(acks, hosts, "restart")
+    assert verdict.status == "done" and not verdict.retry
+    assert len(verdict.detail) < 2_000
+    assert "2045 of 2048 agents answered: 2040 done, 5 failed" in verdict.detail
+    assert "host-node-2040: failed disk full" in verdict.detail
+    assert "no answer from node-2045, node-2046, node-2047" in verdict.detail
+    silent = engine.ack_verdict([], hosts, "restart")
+    assert len(silent.detail) < 2_000 and "and 2040 more" in silent.detail

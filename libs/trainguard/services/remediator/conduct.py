@@ -31,6 +31,7 @@ from .engine import (
     grace_to_wait,
     is_open,
     launcher_restarted,
+    named,
     next_step,
     skip_restart,
     start_step,
@@ -210,7 +211,7 @@ def would(act: Act) -> str | None:
                     "and told their agents")
         case Send(kind, hosts, params, host):
             args = " ".join(f"{k}={v}" for k, v in sorted(params.items()))
-            to = f"to {host}" if host is not None else f"to every host ({', '.join(hosts)})"
+            to = f"to {host}" if host is not None else f"to every host ({named(hosts)})"
             return f"would have sent {kind} {to}" + (f" ({args})" if args else "")
         case _:
             return None

@@ -14,6 +14,7 @@ incident ends (resolved, escalated, or failed: held) is :mod:`.endings`. The she
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -429,20 +430,61 @@ class AckVerdict(NamedTuple):
     """Worth sending again (as a retry): no answer, or every responder failed."""
 
 
+ACK_LINES: Final = 8
+"""Acks (and silent hosts) a step's detail names one by one; past that it counts them.
+A group's command is answered by every agent (2,048 at 16k ranks): one line each would
+make the incident, saved and published on every revision, grow with the job."""
+
+
+def answered_by(ack: CommandAck) -> str:
+    """The host whose agent sent ``ack`` (agents answer as ``host-<host>``)."""
+    return ack.responder.removeprefix("host-")
+
+
 def acks_complete(acks: Sequence[CommandAck], hosts: Collection[str]) -> bool:
     """Every expected host answered (any answer, when no host is named)."""
-    responders = {a.responder.removeprefix("host-") for a in acks}
+    responders = {answered_by(a) for a in acks}
     return bool(acks) and set(hosts) <= responders
+
+
+def named(items: Sequence[str], limit: int = ACK_LINES, sep: str = ", ") -> str:
+    """The first ``limit`` of ``items``, then how many more."""
+    shown = sep.join(items[:limit])
+    return shown + (f"{sep}and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def _ack_line(a: CommandAck) -> str:
+    return f"{a.responder}: {a.outcome} {a.detail[:200]}".strip()
+
+
+def acks_detail(acks: Sequence[CommandAck], hosts: Sequence[str]) -> str:
+    """What the acks say, one line each for a few; for many, the count of each outcome,
+    the lines of those that did not succeed (a few) and the hosts not heard from."""
+    if len(acks) <= ACK_LINES:
+        return "; ".join(_ack_line(a) for a in acks)
+    outcomes = collections.Counter(a.outcome for a in acks)
+    counts = ", ".join(f"{n} {outcome}" for outcome, n in outcomes.most_common())
+    heard = {answered_by(a) for a in acks}
+    silent = [h for h in hosts if h not in heard]
+    of = f"{len(heard & set(hosts))} of {len(hosts)}" if hosts else f"{len(heard)}"
+    parts = [f"{of} agents answered: {counts}"]
+    odd = [_ack_line(a) for a in acks if a.outcome != "done"]
+    if odd:
+        parts.append(named(odd, sep="; "))
+    if silent:
+        parts.append(f"no answer from {named(silent)}")
+    return "; ".join(parts)
 
 
 def ack_verdict(acks: Sequence[CommandAck], hosts: Sequence[str], kind: str,
                 earlier: str = "") -> AckVerdict:
     """What the acks of one send mean for its step; ``earlier``: the detail of a previous
-    send, kept when this one got no answer. A refusal is final."""
+    send, kept when this one got no answer. A refusal is final. The detail is bounded
+    (:func:`acks_detail`) however many agents answer."""
     if not acks:
         return AckVerdict("failed", earlier or f"no acknowledgement of {kind} from "
-                                               f"{', '.join(hosts)}", True)
-    detail = "; ".join(f"{a.responder}: {a.outcome} {a.detail[:200]}".strip() for a in acks)
+                                               f"{named(list(hosts))}", True)
+    detail = acks_detail(acks, hosts)
     if any(a.outcome == "done" for a in acks):
         return AckVerdict("done", detail, False)
     return AckVerdict("failed", detail, not any(a.outcome == "refused" for a in acks))

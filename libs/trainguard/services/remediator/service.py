@@ -451,13 +451,13 @@ class RemediatorService(Service[RemediatorSettings]):
     async def _fence(self, inc: Incident, step: IncidentStep, hosts: list[str], send: Send,
                      persist: Persist) -> None:
         """Hosts lost together leave together: block them all, run the isolate hook for
-        each (at once), tell each agent, awaiting none (a lost host's agent cannot answer),
-        and count the one attempt their loss ends."""
+        each and tell each agent, all at once (a rack is dozens of hosts: one round trip,
+        not one per host), awaiting no ack (a lost host's agent cannot answer), and count
+        the one attempt their loss ends."""
         assert self.leader is not None
         now = time.time()
-        for host in hosts:
-            await self.store.block(host, rules.blocklist_entry(
-                inc, now, self.settings.blocklist_ttl))
+        await asyncio.gather(*(self.store.block(host, rules.blocklist_entry(
+            inc, now, self.settings.blocklist_ttl)) for host in hosts))
         hooks_run = asyncio.gather(*(self._isolate_hook(inc, h) for h in hosts))
         commands = [addressed(self.settings.subjects, inc.job, send.kind, send.params,
                               issuer="remediator", host=host, epoch=self.leader.epoch,
@@ -465,8 +465,8 @@ class RemediatorService(Service[RemediatorSettings]):
         for _, cmd in commands:
             conduct.sent(step, cmd.id)
         await persist()
-        for subject, cmd in commands:
-            await self.runtime.publish_event(subject, cmd)
+        await asyncio.gather(*(self.runtime.publish_event(subject, cmd)
+                               for subject, cmd in commands))
         runs = await hooks_run
         acks = [a for _, cmd in commands for a in await self._acks.collect(cmd.id, (), 0.0)]
         conduct.fenced(step, hosts, acks, inc.domain)

@@ -38,6 +38,8 @@ from .endings import HOUR, attempt_member, attempt_of, in_job, supersedes
 from .engine import JobView, is_open
 from .leader import Leadership
 
+READ_BATCH: Final = 1000
+"""Keys a scan step and an ``MGET`` of node records take at once."""
 LEFT_TTL_S: Final = 86400.0
 """How long the record of a launcher that left stays as a tombstone (ignored by
 :meth:`Store.view`): far longer than any redelivery of that host's older hellos."""
@@ -182,6 +184,21 @@ class Store:
         raw = await self.redis.hget(self.keys.modes(), job)
         return read_job_mode(raw) if raw is not None else None
 
+    async def nodes(self, job: str) -> list[NodeRecord]:
+        """Every node record of ``job``: the keys scanned :data:`READ_BATCH` a step, the
+        records read as many an ``MGET``. A 2,048-host job's view is a few round trips,
+        not a ``GET`` a host (0.9-1.4 s on a loaded machine), and a decision reads it up to
+        three times before its command goes out, a restart's wait twice a second."""
+        keys = [key async for key in self.redis.scan_iter(match=self.keys.node(job, "*"),
+                                                         count=READ_BATCH)]
+        records = []
+        for at in range(0, len(keys), READ_BATCH):
+            for raw in await self.redis.mget(keys[at:at + READ_BATCH]):
+                record = _node_record(raw)
+                if record is not None:
+                    records.append(record)
+        return records
+
     # -- what a decision sees -------------------------------------------------------------
     async def view(self, job: str, cause: str) -> JobView:
         """The job's hosts (still launched, not blocklisted), budgets, cause history and
@@ -190,10 +207,8 @@ class Store:
         now = time.time()
         view = JobView()
         blocked = await self.blocked(now)
-        async for key in redis.scan_iter(match=self.keys.node(job, "*")):
-            raw = await redis.get(key)
-            record = _node_record(raw)
-            if record is not None and in_job(record, blocked):
+        for record in await self.nodes(job):
+            if in_job(record, blocked):
                 view.hosts[record.host] = record
         await redis.zremrangebyscore(self.keys.restarts(job), 0, now - HOUR)
         ended = [str(m) for m in await redis.zrange(self.keys.restarts(job), 0, -1)]
