@@ -249,8 +249,10 @@ async def test_a_rollback_below_a_nan_restores_the_memory_snapshot_before_it(
     FSDP2), not the disk's step 9: six steps run again instead of sixteen, and the run
     ends as one that never failed."""
     ckpt = tmp_path / "ckpt"
+    # A snapshot every step: "auto" spaces them by their measured cost, which a loaded
+    # machine inflates (the newest below the onset was then step 9's, not 19's).
     args = [*ARGS, *layout, "--ckpt-root", str(ckpt), "--ckpt-every", "10",
-            "--sync-every", "5", "--nan-at", "1:20"]
+            "--sync-every", "5", "--nan-at", "1:20", "--memory-snapshots", "1"]
     if layout:
         baseline = uninterrupted(tmp_path / "baseline", [*ARGS, *layout])
     run, report, acks = await reloaded_at_25(tmp_path, nats_url, prefix, job, args, {

@@ -280,12 +280,19 @@ async def test_an_agent_publishes_its_preflight_record_and_no_other_event(
 
     await reader.nc.subscribe(f"{S.prefix}.{job}.event.>", cb=on_event)
     await reader.nc.flush()
-    for kind in ("preflight", "incident", "action"):
+    for kind in ("incident", "action"):
         await agent.nc.publish(S.event(job, kind), b"{}")
-    await agent.nc.flush()
-    await wait_until(lambda: S.event(job, "preflight") in got,
+
+    async def preflight_heard() -> bool:
+        # Sent until heard: nats-server 2.15 now and then does not deliver a core message
+        # published just after a new subscription (about 1 in 20 here, auth or not).
+        await agent.nc.publish(S.event(job, "preflight"), b"{}")
+        await agent.nc.flush()
+        return S.event(job, "preflight") in got
+
+    await wait_until(preflight_heard, interval=0.2,
                      what=lambda: f"the preflight record (got {got}, the agent's errors "
-                                  f"{agent.errors}, connected {agent.nc.is_connected}, the reader's errors {reader.errors})")
+                                  f"{agent.errors}, the reader's errors {reader.errors})")
     await wait_until(lambda: len(agent.errors) >= 2, what="two permission errors")
-    assert got == [S.event(job, "preflight")]
+    assert set(got) == {S.event(job, "preflight")}
     assert all("permissions violation" in e.lower() for e in agent.errors), agent.errors
