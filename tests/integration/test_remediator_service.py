@@ -202,8 +202,8 @@ async def test_no_second_restart_when_the_launcher_already_restarted(
 async def test_a_hang_with_culprits_on_two_hosts_dumps_each_host_s_own_and_restarts(
         nats_url: str, redis_url: str, prefix: str, job: str, nc: Any) -> None:
     """Ranks 1 (node-a) and 3 (node-b) are the hang's culprits: each host is asked for the
-    culprits' dumps and dumps its own (neither refuses for the other's rank), and the restart
-    the dumps precede runs."""
+    culprits' dumps at once, in one step, and dumps its own (neither refuses for the other's
+    rank), and the restart the dumps precede runs."""
     agents, seen = await stage(nc, redis_url, prefix, job)
     async with leading(nats_url, redis_url, prefix):
         bus = Bus(nc, Subjects(prefix), source="test")
@@ -217,9 +217,46 @@ async def test_a_hang_with_culprits_on_two_hosts_dumps_each_host_s_own_and_resta
                          what="resolved")
     final = seen[-1]
     assert [(a.action, a.status) for a in final.actions] == [
-        ("dump", "done"), ("dump", "done"), ("restart", "done")], final.actions
+        ("dump", "done"), ("restart", "done")], final.actions
+    assert len(final.actions[0].command_ids) == 2  # one command per host
     assert (agents.nodes["node-a"].calls[0], agents.nodes["node-b"].calls[0]) == (
         "dump:[1]", "dump:[3]")
+
+
+async def test_dumps_on_many_hosts_go_out_at_once_and_silent_hosts_hold_nothing_up(
+        nats_url: str, redis_url: str, prefix: str, job: str, nc: Any,
+        tmp_path: Path) -> None:
+    """A hang's culprits on five hosts, three of them lost (no agent answers): the five
+    dumps go out together and share one ack deadline, so the restart follows after one
+    deadline, not two per silent host (the sends once waited for each other's acks)."""
+    agents, seen = await stage(nc, redis_url, prefix, job)
+    deadline = 3.0
+    heard: dict[str, float] = {}
+
+    async def on_command(msg: Any) -> None:
+        cmd = decode_durable(msg.data, Command)
+        if cmd.kind == "dump":
+            heard.setdefault(msg.subject.rsplit(".", 1)[-1], time.monotonic())
+
+    await nc.subscribe(Subjects(prefix).pattern("cmd", job, "host.*"), cb=on_command)
+    hosts = ["node-a", "node-b", "node-c", "node-d", "node-e"]
+    async with leading(nats_url, redis_url, prefix, tmp_path, f"ack_timeout_s = {deadline}"):
+        bus = Bus(nc, Subjects(prefix), source="test")
+        d = diagnosis(job, "d1", cause="rank_hang")
+        d.ranks, d.hosts = [1, 3, 5, 7, 9], hosts
+        await bus.publish_durable(Subjects(prefix).event(job, "diagnosis"), d)
+        await wait_until(lambda: any(i.mitigated_at for i in seen), timeout=60,
+                         what="mitigated")
+        await wait_until(lambda: any(a.action == "restart" and a.status != "pending"
+                                     for i in seen for a in i.actions), timeout=60,
+                         what="the restart after the dumps")
+    dumps = [a for a in seen[-1].actions if a.action == "dump"]
+    assert len(dumps) == 1 and len(dumps[0].command_ids) == 5, seen[-1].actions
+    assert dumps[0].status == "done", dumps[0]
+    calls = (agents.nodes["node-a"].calls[0], agents.nodes["node-b"].calls[0])
+    assert calls == ("dump:[1]", "dump:[3]")
+    assert sorted(heard) == hosts
+    assert max(heard.values()) - min(heard.values()) < deadline, heard  # none waited
 
 
 async def test_a_sick_host_is_blocklisted_isolated_and_the_rest_restarted(

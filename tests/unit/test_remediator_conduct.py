@@ -117,6 +117,9 @@ ACTS: list[tuple[IncidentStep, conduct.Act]] = [
     (step("dump", host="node-b", ranks=[3]),
      conduct.Send("dump", ["node-b"], {"ranks": [3]}, host="node-b")),
     (step("dump", host="node-b"), conduct.Send("dump", ["node-b"], host="node-b")),
+    (step("dump", hosts=["node-a", "node-b"], ranks=[1, 3]), conduct.SendEach([
+        conduct.Send("dump", ["node-a"], {"ranks": [1, 3]}, host="node-a"),
+        conduct.Send("dump", ["node-b"], {"ranks": [1, 3]}, host="node-b")])),
     (step("isolate", host="node-b"), conduct.Isolate(ISOLATE)),
     (step("restart"), conduct.Restart()),
     (step("restart", rank=3, host="node-b"), conduct.Restart()),

@@ -60,6 +60,19 @@ def test_plan_per_cause(cause: str, hosts: list[str], actions: list[str]) -> Non
     assert [s.action for s in steps] == actions
 
 
+def test_a_hang_on_many_hosts_dumps_them_in_one_step() -> None:
+    """One step for every culprit's host (its commands go out at once); one host keeps its
+    own step, as before."""
+    d = diag("rank_hang", ["node-a", "node-b", "node-a"])
+    steps, _ = plan(open_incident(d, NOW, NOW), d, POLICY, JobView(hosts=dict(TWO_NODES)), NOW)
+    assert [(s.action, s.params.get("hosts")) for s in steps] == [
+        ("dump", ["node-a", "node-b"]), ("restart", None)]
+    one = diag("rank_hang", ["node-b"])
+    steps, _ = plan(open_incident(one, NOW, NOW), one, POLICY, JobView(hosts=dict(TWO_NODES)),
+                    NOW)
+    assert steps[0].params["host"] == "node-b"
+
+
 def test_rollback_targets_the_failure_step() -> None:
     d = diag("numeric", ["node-a"], step=340)
     steps, _ = plan(open_incident(d, NOW, NOW), d, POLICY, JobView(hosts=dict(TWO_NODES)))

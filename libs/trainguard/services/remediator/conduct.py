@@ -140,6 +140,19 @@ class Fence:
 
 
 @dataclass(frozen=True)
+class SendEach:
+    """One command per host (``sends``, each to its host), all sent at once, their acks
+    awaited together under one deadline and judged as one step; not sent again (evidence:
+    the recovery after it goes on either way)."""
+
+    sends: list[Send]
+
+    @property
+    def hosts(self) -> list[str]:
+        return [h for s in self.sends for h in s.hosts]
+
+
+@dataclass(frozen=True)
 class Restart:
     """Look at the job: wait as :func:`restart_waits` says, then :func:`restart`."""
 
@@ -149,7 +162,7 @@ class Hold:
     """Look at the job, then :func:`hold`."""
 
 
-Act = Outcome | Save | Rollback | Send | Isolate | Fence | Restart | Hold
+Act = Outcome | Save | Rollback | Send | SendEach | Isolate | Fence | Restart | Hold
 
 
 def _send(step: IncidentStep, kind: str, hosts: list[str], params: dict[str, Any] | None = None,
@@ -171,6 +184,11 @@ def act(inc: Incident, step: IncidentStep) -> Act:
             return Save(float(step.params.get("deadline", 60)))
         case "rollback":
             return Rollback(int(step.params.get("below_step", 0)))
+        case "dump" if step.params.get("hosts"):
+            params = {"ranks": step.params.get("ranks")}
+            return SendEach([Send("dump", [str(h)], {k: v for k, v in params.items()
+                                                     if v is not None}, host=str(h))
+                             for h in step.params["hosts"]])
         case "dump":
             host = str(step.params["host"])
             return _send(step, "dump", [host], {"ranks": step.params.get("ranks")}, host=host)
@@ -209,6 +227,10 @@ def would(act: Act) -> str | None:
             return (f"would have isolated {len(hosts)} hosts lost together "
                     f"({', '.join(hosts)}): blocklisted them, run the isolate hook for each "
                     "and told their agents")
+        case SendEach(sends) if sends:
+            args = " ".join(f"{k}={v}" for k, v in sorted(sends[0].params.items()))
+            return (f"would have sent {sends[0].kind} to each of {len(sends)} hosts at once "
+                    f"({named([str(s.host) for s in sends])})" + (f" ({args})" if args else ""))
         case Send(kind, hosts, params, host):
             args = " ".join(f"{k}={v}" for k, v in sorted(params.items()))
             to = f"to {host}" if host is not None else f"to every host ({named(hosts)})"

@@ -211,8 +211,13 @@ def plan(inc: Incident, d: Diagnosis, policy: Policy, view: JobView,
                     steps.append(_step("escalate", reason=f"{host} should leave the job "
                                                           f"but cannot: {why}"))
         elif action == "dump":
-            steps.extend(_step("dump", host=host, ranks=list(inc.ranks))
-                         for host in dict.fromkeys(inc.hosts) if host)
+            hosts = [h for h in dict.fromkeys(inc.hosts) if h]
+            if len(hosts) == 1:
+                steps.append(_step("dump", host=hosts[0], ranks=list(inc.ranks)))
+            elif hosts:
+                # Every culprit's host at once: a step per host, one after another, would
+                # hold the restart for the ack deadline twice per lost host (32: ~21 min).
+                steps.append(_step("dump", hosts=hosts, ranks=list(inc.ranks)))
         elif action == "rollback":
             below = inc.failure_step if inc.failure_step is not None else 0
             steps.append(_step("rollback", below_step=below))

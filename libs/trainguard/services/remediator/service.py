@@ -385,6 +385,8 @@ class RemediatorService(Service[RemediatorSettings]):
                 await self._send(inc, step, act, persist)
                 if act.counts:
                     await self.store.note_attempt(inc.job, act.attempt, time.time())
+            case conduct.SendEach(sends):
+                await self._send_each(inc, step, sends, persist)
             case conduct.Isolate(send):
                 await self._isolate(inc, step, send, persist)
             case conduct.Fence(hosts, send):
@@ -427,6 +429,25 @@ class RemediatorService(Service[RemediatorSettings]):
             if not conduct.judge(step, acks, send):
                 return
             retry_of = cmd.id
+
+    async def _send_each(self, inc: Incident, step: IncidentStep, sends: list[Send],
+                         persist: Persist) -> None:
+        """Each of ``sends`` to its host, all at once, their acks awaited together: one
+        ack deadline for the step however many hosts it names, not one (or two) per host."""
+        assert self.leader is not None
+        commands = [addressed(self.settings.subjects, inc.job, send.kind, send.params,
+                              issuer="remediator", host=send.host, epoch=self.leader.epoch,
+                              deadline=self.policy.ack_timeout_s) for send in sends]
+        for _, cmd in commands:
+            conduct.sent(step, cmd.id)
+        await persist()
+        await asyncio.gather(*(self.runtime.publish_event(subject, cmd)
+                               for subject, cmd in commands))
+        acks = await asyncio.gather(*(
+            self._acks.collect(cmd.id, send.hosts, self.policy.ack_timeout_s)
+            for (_, cmd), send in zip(commands, sends, strict=True)))
+        conduct.judge(step, [a for got in acks for a in got],
+                      Send(sends[0].kind, [h for send in sends for h in send.hosts]))
 
     async def _isolate(self, inc: Incident, step: IncidentStep, send: Send,
                        persist: Persist) -> None:
