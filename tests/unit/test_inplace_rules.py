@@ -16,6 +16,7 @@ from torch.distributed import TCPStore
 from trainguard import Guard
 from trainguard.client import DrillCrash
 from trainguard.contract import envnames
+from trainguard.contract.schemas import RecoveryReport
 from trainguard.recovery.inplace import (
     NCCL_CLEANUP_ONLY,
     agent_store_address,
@@ -242,7 +243,13 @@ def test_plain_torchrun_is_a_plain_group_with_in_place_off(
         rec = init_process_group(guard, "gloo", timeout=10)
         assert not rec.enabled and "no agent store" in rec.off_reason
         assert not guard.joining  # so its resume_point() loads the checkpoint as a restart
+        reports: list[RecoveryReport] = []
+        monkeypatch.setattr(guard, "publish_recovery", reports.append)
         assert not rec.absorbs(RuntimeError(GLOO_RESET))  # reported as a restart instead
+        # Seen first in the command agreement, the loss fails the next collective too:
+        # the group hears of this rank's restart once.
+        assert not rec.absorbs(RuntimeError(GLOO_RESET))
+        assert [r.path for r in reports] == ["restart"]
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -197,6 +197,8 @@ class InPlace:
         self.seen_at: float | None = None
         """When the last absorbed failure reached the step boundary (monotonic)."""
         self._seen_wall: float | None = None
+        self._restart_reported: int | None = None
+        """The generation whose group this rank already said it leaves for a restart."""
         self._start = 0
         self._before: list[Callable[[], None]] = []
         self._after: list[Callable[[], None]] = []
@@ -541,7 +543,11 @@ class InPlace:
 
     def _report_restart(self, reason: str, error: BaseException,
                         failed_step: int | None = None) -> None:
-        """Best effort: the rank is about to exit with ``error``."""
+        """Best effort: the rank is about to exit with ``error``. Once per generation: a
+        lost peer seen in the command agreement is seen again in the next collective."""
+        if self._restart_reported == self._generation:
+            return
+        self._restart_reported = self._generation
         try:
             g = self.guard
             self.guard.publish_recovery(recovery_report(
