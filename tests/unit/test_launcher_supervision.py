@@ -201,3 +201,30 @@ def test_the_ranks_after_a_leaving_host_close_up_the_gap(tmp_path: Path) -> None
     finally:
         sup.tail.close()
         rdzv.close()
+
+
+def test_the_signal_that_ends_a_launcher_is_not_taken_for_an_error() -> None:
+    """The launcher's signal handler raises ``Stopping`` wherever the main thread is, often
+    inside a rendezvous store call that takes a failing store in its stride (``except
+    Exception``). Caught there, an isolation was lost: the agent went on, restarted its
+    ranks and took its host back into the job."""
+    import signal
+
+    from trainguard.agent.launcher import Stopping
+
+    def on_signal(signum: int, frame: object) -> None:
+        raise Stopping(signum)
+
+    def store_call() -> str:
+        try:
+            signal.raise_signal(signal.SIGUSR2)  # arrives during the call
+        except Exception:
+            return "the store did not answer"
+        return "answered"
+
+    previous = signal.signal(signal.SIGUSR2, on_signal)
+    try:
+        with pytest.raises(Stopping):
+            store_call()
+    finally:
+        signal.signal(signal.SIGUSR2, previous)

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.contract import envnames
-from trainguard.contract.errors import ConfigError, TrainguardError
+from trainguard.contract.errors import ConfigError
 from trainguard.contract.schemas import NodeHello, WorkerExit
 from trainguard.health import preflight
 from trainguard.runtime.embedded import free_port, port_taken
@@ -169,8 +169,13 @@ def rendezvous_plan(ns: argparse.Namespace) -> tuple[RendezvousPlan, int, int]:
     return plan, int(config.nproc_per_node), int(config.max_restarts)
 
 
-class Stopping(TrainguardError):
-    """A signal ends the launcher (preemption, isolate, stop, hold)."""
+class Stopping(BaseException):
+    """A signal ends the launcher (preemption, isolate, stop, hold).
+
+    A ``BaseException``, as ``KeyboardInterrupt`` is: the signal handler raises it wherever
+    the main thread is, often inside a rendezvous store call whose ``except Exception``
+    takes a store that went away in its stride. Caught there, an isolation was lost: the
+    agent went on, restarted its ranks and took its host back into the job."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(f"launcher {os.getpid()} got signal {signum}")
@@ -245,8 +250,12 @@ def launch(settings: AgentSettings, torchrun_argv: list[str]) -> int:
         return EXIT_ISOLATED
 
     supervisor_box: list[Supervisor] = []
+    stopping: list[int] = []
 
     def on_signal(signum: int, frame: Any) -> None:
+        if stopping:
+            return  # on the way out: a second signal must not cut the ranks' stop short
+        stopping.append(signum)
         if signum == signal.SIGTERM and node.ended_by is None:
             # Preemption: try to save within the grace period, then stop the workers.
             answer = link.request_save(settings.preempt_grace)
