@@ -34,6 +34,7 @@ from trainguard.contract.envelope import H_TYPE, normalize_headers
 from trainguard.contract.errors import Retry
 from trainguard.contract.schemas import (
     Anomaly,
+    Command,
     CommandAck,
     Diagnosis,
     HookRun,
@@ -430,22 +431,32 @@ class RemediatorService(Service[RemediatorSettings]):
                 return
             retry_of = cmd.id
 
+    async def _to_each_host(self, inc: Incident, step: IncidentStep,
+                            sends: list[tuple[str, dict[str, Any], str]],
+                            persist: Persist) -> list[Command]:
+        """Send each ``(kind, params, host)`` to its host's agent, all at once, the step
+        saved with their ids first (a successor leader must know they went out); returns
+        the commands in ``sends``' order, for their acks."""
+        assert self.leader is not None
+        out = [addressed(self.settings.subjects, inc.job, kind, params, issuer="remediator",
+                         host=host, epoch=self.leader.epoch,
+                         deadline=self.policy.ack_timeout_s) for kind, params, host in sends]
+        for _, cmd in out:
+            conduct.sent(step, cmd.id)
+        await persist()
+        await asyncio.gather(*(self.runtime.publish_event(subject, cmd)
+                               for subject, cmd in out))
+        return [cmd for _, cmd in out]
+
     async def _send_each(self, inc: Incident, step: IncidentStep, sends: list[Send],
                          persist: Persist) -> None:
         """Each of ``sends`` to its host, all at once, their acks awaited together: one
         ack deadline for the step however many hosts it names, not one (or two) per host."""
-        assert self.leader is not None
-        commands = [addressed(self.settings.subjects, inc.job, send.kind, send.params,
-                              issuer="remediator", host=send.host, epoch=self.leader.epoch,
-                              deadline=self.policy.ack_timeout_s) for send in sends]
-        for _, cmd in commands:
-            conduct.sent(step, cmd.id)
-        await persist()
-        await asyncio.gather(*(self.runtime.publish_event(subject, cmd)
-                               for subject, cmd in commands))
+        commands = await self._to_each_host(
+            inc, step, [(send.kind, send.params, str(send.host)) for send in sends], persist)
         acks = await asyncio.gather(*(
             self._acks.collect(cmd.id, send.hosts, self.policy.ack_timeout_s)
-            for (_, cmd), send in zip(commands, sends, strict=True)))
+            for cmd, send in zip(commands, sends, strict=True)))
         conduct.judge(step, [a for got in acks for a in got],
                       Send(sends[0].kind, [h for send in sends for h in send.hosts]))
 
@@ -480,16 +491,10 @@ class RemediatorService(Service[RemediatorSettings]):
         await asyncio.gather(*(self.store.block(host, rules.blocklist_entry(
             inc, now, self.settings.blocklist_ttl)) for host in hosts))
         hooks_run = asyncio.gather(*(self._isolate_hook(inc, h) for h in hosts))
-        commands = [addressed(self.settings.subjects, inc.job, send.kind, send.params,
-                              issuer="remediator", host=host, epoch=self.leader.epoch,
-                              deadline=self.policy.ack_timeout_s) for host in hosts]
-        for _, cmd in commands:
-            conduct.sent(step, cmd.id)
-        await persist()
-        await asyncio.gather(*(self.runtime.publish_event(subject, cmd)
-                               for subject, cmd in commands))
+        commands = await self._to_each_host(
+            inc, step, [(send.kind, send.params, host) for host in hosts], persist)
         runs = await hooks_run
-        acks = [a for _, cmd in commands for a in await self._acks.collect(cmd.id, (), 0.0)]
+        acks = [a for cmd in commands for a in await self._acks.collect(cmd.id, (), 0.0)]
         conduct.fenced(step, hosts, acks, inc.domain)
         for host, run in zip(hosts, runs, strict=True):
             if run is not None:
