@@ -74,6 +74,7 @@ class Scripted:
         self.absorb, self.resume = absorb, resume
         self.recovered: list[tuple[int, BaseException]] = []
         self.hooks: list[Callable[[], None]] = []
+        self.teardowns: list[Callable[[], None]] = []
         self.regrouped: list[int] = []
 
     @property
@@ -95,6 +96,8 @@ class Scripted:
         return start
 
     def recover(self, failed_step: int, error: BaseException) -> int:
+        for fn in self.teardowns:  # as InPlace does before it tears the group down
+            fn()
         self.recovered.append((failed_step, error))
         return self.resume
 
@@ -110,7 +113,7 @@ class Scripted:
         self.hooks.append(fn)
 
     def on_teardown(self, fn: Callable[[], None]) -> None:
-        self.hooks.append(fn)
+        self.teardowns.append(fn)
 
 
 @pytest.fixture
@@ -451,5 +454,32 @@ def test_a_lost_peer_in_the_command_agreement_re_forms_the_group() -> None:
         assert [s for s, _ in rec.recovered] == [8]
         assert steps == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
         assert ran == [("s1", 8)]  # held for the re-formed group, not run alone at step 7
+    finally:
+        g.close(timeout=1.0)
+
+
+def test_the_agreements_side_group_is_let_go_before_the_teardown() -> None:
+    """A peer that lost no peer of its own waits in the agreement on this rank: until this
+    rank drops the side group, its sockets stay open and that peer waits out the 60 s
+    collective timeout (the demo's hang and ECC drills came back in 61 s, not 2 s)."""
+    g = Guard(job="unit", rank=0, world_size=2, nats_url=f"nats://127.0.0.1:{free_port()}",
+              sync_every=1, sync_period=0.0)
+    rec = Scripted(lambda e: isinstance(e, RuntimeError), resume=4)
+    g.set_recovery(rec)
+    held: list[bool] = []
+
+    def agreement(local: Sequence[int]) -> list[int]:
+        if g.commands.last_completed == 2:
+            raise RuntimeError(GLOO_RESET)
+        return list(local)
+
+    g.commands._find = lambda _: agreement
+    rec.teardowns.append(lambda: held.append(g.commands.agreement is not None))
+    try:
+        for step in g.steps(0, 5):
+            with g.step(step):
+                pass
+        assert [s for s, _ in rec.recovered] == [3]
+        assert held == [False]
     finally:
         g.close(timeout=1.0)

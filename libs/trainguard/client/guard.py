@@ -269,6 +269,10 @@ class Guard:
         if recovery is not None:
             self.commands.watch_generation(recovery.watched_generation,
                                            self._generation_agreed)
+            # The agreement's side group goes with the old group: held past the teardown,
+            # its sockets stay open, and a peer blocked on this rank in an agreement (it
+            # lost no peer of its own there) waits out the 60 s collective timeout.
+            recovery.on_teardown(self.commands.regrouped)
             if self.fast_exit and recovery.enabled:  # only where peers wait for its exit
                 fastexit.install(lambda: self.close(min(self.close_timeout,
                                                         fastexit.FLUSH_S)))
