@@ -91,6 +91,14 @@ async def test_a_node_failing_preflight_is_blocklisted_before_its_ranks_start(
             assert good.returncode == 0, out
             assert good_marker.read_text() == "ran"
             assert await r.hget(Keys(prefix).blocklist(), "node-good") is None
+            registry = svc.runtime.metrics.registry
+            await wait_until(lambda: registry.get_sample_value(
+                "trainguard_preflight_nodes_total", {"status": "ok", "trigger": "launch"}),
+                timeout=10, what="the healthy node's record counted")
+            assert registry.get_sample_value(
+                "trainguard_preflight_nodes_total", {"status": "fail", "trigger": "launch"}) == 1
+            assert registry.get_sample_value(
+                "trainguard_preflight_checks_total", {"check": "ib", "status": "fail"}) == 1
     finally:
         await r.aclose()
     by_host = {rec.host: rec for rec in records}

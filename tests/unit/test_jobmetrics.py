@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from trainguard.contract.errors import ConfigError
-from trainguard.contract.schemas import Incident
+from trainguard.contract.schemas import Incident, PreflightCheck, PreflightReport
 from trainguard.runtime.jobmetrics import (
     OTHER,
     CheckpointMetrics,
@@ -18,6 +18,7 @@ from trainguard.runtime.jobmetrics import (
     IncidentMetrics,
     JobLabels,
     JobMetrics,
+    PreflightMetrics,
     phase_durations,
 )
 from trainguard.runtime.ports import OFFSETS, PLUGIN_OFFSET, health_port
@@ -128,3 +129,27 @@ def test_the_readme_lists_every_fixed_port() -> None:
     readme = (ROOT / "README.md").read_text()
     for name, offset in OFFSETS.items():
         assert re.search(rf"`{name}`[^\n|]*\|\s*\+{offset}\s*\|\s*{9460 + offset}", readme), name
+
+
+def test_preflight_series_count_each_node_once_and_failed_checks_by_kind() -> None:
+    reg = CollectorRegistry()
+    m = PreflightMetrics(reg)
+    failed = PreflightReport(id="p1", job="j", host="n1", status="fail", seconds=4.2, checks=[
+        PreflightCheck(name="ib:mlx5_0/1", status="fail"),
+        PreflightCheck(name="ib:mlx5_1/1", status="fail"),
+        PreflightCheck(name="nvml.clocks:gpu0", status="warn"),
+        PreflightCheck(name="disk", status="ok")])
+    m.observe(failed)
+    m.observe(failed)  # redelivered: the same node's record
+    m.observe(PreflightReport(id="p2", job="j", host="n2", trigger="command"))
+    assert reg.get_sample_value("trainguard_preflight_nodes_total",
+                                {"status": "fail", "trigger": "launch"}) == 1
+    assert reg.get_sample_value("trainguard_preflight_nodes_total",
+                                {"status": "ok", "trigger": "command"}) == 1
+    assert reg.get_sample_value("trainguard_preflight_checks_total",
+                                {"check": "ib", "status": "fail"}) == 2
+    assert reg.get_sample_value("trainguard_preflight_checks_total",
+                                {"check": "nvml.clocks", "status": "warn"}) == 1
+    assert reg.get_sample_value("trainguard_preflight_checks_total",
+                                {"check": "disk", "status": "ok"}) is None
+    assert reg.get_sample_value("trainguard_preflight_seconds_count") == 1

@@ -22,7 +22,7 @@ from typing import Final, Literal, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from trainguard.contract.schemas import Incident
+from trainguard.contract.schemas import Incident, PreflightReport
 
 from .state import Progress
 
@@ -34,6 +34,8 @@ MAX_JOBS: Final = 200
 Phase = Literal["detect", "mitigate", "recover"]
 PHASES: Final = get_args(Phase)
 PHASE_BUCKETS: Final = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800, 3600)
+PREFLIGHT_BUCKETS: Final = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
+"""Seconds: without DCGM a node's pre-flight takes seconds; ``dcgmi diag -r 3`` minutes."""
 """Seconds: detection takes seconds, recovery minutes; past an hour a human is involved."""
 COMMIT_BUCKETS: Final = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
 GOODPUT_WINDOW_S: Final = 600.0
@@ -129,6 +131,42 @@ class IncidentMetrics:
             self.phase.labels(inc.cause, phase).observe(seconds)
         if inc.steps_lost:
             self.steps_lost.labels(self.jobs(inc.job)).inc(inc.steps_lost)
+
+
+class PreflightMetrics:
+    """The remediator's pre-flight series: nodes checked by verdict, checks that failed or
+    warned by kind (``nvml.ecc``, ``ib``: the name before its subject, a fixed vocabulary),
+    and how long a node's checks took. Counted once per record (a redelivery is not a
+    second node)."""
+
+    SEEN: Final = 4096
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.nodes = Counter("trainguard_preflight_nodes", "Nodes' pre-flight records, by "
+                             "verdict (ok, warn, fail) and trigger (launch, command, cli)",
+                             ["status", "trigger"], registry=registry)
+        self.checks = Counter("trainguard_preflight_checks",
+                              "Pre-flight checks that failed or warned, by check and verdict",
+                              ["check", "status"], registry=registry)
+        self.seconds = Histogram("trainguard_preflight_seconds",
+                                 "How long a node's pre-flight took", buckets=PREFLIGHT_BUCKETS,
+                                 registry=registry)
+        self._seen: deque[str] = deque(maxlen=self.SEEN)
+        self._ids: set[str] = set()
+
+    def observe(self, report: PreflightReport) -> None:
+        if report.id in self._ids:
+            return
+        if len(self._seen) == self.SEEN:
+            self._ids.discard(self._seen[0])
+        self._seen.append(report.id)
+        self._ids.add(report.id)
+        self.nodes.labels(report.status, report.trigger).inc()
+        for check in report.checks:
+            if check.status in ("fail", "warn"):
+                self.checks.labels(check.name.partition(":")[0], check.status).inc()
+        if report.seconds > 0:
+            self.seconds.observe(report.seconds)
 
 
 @dataclass

@@ -48,7 +48,7 @@ from trainguard.contract.schemas import (
 )
 from trainguard.contract.targets import addressed
 from trainguard.runtime.fencing import Epochs
-from trainguard.runtime.jobmetrics import IncidentMetrics
+from trainguard.runtime.jobmetrics import IncidentMetrics, PreflightMetrics
 from trainguard.runtime.logs import get_logger
 from trainguard.runtime.service import TRANSIENT_ERRORS, Consumer, Delivery, Runtime, Service
 from trainguard.runtime.state import Keys
@@ -93,6 +93,7 @@ class RemediatorService(Service[RemediatorSettings]):
         self._locks: dict[str, asyncio.Lock] = {}
         self._resolved_anomalies: set[str] = set()
         self._metrics: IncidentMetrics | None = None
+        self._preflights: PreflightMetrics | None = None
         self._counted: dict[str, None] = {}
         """Incidents whose end is counted (insertion-ordered, bounded)."""
 
@@ -123,6 +124,7 @@ class RemediatorService(Service[RemediatorSettings]):
         epochs = Epochs(rt.bus.js, self.settings.prefix, self.settings.stream_replicas)
         self.leader = Leadership(rt.redis, self.keys, epochs, ttl=self.settings.lease_ttl)
         self._metrics = IncidentMetrics(rt.metrics.registry, "remediator")
+        self._preflights = PreflightMetrics(rt.metrics.registry)
         self._store = Store(rt.redis, self.keys, self.leader)
         self._coordinator = Coordinator(rt.bus.nc, self.settings.subjects)
         await rt.subscribe(self.settings.subjects.pattern("ack", tail="remediator"),
@@ -201,10 +203,12 @@ class RemediatorService(Service[RemediatorSettings]):
         assert self.leader is not None
         now = time.time()
         gate = preflight.decide(report, self.policy, now)
+        if gate is not None and not self.leader.leading:
+            raise Retry(delay=1.0, reason="not the leader")
+        if self._preflights is not None:
+            self._preflights.observe(report)
         if gate is None:
             return
-        if not self.leader.leading:
-            raise Retry(delay=1.0, reason="not the leader")
         logger = log.bind(job=report.job, host=report.host)
         if gate.action == "isolate":
             # An active entry (an isolation, a redelivery of this record) stays as it is.
