@@ -128,6 +128,25 @@ def test_sustained_stragglers_are_isolated_when_policy_allows() -> None:
     assert [s.action for s in steps] == ["alert"]
 
 
+def test_a_host_that_cannot_leave_restarts_only_the_rank_its_fault_names() -> None:
+    """The store host's GPU fault: its one rank gets a new process (in place where the job
+    can take it); the others keep theirs. Where the fault names several ranks, or the host
+    can leave, the restart stays the group's."""
+    view = JobView(hosts=dict(TWO_NODES))
+    d = diag("hbm_ecc", ["node-a"])
+    steps, notes = plan(open_incident(d, NOW, NOW), d, POLICY, view, NOW)
+    assert [s.action for s in steps] == ["escalate", "restart"]
+    assert steps[1].params == {"rank": 2, "host": "node-a", "fallback": "group"}
+    assert "restarting in place" in notes[0]
+    two = msgspec.structs.replace(d, ranks=[0, 1])
+    steps, _ = plan(open_incident(two, NOW, NOW), two, POLICY, view, NOW)
+    assert [(s.action, s.params) for s in steps][-1] == ("restart", {})
+    leaves = diag("hbm_ecc", ["node-b"])
+    steps, _ = plan(open_incident(leaves, NOW, NOW), leaves, POLICY, view, NOW)
+    assert [(s.action, s.params) for s in steps] == [("isolate", {"host": "node-b"}),
+                                                     ("restart", {})]
+
+
 def test_isolation_never_breaks_the_elastic_minimum() -> None:
     assert can_isolate("node-b", JobView(hosts=dict(TWO_NODES))) == (True, "")
     ok, why = can_isolate("node-a", JobView(hosts=dict(TWO_NODES)))

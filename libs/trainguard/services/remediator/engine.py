@@ -191,6 +191,7 @@ def plan(inc: Incident, d: Diagnosis, policy: Policy, view: JobView,
     if any(a in RESTARTING for a in actions) and over_budget(inc, view, policy):
         return hold_steps(inc, budget_spent(view, policy)), ["budget spent"]
     steps: list[IncidentStep] = []
+    stays = False  # a host that should leave and cannot: only its culprit rank restarts
     for action in actions:
         if action == "none":
             continue
@@ -207,6 +208,7 @@ def plan(inc: Incident, d: Diagnosis, policy: Policy, view: JobView,
                 if ok:
                     steps.append(_step("isolate", host=host))
                 else:
+                    stays = True
                     notes.append(f"not isolating {host}: {why}; restarting in place")
                     steps.append(_step("escalate", reason=f"{host} should leave the job "
                                                           f"but cannot: {why}"))
@@ -221,9 +223,8 @@ def plan(inc: Incident, d: Diagnosis, policy: Policy, view: JobView,
         elif action == "rollback":
             below = inc.failure_step if inc.failure_step is not None else 0
             steps.append(_step("rollback", below_step=below))
-        elif action == "restart" and culprit(inc) is not None:
-            rank, host = culprit(inc) or (0, "")
-            steps.append(_step("restart", rank=rank, host=host, fallback="group"))
+        elif action == "restart":
+            steps.append(_restart_step(inc, stays))
         else:
             steps.append(_step(action))
     if any(s.action in ("isolate", "rollback") for s in steps) \
@@ -232,8 +233,16 @@ def plan(inc: Incident, d: Diagnosis, policy: Policy, view: JobView,
     # An escalation from a refused isolation must not stop the restart in place.
     if any(s.action == "escalate" for s in steps) and not any(
             s.action == "restart" for s in steps) and any(a in RESTARTING for a in actions):
-        steps.append(_step("restart"))
+        steps.append(_restart_step(inc, stays))
     return steps, notes
+
+
+def _restart_step(inc: Incident, stays: bool) -> IncidentStep:
+    found = culprit(inc, stays=stays)
+    if found is None:
+        return _step("restart")
+    rank, host = found
+    return _step("restart", rank=rank, host=host, fallback="group")
 
 
 def _lost_steps(inc: Incident, view: JobView, notes: list[str]) -> list[IncidentStep]:
@@ -260,10 +269,13 @@ def _lost_steps(inc: Incident, view: JobView, notes: list[str]) -> list[Incident
     return steps
 
 
-def culprit(inc: Incident) -> tuple[int, str] | None:
-    """The one rank (and its host) a ``rank_hang`` names: its restart replaces that rank
-    (in place when the job can take it, else the group restarts)."""
-    if inc.cause == "rank_hang" and len(inc.ranks) == 1 and len(inc.hosts) == 1:
+def culprit(inc: Incident, *, stays: bool = False) -> tuple[int, str] | None:
+    """The one rank (and its host) whose restart replaces that rank alone (in place when
+    the job can take it, else the group restarts): a ``rank_hang``'s, or, where its host
+    should leave the job and cannot (``stays``: it runs the rendezvous store), the rank
+    the fault names. A GPU's fault is its one process's: a new process on it is what a
+    restart of the whole group would give that GPU, and the other ranks keep theirs."""
+    if (inc.cause == "rank_hang" or stays) and len(inc.ranks) == 1 and len(inc.hosts) == 1:
         return inc.ranks[0], inc.hosts[0]
     return None
 
