@@ -64,7 +64,8 @@ def test_which_changes_are_beaten_about_at_once() -> None:
     assert not procs.notable_change({0: "Z"}, {0: "X"})  # gone either way
 
 
-@pytest.mark.parametrize("name", ["node_interval", "state_interval", "gpu_interval"])
+@pytest.mark.parametrize("name", ["node_interval", "state_interval", "gpu_interval",
+                                  "gpu_look_interval"])
 def test_an_agent_interval_that_is_not_positive_names_itself(name: str) -> None:
     from trainguard.agent.settings import AgentSettings
     from trainguard.contract.errors import ConfigError

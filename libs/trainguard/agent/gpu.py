@@ -34,6 +34,36 @@ def throttle_names(mask: int) -> list[str]:
     return [name for bit, name in THROTTLE_BITS.items() if mask & bit]
 
 
+_FLAGS = ("retired_pages_pending", "remapped_rows_pending", "remapped_rows_failure")
+_COUNTS = ("ecc_uncorrected_volatile", "ecc_uncorrected_aggregate")
+
+
+def alarm(sent: list[GpuStats] | None, now: list[GpuStats], xids: list[XidEvent]) -> str:
+    """Why a reading cannot wait for the next regular sample ("" when it can): an XID, an
+    uncorrectable ECC count that rose, a page retirement or row remap now pending or failed,
+    or a GPU gone since the last sample sent. Looked for every ``gpu_look_interval``, so a
+    GPU's fault reaches the diagnoser within about a second, not ``gpu_interval``."""
+    if xids:
+        return f"XID {xids[0].code} on GPU {xids[0].gpu}"
+    if sent is None:
+        return ""
+    before = {g.index: g for g in sent}
+    if len(now) < len(sent):
+        gone = sorted(before.keys() - {g.index for g in now})
+        return f"GPU {gone[0] if gone else '?'} no longer read"
+    for g in now:
+        old = before.get(g.index)
+        if old is None:
+            continue
+        for name in _COUNTS:
+            if (getattr(g, name) or 0) > (getattr(old, name) or 0):
+                return f"GPU {g.index}: {name} rose to {getattr(g, name)}"
+        for name in _FLAGS:
+            if getattr(g, name) and not getattr(old, name):
+                return f"GPU {g.index}: {name}"
+    return ""
+
+
 class GpuSource(Protocol):
     name: str
 

@@ -12,6 +12,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import math
 import queue
 import threading
 import time
@@ -58,6 +59,7 @@ from trainguard.runtime.topology import (
 
 from . import procs
 from .executor import CommandExecutor
+from .gpu import alarm
 from .node import LocalNode
 from .rankcreds import RankCredentials
 from .settings import AgentSettings
@@ -221,7 +223,7 @@ class AgentLink:
             self.ready.set()
             tasks = [asyncio.create_task(self._commands(sub)),
                      asyncio.create_task(self._node_beats()),
-                     asyncio.create_task(self._every(s.gpu_interval, self._gpu_sample))]
+                     asyncio.create_task(self._gpu_samples())]
             if self.rank_credentials is not None:
                 tasks.append(asyncio.create_task(
                     self.rank_credentials.renew_forever(bus.nc, self._stop)))
@@ -293,14 +295,6 @@ class AgentLink:
                 log.warning("publish to %s failed for %g s, dropped: %r", subject,
                             OUTBOX_RETRY_S, exc)
 
-    async def _every(self, seconds: float, fn: Callable[[], Any]) -> None:
-        while True:
-            try:
-                await fn()
-            except Exception:
-                log.debug("periodic task failed", exc_info=True)
-            await asyncio.sleep(seconds)
-
     async def _telemetry(self, subject: str, msg: TelemetryMessage) -> None:
         assert self._bus is not None
         with contextlib.suppress(nats.errors.Error, OSError):
@@ -334,17 +328,31 @@ class AgentLink:
             restarting_since=self.node.restarting_since, generation=self.node.generation,
             spares=self.node.spare_pids()))
 
-    async def _gpu_sample(self) -> None:
-        """The node's GPUs and the host probe's reading, on one subject: a node without
-        GPUs still tells the diagnoser about its links, CPUs and kernel log."""
+    async def _gpu_samples(self) -> None:
+        """The node's GPUs and the host probe's reading, on one subject, every
+        ``gpu_interval`` (a node without GPUs still tells the diagnoser about its links,
+        CPUs and kernel log), and at once when a look every ``gpu_look_interval`` finds a
+        fault (:func:`gpu.alarm`). Each look drains the XIDs: they go out with it."""
         s = self.settings
+        sent: list[GpuStats] | None = None
+        sent_at = -math.inf
+        while True:
+            try:
+                reading = await asyncio.to_thread(self.node.gpu_reading)
+                gpus, xids = reading if reading is not None else ([], [])
+                why = alarm(sent, gpus, xids)
+                if why or time.monotonic() - sent_at >= s.gpu_interval:
+                    if why:
+                        log.info("GPU fault on %s: %s: sample sent now", s.host, why)
+                    await self._gpu_sample(gpus, xids)
+                    sent, sent_at = gpus, time.monotonic()
+            except Exception:
+                log.debug("GPU sample failed", exc_info=True)
+            await asyncio.sleep(min(s.gpu_look_interval, s.gpu_interval))
 
-        def read() -> tuple[list[GpuStats], list[XidEvent], HostFacts]:
-            reading = self.node.gpu_reading()
-            gpus, xids = reading if reading is not None else ([], [])
-            return gpus, xids, self.node.host_facts(gpus)
-
-        gpus, xids, facts = await asyncio.to_thread(read)
+    async def _gpu_sample(self, gpus: list[GpuStats], xids: list[XidEvent]) -> None:
+        s = self.settings
+        facts: HostFacts = await asyncio.to_thread(self.node.host_facts, gpus)
         self._gpu_seq += 1
         source = self.node.gpu.name if self.node.gpu else "none"
         await self._telemetry(s.subjects.gpu(s.job, s.host), GpuSample(

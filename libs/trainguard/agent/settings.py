@@ -24,6 +24,10 @@ class AgentSettings(PreflightSettings):
     """Seconds between looks at the ranks' process states: a rank stopped (SIGSTOP) or
     gone is beaten about at once, not at the next ``node_interval``."""
     gpu_interval: float = 5.0
+    """Seconds between GPU samples sent (with the host probe's facts) on a quiet node."""
+    gpu_look_interval: float = 1.0
+    """Seconds between looks at the GPUs' fault counters and XIDs: a fault is sent at once
+    (:func:`trainguard.agent.gpu.alarm`), not at the next ``gpu_interval``."""
     stop_grace: float = 10.0
     """SIGTERM-to-SIGKILL grace when the agent stops workers (restart, stop)."""
     preempt_grace: float = 30.0
@@ -67,7 +71,7 @@ class AgentSettings(PreflightSettings):
         if self.preflight_verdict_wait < 0:
             raise ConfigError(f"setting preflight_verdict_wait={self.preflight_verdict_wait}: "
                               "must be 0 or more seconds (TRAINGUARD_PREFLIGHT_VERDICT_WAIT)")
-        for name in ("node_interval", "state_interval", "gpu_interval"):
+        for name in ("node_interval", "state_interval", "gpu_interval", "gpu_look_interval"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"setting {name}={getattr(self, name)}: must be a positive "
                                   "number of seconds")
