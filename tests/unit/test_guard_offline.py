@@ -180,6 +180,9 @@ def test_the_fast_exit_is_installed_only_where_peers_wait_to_recover_in_place(
         enabled = False
         watched_generation = 0
 
+        def on_teardown(self, fn: object) -> None:
+            pass
+
     class On(Off):
         enabled = True
 
