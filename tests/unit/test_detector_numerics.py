@@ -98,7 +98,10 @@ def test_fingerprint_minority_is_the_sdc_suspect_and_agreement_resolves() -> Non
     h.sim.fp_flip[100] = {2}
     h.sim.steps(50)
     [sdc] = h.opened()
-    assert sdc.kind == "sdc_mismatch" and sdc.ranks == [2] and sdc.step == 100
+    # found at step 100, after the round of step 50 agreed: the corruption may be in any
+    # step from 51, so a rollback goes below that
+    assert sdc.kind == "sdc_mismatch" and sdc.ranks == [2] and sdc.step == 51
+    assert (sdc.evidence.found_step, sdc.evidence.agreed_step) == (100, 50)
     assert sdc.evidence.suspects == [2] and sdc.evidence.tie is False
     h.sim.steps(50)
     [resolved] = h.resolved()

@@ -16,9 +16,11 @@ import torch
 from trainguard.torch.checkpoint import _rng_state, _set_rng_state
 from trainguard.torch.snapshots import (
     MemorySnapshots,
+    Snapshot,
     SnapshotRefused,
     auto_interval,
     live_state,
+    pick_victim,
 )
 
 
@@ -156,6 +158,35 @@ def test_the_kept_snapshots_reach_back_by_spacing() -> None:
     assert taken[1] - taken[0] >= 10.0  # the older ones at least spacing apart
     assert taken[-1] - taken[0] >= 10.0  # a rollback 10 s back finds one below its onset
     mem.close()
+
+
+def test_a_fingerprinted_step_is_snapshotted_and_kept_until_two_newer_ones() -> None:
+    """A replica mismatch is found at a fingerprint, after more snapshots were taken; its
+    rollback goes below the step after the last fingerprint that agreed. The snapshots of
+    the two newest fingerprinted steps stay whatever the spacing, and a fingerprinted step
+    gets one even between the due ones."""
+    model, opt = trainer()
+    mem = snapshots(every=7, spacing=10.0)
+    clock = iter(range(0, 1000, 1))
+    for step in range(61):
+        train(model, opt, step)
+        if mem.step_done(step, model, opt, anchor=step % 20 == 0):
+            mem.ring[-1].taken = float(next(clock))
+        held = mem.held(below=10**6)
+        done = [a for a in (0, 20, 40, 60) if a <= step]
+        assert set(done[-2:]) <= set(held), (step, held)  # the two newest fingerprints
+        assert held[-1] >= step - 6  # and a recent one
+    mem.close()
+
+
+def test_without_anchors_the_ring_keeps_its_spacing_rule() -> None:
+    snaps = [Snapshot(step=i, names=[], tensors=[], values={}, taken=float(t), nbytes=0)
+             for i, t in enumerate((0, 12, 15))]
+    assert pick_victim(snaps, 10.0) is snaps[2]  # the newest, 3 s after the one before
+    snaps[2].taken = 30.0
+    assert pick_victim(snaps, 10.0) is snaps[0]  # the newest stays, as an older one
+    snaps[0].anchor = snaps[1].anchor = True
+    assert pick_victim(snaps, 10.0) is snaps[2]  # the two anchors stay
 
 
 def test_auto_spaces_the_snapshots_by_their_measured_cost() -> None:

@@ -363,6 +363,12 @@ class Guard:
         return self.commands.last_completed
 
     @property
+    def fingerprint_every(self) -> int:
+        """Steps between parameter fingerprints (0: none): memory snapshots keep the state
+        of each fingerprinted step, where a mismatch found at the next goes back to."""
+        return self.reports.fingerprint_every
+
+    @property
     def started(self) -> bool:
         """Whether :meth:`start` ran (a disabled Guard never starts)."""
         return self._started

@@ -339,6 +339,10 @@ class SdcMismatchEvidence(_Evidence, kw_only=True):
     checksums: dict[str, int] = {}
     ranks_reporting: int = 0
     agreed_step: int | None = None
+    """The group's newest round that agreed (raised: before the mismatch; cleared: the
+    round that agreed again)."""
+    found_step: int | None = None
+    """The round that disagreed (the anomaly's step is the first after ``agreed_step``)."""
 
 
 # -- hardware --------------------------------------------------------------------------

@@ -967,7 +967,9 @@ class Checkpointer:
             return
         if self.guard.nonfinite_at is not None:
             return  # the state after a non-finite step is suspect: keep the clean ones
-        self.memory.step_done(step, model, optimizer, self.extra_fn)
+        every = self.guard.fingerprint_every
+        self.memory.step_done(step, model, optimizer, self.extra_fn,
+                              anchor=every > 0 and step % every == 0)
 
     def _completed_step(self) -> int | None:
         # The Guard has no public accessor for the last completed step yet.

@@ -60,6 +60,9 @@ class Snapshot:
     """What is not a tensor: optimizer hyperparameters and scalar state, RNG, extra."""
     taken: float
     nbytes: int
+    anchor: bool = False
+    """Taken at a fingerprinted step: the state a replica mismatch found at the next
+    fingerprint goes back to (kept until two newer anchors exist)."""
     check: Future[tuple[int, str]] = field(default_factory=Future)
     """(crc32 over every tensor's bytes, why it is poisoned or "")."""
 
@@ -104,6 +107,22 @@ def _values(optimizer: Any) -> dict[str, Any]:
 
 def _bytes(t: torch.Tensor) -> Any:
     return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def pick_victim(ring: list[Snapshot], spacing: float) -> Snapshot:
+    """The snapshot a new one replaces in a full ring (oldest first). The two newest
+    anchors stay: a mismatch found at the newest fingerprint goes back to the one before,
+    and is found only after more snapshots were taken. Of the others, the newest goes while
+    it is less than ``spacing`` seconds younger than the one before it (the newest slot
+    moves every K steps), else the oldest (the newest stays, as an older one). So the kept
+    ones reach back ``(keep - 1) * spacing`` seconds at least, for a rollback whose onset
+    was found late."""
+    anchors = {id(s) for s in [s for s in ring if s.anchor][-2:]}
+    newest = ring[-1]
+    if id(newest) not in anchors and (
+            len(ring) < 2 or newest.taken - ring[-2].taken < spacing):
+        return newest
+    return next((s for s in ring if id(s) not in anchors), newest)
 
 
 class MemorySnapshots:
@@ -154,20 +173,23 @@ class MemorySnapshots:
 
     # -- taking ---------------------------------------------------------------------------
     def step_done(self, step: int, model: Any, optimizer: Any,
-                  extra: Callable[[], Mapping[str, Any] | None] | None = None) -> bool:
-        """After ``step`` completed: take a snapshot when one is due (True if taken).
-        ``extra`` is called only then: the steps between cost a clock read."""
+                  extra: Callable[[], Mapping[str, Any] | None] | None = None, *,
+                  anchor: bool = False) -> bool:
+        """After ``step`` completed: take a snapshot when one is due, or when ``anchor``
+        (the step is fingerprinted: :attr:`Snapshot.anchor`); True if taken. ``extra`` is
+        called only then: the steps between cost a clock read."""
         now = time.perf_counter()
         if self._last_done is not None:
             dt = now - self._last_done
             self._step_seconds = dt if self._step_seconds is None \
                 else 0.8 * self._step_seconds + 0.2 * dt
         self._last_done = now
-        if self._next is not None and step < self._next:
+        if self._next is not None and step < self._next and not anchor:
             return False
         if self.poisoned():
             return False  # keep the clean ones until the state is restored
-        snap = self.take(step, model, optimizer, extra() if extra is not None else None)
+        snap = self.take(step, model, optimizer, extra() if extra is not None else None,
+                         anchor=anchor)
         self._last_done = time.perf_counter()  # the copy is not step time
         interval = self._interval()
         if not self._logged / 2 < interval < self._logged * 2:  # first, or it moved 2x
@@ -190,7 +212,7 @@ class MemorySnapshots:
         return newest is not None and bool(newest.verdict()[1])
 
     def take(self, step: int, model: Any, optimizer: Any,
-             extra: Mapping[str, Any] | None = None) -> Snapshot:
+             extra: Mapping[str, Any] | None = None, *, anchor: bool = False) -> Snapshot:
         t0 = time.perf_counter()
         live = list(live_state(model, optimizer))
         reuse = self._reusable(live)
@@ -213,7 +235,7 @@ class MemorySnapshots:
                   "position": self._position() if self._position else None}
         snap = Snapshot(step=step, names=[n for n, _ in live], tensors=tensors, values=values,
                         taken=time.time(), nbytes=sum(t.numel() * t.element_size()
-                                                      for t in tensors))
+                                                      for t in tensors), anchor=anchor)
         self._checker.submit(self._check, snap, event)
         with self._lock:
             if reuse is not None:
@@ -224,15 +246,10 @@ class MemorySnapshots:
 
     def _reusable(self, live: list[tuple[str, torch.Tensor]]) -> Snapshot | None:
         """Once the ring is full, the snapshot the next one replaces (its buffers, where
-        they fit): the newest while it is less than ``spacing`` seconds younger than the one
-        before it (the newest slot moves every K steps), else the oldest (the newest stays,
-        as an older one). So the kept ones reach back ``(keep - 1) * spacing`` seconds at
-        least, for a rollback whose onset was found late."""
+        they fit): :func:`pick_victim`."""
         if len(self.ring) < self.keep:
             return None
-        newest = self.ring[-1]
-        victim = newest if len(self.ring) >= 2 \
-            and newest.taken - self.ring[-2].taken < self.spacing else self.ring[0]
+        victim = pick_victim(self.ring, self.spacing)
         fits = victim.names == [n for n, _ in live] and all(
             b.shape == t.shape and b.dtype == t.dtype
             for b, (_, t) in zip(victim.tensors, live, strict=True))

@@ -18,7 +18,9 @@
   carries the parameters with the largest gradients of the rank with the largest norm
   among those whose own norm spiked (``StepReport.spike_params``).
 * ``sdc_mismatch``: replicas of one group disagree on the parameter checksum at the same
-  step. A group is the ranks that hold the same state (the client names it: the whole job
+  step. Its step is the first one the corruption may have reached (after the group's
+  last agreeing round; ``found_step`` is where it showed). A group is the ranks that hold
+  the same state (the client names it: the whole job
   under plain data parallelism, one shard's replicas under HSDP; a job whose state has no
   replicas sends none). The minority ranks are the suspects; a tie names no one and says
   so.
@@ -210,6 +212,8 @@ class Fingerprints:
         self.rounds: dict[tuple[str, int], _Round] = {}
         self.members: dict[str, int] = {}
         """Size of each group, learned from its last complete round."""
+        self.agreed: dict[str, int] = {}
+        """The newest step at which each group's replicas agreed."""
 
     def on_fingerprint(self, job: JobState, fp: Fingerprint, now: float) -> None:
         key = (fp.group, fp.step)
@@ -233,6 +237,7 @@ class Fingerprints:
         """A new attempt: steps start over, so rounds of the old one mean nothing now."""
         self.attempt = attempt
         self.rounds.clear()
+        self.agreed.clear()
 
     def _judge(self, job: JobState, group: str, rnd: _Round, now: float) -> None:
         sums = rnd.checksums
@@ -242,6 +247,7 @@ class Fingerprints:
         key = f"sdc:{group}"
         votes = Counter(sums.values())
         if len(votes) == 1:
+            self.agreed[group] = max(rnd.step, self.agreed.get(group, rnd.step))
             job.book.clear(key, now, agreed_step=rnd.step)
             return
         ranked = votes.most_common()
@@ -250,10 +256,17 @@ class Fingerprints:
         suspects = [] if tie else sorted(r for r, c in sums.items() if c != majority)
         named = suspects or sorted(sums)
         cap = job.th.evidence_max_ranks
+        # The corruption may be anywhere after the last round that agreed: the anomaly's
+        # step is the first one it may have reached, so a rollback below it never restores
+        # a state (a memory snapshot, a checkpoint) taken after the fault and before it
+        # showed. Without an agreed round: the step it was found at.
+        agreed = self.agreed.get(group)
+        since = agreed + 1 if agreed is not None and agreed < rnd.step else rnd.step
         job.book.raise_(key, "sdc_mismatch", now=now, onset_at=rnd.first_time, ranks=named,
-                        hosts=job.hosts_of(named), step=rnd.step, severity="critical",
+                        hosts=job.hosts_of(named), step=since, severity="critical",
                         evidence=SdcMismatchEvidence(
                             group=group, tie=tie, suspects=suspects, majority_checksum=majority,
                             votes={str(c): n for c, n in ranked[:16]},
                             checksums={str(r): c for r, c in sorted(sums.items())[:cap]},
-                            ranks_reporting=len(sums)))
+                            ranks_reporting=len(sums), found_step=rnd.step,
+                            agreed_step=agreed))
