@@ -89,14 +89,16 @@ class Agents:
                 if c.startswith(kind + ":")}
 
 
-async def seed(redis_url: str, prefix: str, job: str, *, attempt: int, step: int) -> None:
+async def seed(redis_url: str, prefix: str, job: str, *, attempt: int, step: int,
+               generation: int = 0) -> None:
     keys = Keys(prefix)
     r = aioredis.Redis.from_url(redis_url)
     for host, store in (("node-a", True), ("node-b", False)):
         await r.set(keys.node(job, host), encode_node_record(NodeRecord(
             host=host, job=job, hosts_store=store, nnodes_min=1)))
     await r.set(keys.progress(job), encode_progress(Progress(
-        job=job, time=time.time(), incarnation=attempt, last_step=step)))
+        job=job, time=time.time(), incarnation=attempt, generation=generation,
+        last_step=step)))
     await r.aclose()
 
 
@@ -408,9 +410,54 @@ async def _sorted_roles(roles: Any, want: list[str]) -> bool:
     return sorted(await roles) == want
 
 
+NODE_RESTARTS = {"node-a": 5, "node-b": 0}
+"""Each node's own restart count before the job's first attempt here: node-a restarted its
+group alone before, so its count is ahead (per-node counts are no job-wide number)."""
+
+
 def crash_exit(job: str, attempt: int, host: str = "node-b", **kw: Any) -> WorkerExit:
-    return WorkerExit(id=f"exit-{host}-{attempt}", job=job, host=host, rank=3, exit_code=1,
-                      attempt=attempt, time=time.time(), **kw)
+    """An exit of the job's attempt ``attempt``: the group's generation ``20 + attempt``,
+    at the host's own restart count for it."""
+    return WorkerExit(id=f"exit-{host}-{attempt}-{kw.get('initiated_by')}", job=job,
+                      host=host, rank=3, exit_code=1, attempt=NODE_RESTARTS[host] + attempt,
+                      generation=20 + attempt, time=time.time(), **kw)
+
+
+async def exits_handled(nc: Any, prefix: str, seq: int) -> bool:
+    """The remediator's exits consumer has handled every report up to stream ``seq``."""
+    info = await nc.jetstream().consumer_info(stream_name(prefix, "reports"),
+                                              "remediator-exits")
+    return bool(info.delivered.stream_seq >= seq and not info.num_ack_pending
+                and not info.num_pending)
+
+
+async def test_a_failure_seen_on_two_hosts_and_restarted_by_the_remediator_counts_once(
+        nats_url: str, redis_url: str, prefix: str, job: str, nc: Any, tmp_path: Path) -> None:
+    """Generation 20 dies: rank 3's exit on node-b, its peer's failure on node-a (each at
+    its node's own restart count), and the remediator's restart of it (the launcher does
+    not restart here): one attempt, one entry of the restart budget."""
+    agents, seen = await stage(nc, redis_url, prefix, job)
+    await seed(redis_url, prefix, job, attempt=0, step=120, generation=20)
+    s = Subjects(prefix)
+    keys = Keys(prefix)
+    r = aioredis.Redis.from_url(redis_url)
+    try:
+        async with leading(nats_url, redis_url, prefix, tmp_path, "launcher_grace_s = 0"):
+            bus = Bus(nc, s, source="test")
+            for host in ("node-b", "node-a"):
+                ack = await bus.publish_durable(s.exit(job, host), crash_exit(job, 0, host))
+            await bus.publish_durable(s.event(job, "diagnosis"), diagnosis(job, "d1"))
+            await wait_until(lambda: agents.executed("restart"), what="the restart")
+            await wait_until(lambda: any(a.action == "restart" and a.status == "done"
+                                         for i in seen for a in i.actions),
+                             what="the restart step done (and counted)")
+            await wait_until(lambda: exits_handled(nc, prefix, ack.seq),
+                             what="both exits counted")
+            assert await r.zrange(keys.restarts(job), 0, -1) == [b"generation:20"]
+            restarted = next(i for i in seen if i.restarted_attempt is not None)
+            assert restarted.failure_generation == 20
+    finally:
+        await r.aclose()
 
 
 async def test_a_crash_loop_is_one_incident_held_once_when_torchruns_restarts_pass_the_budget(
@@ -451,6 +498,9 @@ async def test_a_crash_loop_is_one_incident_held_once_when_torchruns_restarts_pa
             await crashed(1, initiated_by="launcher", host="node-a")
             await wait_until(lambda: any("d2" in i.diagnosis_ids for i in seen),
                              what="d2 joined")
+            last = await bus.publish_durable(s.exit(job, "node-a"), crash_exit(
+                job, 1, host="node-a", initiated_by="cmd-x"))  # counts nothing: a marker
+            await wait_until(lambda: exits_handled(nc, prefix, last.seq), what="exits counted")
             assert await counted() == 2 and not any(i.status == "failed" for i in seen)
             await crashed(2)  # the third attempt dies: past the budget of 2 restarts
             await wait_until(lambda: any(i.status == "failed" for i in seen), timeout=30,

@@ -9,7 +9,7 @@ thought gone. These tests drive the detector with such a job.
 
 from __future__ import annotations
 
-from trainguard.contract.schemas import Heartbeat, NodeHeartbeat, StepReport
+from trainguard.contract.schemas import Heartbeat, NodeHeartbeat, NodeHello, StepReport
 from trainguard.services.detector.engine import Detector
 from trainguard.services.detector.thresholds import Thresholds
 
@@ -147,3 +147,44 @@ def test_an_agent_that_restarted_its_group_re_forms_the_job_before_its_ranks_spe
     job.d.on_telemetry(NodeHeartbeat(job="j", time=job.now, host="node-b",
                                      ranks={2: "S", 3: "S"}, pids={2: 102, 3: 103}, attempt=5))
     assert state.incarnation == generation
+
+
+def test_the_progress_names_the_job_wide_generation_whatever_each_node_counts() -> None:
+    """Nodes count their own restarts (node-a 10, node-b 7), but every host draws the
+    group's generation from the rendezvous: the progress publishes the newest one its
+    agents and ranks report, so the remediator numbers attempts the way exits do."""
+    job = Job({"node-a": 10, "node-b": 7})
+    job.steps(5)
+    progress = job.d.progress("j", job.now)
+    assert progress is not None and progress.generation == 0  # nobody said yet
+    for host, ranks in (("node-a", {0: "S", 1: "S"}), ("node-b", {2: "S", 3: "S"})):
+        job.d.on_telemetry(NodeHeartbeat(job="j", time=job.now, host=host, ranks=ranks,
+                                         attempt=job.attempts[host], generation=12))
+    progress = job.d.progress("j", job.now)
+    assert progress is not None and progress.generation == 12
+    job.now += 0.5  # a late beat of an older group never takes it back
+    job.d.on_telemetry(NodeHeartbeat(job="j", time=job.now, host="node-b",
+                                     ranks={2: "S", 3: "S"}, attempt=7, generation=11))
+    progress = job.d.progress("j", job.now)
+    assert progress is not None and progress.generation == 12
+    successor = Detector(Thresholds(), clock=lambda: job.now)  # a detector taking it over
+    successor.restore("j", {}, progress, job.now)
+    again = successor.progress("j", job.now)
+    assert again is not None and again.generation == 12
+
+
+def test_a_job_launched_again_numbers_its_generations_anew() -> None:
+    """Every launcher of the job started again (a new rendezvous): its generations start
+    over, and the progress follows them rather than the old run's newest."""
+    job = Job({"node-a": 0, "node-b": 0})
+    job.steps(2)
+    for host in ("node-a", "node-b"):
+        job.d.on_telemetry(NodeHeartbeat(job="j", time=job.now, host=host, attempt=0,
+                                         generation=30))
+        job.d.on_node_hello(NodeHello(job="j", host=host, left=True, time=job.now), job.now)
+    for host in ("node-a", "node-b"):
+        job.d.on_node_hello(NodeHello(job="j", host=host, time=job.now + 60), job.now + 60)
+        job.d.on_telemetry(NodeHeartbeat(job="j", time=job.now + 61, host=host, attempt=0,
+                                         generation=1))
+    progress = job.d.progress("j", job.now + 61)
+    assert progress is not None and progress.generation == 1

@@ -191,14 +191,16 @@ def test_the_launcher_wait_ends_on_its_restart_or_a_replacement_in_place() -> No
 
 RESTARTS = [
     # the culprit's restart, view: outcome (status, detail part) or send (kind, hosts,
-    # params, host, attempt), the incident's restarted attempt after
-    (False, JobView(hosts=dict(HOSTS), attempt=4),
-     ("restart", ["node-a", "node-b"], {}, None, 4), 4),
+    # params, host, the generation it counts), the incident's restarted attempt after
+    (False, JobView(hosts=dict(HOSTS), attempt=4, generation=12),
+     ("restart", ["node-a", "node-b"], {}, None, 12), 4),
+    (False, JobView(hosts=dict(HOSTS), attempt=4),  # no generation known: a new entry
+     ("restart", ["node-a", "node-b"], {}, None, None), 4),
     (False, JobView(hosts=dict(HOSTS), attempt=5), ("skipped", "already restarted"), 4),
     (False, JobView(hosts=dict(HOSTS), attempt=4, recoveries=(replaced(),)),
      ("skipped", "re-forms in place"), None),
     (False, JobView(attempt=4), ("skipped", "nothing to restart"), None),
-    (True, JobView(hosts=dict(HOSTS), attempt=5),
+    (True, JobView(hosts=dict(HOSTS), attempt=5, generation=12),
      ("restart", ["node-b"], {"rank": 3, "fallback": "group"}, "node-b", None), 5),
     (True, JobView(attempt=5), ("skipped", "nothing to restart"), None),
 ]

@@ -33,13 +33,14 @@ def test_one_isolate_step_for_the_domain_then_one_restart() -> None:
     d = lost()
     admitted = intake.admit(d, None, POLICY.cooldown_s, NOW)
     assert admitted.opened and admitted.incident is not None
-    intake.plan(admitted, d, POLICY, view(), NOW, failed_in=0)
+    intake.plan(admitted, d, POLICY, view(), NOW, failed_in=0, failed_generation=6)
     inc = admitted.incident
     assert inc.domain == "switch sw-1" and inc.hosts == LOST
     assert [s.action for s in inc.actions] == ["isolate", "restart"]
     assert inc.actions[0].params == {"hosts": LOST, "lost": True, "domain": "switch sw-1"}
     act = conduct.act(inc, inc.actions[0])
     assert isinstance(act, conduct.Fence) and act.hosts == LOST and act.send.counts
+    assert act.send.attempt == 6  # the generation the loss ended, as its exits count it
 
 
 def test_a_host_lost_late_joins_the_incident_and_only_it_is_isolated_then() -> None:

@@ -16,7 +16,7 @@ from trainguard.contract.schemas import (
     WorkerExit,
 )
 from trainguard.runtime.state import NodeRecord
-from trainguard.services.remediator import endings, engine
+from trainguard.services.remediator import conduct, endings, engine
 from trainguard.services.remediator.engine import JobView
 from trainguard.services.remediator.policy import load_policy
 
@@ -320,33 +320,82 @@ def test_detected_at(rev: int, sent: float, detected: float) -> None:
 # -- crash loops and holds ----------------------------------------------------------------
 
 def worker_exit(code: int | None = 1, sig: str | None = None, by: str | None = None,
-                attempt: int = 4, age: float = 5.0) -> WorkerExit:
-    return WorkerExit(id="e1", job="j", host="node-a", rank=1, exit_code=code, signal=sig,
-                      initiated_by=by, attempt=attempt, time=NOW - age)
+                attempt: int = 4, age: float = 5.0, host: str = "node-a",
+                generation: int = 9) -> WorkerExit:
+    return WorkerExit(id="e1", job="j", host=host, rank=1, exit_code=code, signal=sig,
+                      initiated_by=by, attempt=attempt, generation=generation,
+                      time=NOW - age)
 
 
 ENDED = [
-    (worker_exit(), 4),  # a crash: torchrun restarts the group (or gives up)
-    (worker_exit(code=-9, sig="SIGKILL"), 4),
-    (worker_exit(code=None), 4),  # the agent confirms the process is gone
+    (worker_exit(), "generation:9"),  # a crash: torchrun restarts the group (or gives up)
+    (worker_exit(code=-9, sig="SIGKILL"), "generation:9"),
+    (worker_exit(code=None), "generation:9"),  # the agent confirms the process is gone
     (worker_exit(code=0), None),  # finished
     (worker_exit(code=-15, sig="SIGTERM", by="launcher"), None),  # a peer's teardown
     (worker_exit(code=-15, sig="SIGTERM", by="cmd-7"), None),  # our restart: counted there
     (worker_exit(age=4000), None),  # replayed, older than the hour
+    (worker_exit(generation=0), "attempt:4"),  # an older agent: its node's count
 ]
 
 
-@pytest.mark.parametrize(("ex", "attempt"), ENDED)
-def test_which_exits_count_against_the_budget(ex: WorkerExit, attempt: int | None) -> None:
-    assert endings.ended_attempt(ex, NOW) == attempt
+@pytest.mark.parametrize(("ex", "entry"), ENDED)
+def test_which_exits_count_against_the_budget(ex: WorkerExit, entry: str | None) -> None:
+    assert endings.exit_entry(ex, NOW) == entry
 
 
-def test_budget_entries_are_per_attempt() -> None:
-    assert endings.attempt_member(4) == endings.attempt_member(4) == "attempt:4"
+def test_budget_entries_are_per_generation() -> None:
+    assert endings.attempt_member(4) == endings.attempt_member(4) == "generation:4"
     unknown = endings.attempt_member(None)
     assert unknown != endings.attempt_member(None) and endings.attempt_of(unknown) is None
-    assert [endings.attempt_of(m) for m in ("attempt:4", "attempt:x", "xattempt:4")] == [
-        4, None, None]
+    assert endings.attempt_member(0) != endings.attempt_member(0)  # no progress yet
+    assert [endings.attempt_of(m) for m in ("generation:4", "generation:x", "xgeneration:4",
+                                            "attempt:4", "attempt:4:9")] == [
+        4, None, None, None, None]
+
+
+def budget(*entries: str | None) -> set[str]:
+    """The budget's sorted set after ``entries`` (``ZADD NX``: a member counts once)."""
+    return {e for e in entries if e is not None}
+
+
+def test_one_failure_seen_on_two_hosts_then_restarted_by_the_remediator_counts_once() -> None:
+    """Generation 9 dies: node-a's rank crashes (its node restarted 4 times), node-b's
+    ranks fail on their lost peer (node-b joined later: its count is 1), and the
+    remediator restarts the job, which the detector sees at generation 9."""
+    a = worker_exit(host="node-a", attempt=4, generation=9)
+    b = worker_exit(host="node-b", attempt=1, generation=9)
+    inc = Incident(id="i1", job="j", cause="process_crash", failure_attempt=2,
+                   failure_generation=9, worker_exited=True)
+    step = IncidentStep(action="restart", status="running")
+    view = JobView(hosts={h: NodeRecord(job="j", host=h) for h in ("node-a", "node-b")},
+                   attempt=2, generation=9)
+    send = conduct.restart(inc, step, view)
+    assert isinstance(send, conduct.Send) and send.counts
+    entries = budget(endings.exit_entry(a, NOW), endings.exit_entry(b, NOW),
+                     endings.attempt_member(send.attempt))
+    assert entries == {"generation:9"}
+    ended = JobView(restarts_last_hour=len(entries),
+                    ended_attempts=frozenset(map(endings.attempt_of, entries)) - {None})
+    assert engine.restarts_after(inc, ended) == 1  # the restart it needs is that one
+
+
+def test_a_crash_loop_of_k_failures_counts_k() -> None:
+    """torchrun restarts the group after each crash: a new generation each time, whatever
+    each node's own count says (a node that restarted alone is ahead of the others)."""
+    exits = [worker_exit(host=host, attempt=attempt + skew, generation=10 + attempt)
+             for attempt in range(5) for host, skew in (("node-a", 0), ("node-b", 3))]
+    entries = budget(*(endings.exit_entry(ex, NOW) for ex in exits))
+    assert len(entries) == 5
+
+
+def test_a_rank_replaced_in_place_fails_again_in_a_new_generation() -> None:
+    """A rank replaced in place keeps its node's attempt; the replacement runs in a new
+    generation, so its own failure is a new entry (and a peer's view of it is not)."""
+    first = worker_exit(attempt=4, generation=9)
+    again = worker_exit(attempt=4, generation=10)
+    peer = worker_exit(host="node-b", attempt=0, generation=10)
+    assert len(budget(*(endings.exit_entry(ex, NOW) for ex in (first, again, peer)))) == 2
 
 
 def crash_diagnosis(cause: str = "process_crash", *evidence: EvidenceItem,
@@ -470,7 +519,7 @@ RESTARTS_AFTER = [
 @pytest.mark.parametrize(("failed_in", "restarts", "attempts", "after"), RESTARTS_AFTER)
 def test_restarts_after(failed_in: int | None, restarts: int, attempts: set[int],
                         after: int) -> None:
-    inc = incident(("restart", "pending"), failure_attempt=failed_in)
+    inc = incident(("restart", "pending"), failure_generation=failed_in)
     view = JobView(restarts_last_hour=restarts, ended_attempts=frozenset(attempts))
     assert engine.restarts_after(inc, view) == after
 

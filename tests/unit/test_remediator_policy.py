@@ -107,7 +107,7 @@ def test_a_spent_budget_or_a_repeating_cause_holds_the_job(
         actions: list[str]) -> None:
     d = diag(cause, ["node-b"])
     inc = open_incident(d, NOW, NOW)
-    inc.failure_attempt, inc.signature = failed_in, "process_crash: rank 2 on node-b: boom"
+    inc.failure_generation, inc.signature = failed_in, "process_crash: rank 2 on node-b: boom"
     view = JobView(hosts=dict(TWO_NODES), restarts_last_hour=restarts,
                    ended_attempts=frozenset(attempts), cause_count_last_hour=repeats)
     steps, _ = plan(inc, d, POLICY, view, NOW)

@@ -217,9 +217,10 @@ def test_a_hang_with_one_culprit_restarts_that_rank() -> None:
 
 
 def test_budget_entries_tell_in_place_failures_apart() -> None:
-    assert endings.attempt_member(3) == "attempt:3"
-    assert endings.attempt_member(3, 7) == "attempt:3:7" != endings.attempt_member(3, 8)
-    assert endings.attempt_of("attempt:3:7") == 3 == endings.attempt_of("attempt:3")
+    """A rank replaced in place keeps its node's attempt; its replacement's generation is
+    new, so a failure of each is an entry of its own."""
+    assert endings.attempt_member(7) == "generation:7" != endings.attempt_member(8)
+    assert endings.attempt_of("generation:7") == 7
     assert endings.attempt_of("restart:x") is None
 
 

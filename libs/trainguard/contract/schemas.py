@@ -353,8 +353,10 @@ class WorkerExit(Durable, kw_only=True):
     initiated_by: str | None = None
     attempt: int = 0
     generation: int = 0
-    """The job's process-group generation the rank ran in (0: an older agent). A rank
-    replaced in place keeps its attempt, so its failures are told apart by generation."""
+    """The job's process-group generation the rank ran in (0: an older agent): job-wide,
+    every host draws it from the rendezvous, unlike ``attempt`` (its node's restart count).
+    The restart budget counts ended groups by it (a rank replaced in place keeps its
+    ``attempt`` but runs in a new generation)."""
     time: float = 0.0
 
 
@@ -719,6 +721,10 @@ class Incident(Durable, kw_only=True):
     resolved_at: float | None = None
     failure_step: int | None = None
     failure_attempt: int | None = None
+    failure_generation: int | None = None
+    """The job's process-group generation that failed (the detector's progress when the
+    incident opened; None: unknown): the group an isolation of its lost hosts ends, as the
+    restart budget counts it (``failure_attempt`` is the detector's incarnation)."""
     resume_step: int | None = None
     steps_lost: int | None = None
     restarted_attempt: int | None = None

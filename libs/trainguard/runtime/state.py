@@ -42,6 +42,10 @@ class Progress(msgspec.Struct, kw_only=True):
     incarnation: int = msgspec.field(default=0, name="attempt")
     """How often the job started over (the detector's ``JobState.incarnation``): job-wide,
     unlike a rank's attempt (its node's torchrun restart count). ``attempt`` in Redis."""
+    generation: int = 0
+    """The newest process-group generation the job's agents and ranks reported (0:
+    unknown): job-wide, drawn from the rendezvous, so it numbers the job's worker groups
+    the way the launchers' worker exits do (the remediator's restart budget)."""
     last_step: int | None = None
     """Highest step any rank of the current incarnation completed."""
     min_step: int | None = None

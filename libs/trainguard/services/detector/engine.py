@@ -130,6 +130,7 @@ class Detector:
     def on_hello(self, hello: RankHello, now: float) -> None:
         """A rank (re)started: its host, world size, GPU index and the job's overrides."""
         job = self.job(hello.job)
+        job.saw_generation(hello.host, hello.attempt.generation)
         attempt = hello.attempt.restart_count
         r = job.admit(hello.rank, attempt, hello.time or now, hello.host, hello.world_size)
         if r is None:
@@ -153,8 +154,12 @@ class Detector:
 
     def on_node_hello(self, hello: NodeHello, now: float) -> None:
         if hello.left:
+            known = self.jobs.get(hello.job)
+            if known is not None:
+                known.launcher_changed(hello.host)
             return  # the launcher's goodbye: its ranks are gone, not to be admitted
         job = self.job(hello.job)
+        job.launcher_changed(hello.host)  # a new launcher: its rendezvous may be new too
         for rank in hello.local_ranks:
             r = job.ranks.get(rank)
             if r is None:

@@ -161,6 +161,12 @@ class JobState:
         """How often the job started over (any host's attempt rose, or a rollback): the
         job-wide attempt that ``progress:<job>`` publishes, kept across detectors by
         :func:`.progress.seed`. Not the launcher's process-group generation."""
+        self.host_generation: dict[str, int] = {}
+        """The newest process-group generation each host's agent and ranks reported since
+        its launcher started (the launcher's, job-wide: every host draws it from the
+        rendezvous), see :attr:`generation`."""
+        self.seeded_generation = 0
+        """The previous owner's :attr:`generation`, until a host reports one."""
         self.active_count = 0
         self.exited_count = 0
         self.expected = 1
@@ -196,6 +202,24 @@ class JobState:
         for r in self.ranks.values():
             r.straggle = FlagHistory(th.straggler_window)
             r.compute_recent = deque(maxlen=th.straggler_window)
+
+    @property
+    def generation(self) -> int:
+        """The job's current process-group generation (0: unknown), published in
+        ``progress:<job>`` so the remediator numbers its restarts as the agents number
+        their exits. The newest of its hosts' launchers: a job launched again starts a new
+        rendezvous, whose generations start over."""
+        return max(self.host_generation.values(), default=self.seeded_generation)
+
+    def saw_generation(self, host: str, generation: int) -> None:
+        """``host``'s agent or rank reported ``generation`` (it only rises while its
+        launcher runs: an exit of the older group, arriving late, takes nothing back)."""
+        if host and generation > self.host_generation.get(host, 0):
+            self.host_generation[host] = generation
+
+    def launcher_changed(self, host: str) -> None:
+        """``host``'s launcher started, or left: what it reported before is void."""
+        self.host_generation.pop(host, None)
 
     def admit_attempt(self, attempt: int, t: float) -> None:
         """The job moved on to ``attempt`` (known from a summary before any rank says so)."""

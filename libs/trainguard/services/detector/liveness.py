@@ -78,6 +78,7 @@ class Liveness:
 
     # -- crash --------------------------------------------------------------------------
     def on_exit(self, job: JobState, ex: WorkerExit, now: float) -> None:
+        job.saw_generation(ex.host, ex.generation)
         if job.held_elsewhere(ex.rank, ex.host, ex.pid):
             return  # the number's previous process: its holder lives on
         r = job.admit(ex.rank, ex.attempt, ex.time or now, ex.host)
@@ -109,6 +110,7 @@ class Liveness:
 
     # -- agent's process states -----------------------------------------------------------
     def on_node(self, job: JobState, node: NodeHeartbeat, now: float) -> None:
+        job.saw_generation(node.host, node.generation)
         job.host_restarted(node.host, node.attempt, node.time)
         self._restart_mark(job, node)
         for rank, letter in node.ranks.items():

@@ -44,7 +44,8 @@ def summarize(job: JobState, now: float) -> Progress:
             live_steps.append(r.last_step)
     return Progress(job=job.name, time=now,
                     world_size=max(job.world_size, job.active_count),
-                    incarnation=job.incarnation, last_step=job.max_step,
+                    incarnation=job.incarnation, generation=job.generation,
+                    last_step=job.max_step,
                     min_step=min(live_steps) if live_steps else None,
                     median_step_time=job.intervals.median(), ranks=ranks)
 
@@ -57,6 +58,7 @@ def seed(job: JobState, progress: Progress, now: float) -> None:
     # The job-wide attempt goes on from the previous owner's, so it never moves backwards
     # for the remediator (a restart is a higher one); ranks bring their own.
     job.incarnation = max(job.incarnation, progress.incarnation)
+    job.seeded_generation = max(job.seeded_generation, progress.generation)
     job.set_world(max(job.world_size, progress.world_size))
     for rp in progress.ranks.values():
         if rp.rank not in job.ranks:

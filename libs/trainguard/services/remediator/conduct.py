@@ -114,7 +114,7 @@ class Send:
     counts: bool = False
     """Once sent, an ended attempt of the job counts against its restart budget."""
     attempt: int | None = None
-    """That attempt (None: unknown, each one counts)."""
+    """The generation of the group it ends (None: unknown, each one counts)."""
 
     @property
     def everyone(self) -> bool:
@@ -195,7 +195,7 @@ def act(inc: Incident, step: IncidentStep) -> Act:
         case "isolate" if "hosts" in step.params:
             hosts = [str(h) for h in step.params["hosts"]]
             return Fence(hosts, _send(step, "isolate", hosts, counts=True,
-                                      attempt=inc.failure_attempt))
+                                      attempt=inc.failure_generation))
         case "isolate":
             host = str(step.params["host"])
             return Isolate(_send(step, "isolate", [host], host=host, counts=True))
@@ -321,7 +321,7 @@ def restart(inc: Incident, step: IncidentStep, view: JobView) -> Outcome | Send:
     if skipped is not None:
         return skipped
     inc.restarted_attempt = view.attempt
-    return _send(step, "restart", sorted(view.hosts), counts=True, attempt=view.attempt)
+    return _send(step, "restart", sorted(view.hosts), counts=True, attempt=view.generation)
 
 
 def hold(inc: Incident, step: IncidentStep, view: JobView) -> Outcome | Send:

@@ -5,14 +5,18 @@ escalated when that does not happen in time, and failed when the job cannot reco
 
 torchrun restarts a group whose worker died by itself, up to ``--max-restarts`` times (1000
 under ``trainguard launch``): left alone, a rank that crashes on every start loops for
-hours. So every attempt that ended in a failure no command caused counts against the
-job's hourly restart budget, by its attempt number, so that one failure seen on several
-hosts, or a failed attempt the remediator then restarts itself, counts once
-(:func:`ended_attempt`). Once the budget or the cause's ``escalate_after`` is spent, or
-every launcher of the job has exited, the incident gets its last two steps
-(:func:`.engine.hold_steps`): ``escalate`` tells on-call, once, with the failure's
-:func:`signature`, and ``hold`` stops every agent of the job (``trainguard launch`` exits
-80). The incident then fails (:func:`.engine.finish_step`).
+hours. So every worker group that ended in a failure no command caused counts against the
+job's hourly restart budget, once, by its **generation** (the job-wide process-group
+generation every host draws from the rendezvous, new at every group the launchers form
+and at every rank replaced in place), so that one failure seen on several hosts, or a
+failed group the remediator then restarts itself, counts once (:func:`exit_entry`,
+:func:`attempt_member`). Worker exits carry it; the remediator's restarts count the one
+the detector's progress names. A node's attempt (its own restart count) is no job-wide
+number: hosts that joined later, or restarted alone, count differently. Once the budget
+or the cause's ``escalate_after`` is spent, or every launcher of the job has exited, the
+incident gets its last two steps (:func:`.engine.hold_steps`): ``escalate`` tells on-call,
+once, with the failure's :func:`signature`, and ``hold`` stops every agent of the job
+(``trainguard launch`` exits 80). The incident then fails (:func:`.engine.finish_step`).
 """
 
 from __future__ import annotations
@@ -41,8 +45,12 @@ from .engine import (
 from .policy import Policy
 
 HOUR: Final = 3600.0
-ATTEMPT: Final = "attempt:"
-"""Budget entries of known attempts are ``attempt:<n>``; the rest are unique."""
+ATTEMPT: Final = "generation:"
+"""Budget entries of groups of a known generation are ``generation:<g>``; the rest are
+unique."""
+NODE_ATTEMPT: Final = "attempt:"
+"""Exits of older agents, which carry no generation, count by their node's restart count
+(``attempt:<n>``): never taken for a generation."""
 
 Resolution = Literal["progress", "anomalies", "timeout"]
 """Why an incident ends: training passed the failure step, its anomalies resolved (for
@@ -51,29 +59,32 @@ incidents without a restart), or it was not resolved in time (escalated)."""
 
 # -- the restart budget ------------------------------------------------------------------
 
-def ended_attempt(ex: WorkerExit, now: float) -> int | None:
-    """The attempt ``ex`` ended, if it counts against the budget: a failure that no command
-    caused (torchrun restarts the group for it, or gives up), within the last hour."""
+def exit_entry(ex: WorkerExit, now: float) -> str | None:
+    """The budget entry of the group ``ex`` ended, if it counts: a failure that no command
+    caused (torchrun restarts the group for it, or gives up), within the last hour. Every
+    exit of one generation, whichever host saw it, is the same entry, and the same one the
+    remediator's restart of that group counts (:func:`attempt_member`)."""
     if ex.initiated_by or (ex.exit_code == 0 and not ex.signal):
         return None
     if ex.time and now - ex.time > HOUR:
         return None  # replayed history
-    return ex.attempt
+    if not ex.generation:
+        return f"{NODE_ATTEMPT}{ex.attempt}"  # an older agent: the best it can say
+    return attempt_member(ex.generation)
 
 
-def attempt_member(attempt: int | None, generation: int = 0) -> str:
-    """The budget entry of an ended attempt; an unknown attempt is always a new entry. A
-    rank replaced in place keeps its attempt, so its generation tells its failures apart
-    (``attempt:<n>:<generation>``; exits of older agents carry none)."""
-    if attempt is None:
+def attempt_member(generation: int | None) -> str:
+    """The budget entry of an ended group, by its generation; an unknown one (None, 0) is
+    always a new entry."""
+    if not generation:
         return f"restart:{uuid7()}"
-    return f"{ATTEMPT}{attempt}" + (f":{generation}" if generation else "")
+    return f"{ATTEMPT}{generation}"
 
 
 def attempt_of(member: str) -> int | None:
+    """The generation a budget entry counts (None: an unknown or an older agent's)."""
     head, _, tail = member.partition(ATTEMPT)
-    number = tail.partition(":")[0]
-    return int(number) if not head and number.isdigit() else None
+    return int(tail) if not head and tail.isdigit() else None
 
 
 # -- holding a job -----------------------------------------------------------------------

@@ -59,11 +59,16 @@ class JobView:
     """Attempts of the job that ended (a failure the launcher restarted, or a restart or
     isolation the remediator sent) in the last hour."""
     ended_attempts: frozenset[int] = frozenset()
-    """Which attempt numbers among those (one failure seen on several hosts counts once)."""
+    """Their generations, where known (one failure seen on several hosts, then restarted by
+    the remediator, counts once)."""
     cause_count_last_hour: int = 0
     first_seen_at: float | None = None
     """When this cause was first seen on these hosts (for "isolate if sustained")."""
     attempt: int | None = None
+    """The detector's incarnation of the job (how often it started over)."""
+    generation: int | None = None
+    """The job's current process-group generation (the detector's progress; None:
+    unknown): the group a restart now ends, as the budget counts it."""
     last_step: int | None = None
     world_size: int = 0
     """The current group's world size (the detector's progress; 0: unknown)."""
@@ -283,7 +288,8 @@ def culprit(inc: Incident, *, stays: bool = False) -> tuple[int, str] | None:
 def restarts_after(inc: Incident, view: JobView) -> int:
     """The job's restarts in the last hour once ``inc``'s failed attempt is counted (its
     exit may not have been yet; an unknown attempt counts as one more)."""
-    known = inc.failure_attempt is not None and inc.failure_attempt in view.ended_attempts
+    known = inc.failure_generation is not None \
+        and inc.failure_generation in view.ended_attempts
     return view.restarts_last_hour + (0 if known else 1)
 
 

@@ -4,10 +4,10 @@
 The shell finds the incident a diagnosis belongs to (:func:`.engine.find_incident`), locks
 it and loads what its last step saved; :func:`admit` then decides: the incident the
 diagnosis opens or joins (:class:`Intake`). The shell carries that out in this order:
-for a new incident, read the job's attempt (the one that failed); count the diagnosis as an
-occurrence of its cause, so that the plan sees it; when the incident's (new) root cause
-needs a plan, read the job's view and :func:`plan`; then save the incident as a new
-revision, publish it and run its steps.
+for a new incident, read the job's attempt and generation (the ones that failed); count
+the diagnosis as an occurrence of its cause, so that the plan sees it; when the
+incident's (new) root cause needs a plan, read the job's view and :func:`plan`; then save
+the incident as a new revision, publish it and run its steps.
 """
 
 from __future__ import annotations
@@ -55,11 +55,12 @@ def admit(d: Diagnosis, candidate: Incident | None, cooldown_s: float,
 
 
 def plan(admission: Intake, d: Diagnosis, policy: Policy, view: JobView, now: float,
-         failed_in: int | None = None) -> None:
+         failed_in: int | None = None, failed_generation: int | None = None) -> None:
     """Give the admitted incident the plan for its cause, as the job is (``view``, read
-    after the count); ``failed_in``: a new incident's failure attempt."""
+    after the count); ``failed_in``, ``failed_generation``: a new incident's failure
+    attempt and the process-group generation it ran in."""
     inc = admission.incident
     assert inc is not None, "nothing admitted"
     if admission.opened:
-        inc.failure_attempt = failed_in
+        inc.failure_attempt, inc.failure_generation = failed_in, failed_generation
     replan(inc, d, policy, view, now)

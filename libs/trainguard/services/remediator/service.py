@@ -180,10 +180,9 @@ class RemediatorService(Service[RemediatorSettings]):
     async def on_exit(self, ex: WorkerExit, delivery: Delivery) -> None:
         """Count the launcher's own restarts against the budget (any replica: the count is
         idempotent); :meth:`_watch` holds the job once they pass it."""
-        attempt = endings.ended_attempt(ex, time.time())
-        if attempt is not None:
-            await self.store.note_attempt(ex.job, attempt, ex.time or time.time(),
-                                          ex.generation)
+        member = endings.exit_entry(ex, time.time())
+        if member is not None:
+            await self.store.note_ended(ex.job, member, ex.time or time.time())
 
     async def on_recovery(self, report: RecoveryReport, delivery: Delivery) -> None:
         """Keep a rank's or agent's account of a recovery (any replica: keyed by its id);
@@ -258,13 +257,14 @@ class RemediatorService(Service[RemediatorSettings]):
             if inc is None:
                 return
             # A new incident's failure attempt is the job's now; the plan sees the count.
-            failed_in = (await self.store.view(d.job, d.cause)).attempt \
-                if admission.opened else None
+            failed = await self.store.view(d.job, d.cause) if admission.opened else None
             if admission.counted:
                 await self.store.note_cause(d, now)
             if admission.replan:
                 intake.plan(admission, d, self.policy,
-                            await self.store.view(d.job, inc.cause), now, failed_in)
+                            await self.store.view(d.job, inc.cause), now,
+                            failed.attempt if failed else None,
+                            failed.generation if failed else None)
             await self._save(inc)
             self._run(inc)
 

@@ -3,7 +3,7 @@
 Writes that other replicas could race (incidents, the blocklist) go through the leader's
 fenced scripts (:mod:`.leader`), so a deposed leader writes nothing; the counters behind
 the restart budget and the cause history are plain sorted sets of times, written by any
-replica (each entry is added once: ``ZADD NX`` by attempt number or diagnosis id). Node
+replica (each entry is added once: ``ZADD NX`` by generation or diagnosis id). Node
 records, too, are written by any replica, from the agents' durable hellos: each write is
 a compare-and-set on the hello's time (:func:`.endings.supersedes`), so replicas and
 redeliveries agree on the newest.
@@ -95,13 +95,15 @@ class Store:
         """Count an occurrence of ``d``'s cause (for "escalate after N in an hour")."""
         await self.redis.zadd(self.keys.cause_times(d.job, d.cause), {d.id: now}, nx=True)
 
-    async def note_attempt(self, job: str, attempt: int | None, at: float,
-                           generation: int = 0) -> None:
-        """Count an ended attempt of ``job`` against its hourly restart budget, once per
-        attempt number (its failure, seen on several hosts, then restarted by us) and
-        generation (a rank replaced in place keeps its attempt)."""
-        await self.redis.zadd(self.keys.restarts(job),
-                              {attempt_member(attempt, generation): at}, nx=True)
+    async def note_attempt(self, job: str, generation: int | None, at: float) -> None:
+        """Count the ended group ``generation`` of ``job`` (a restart or isolation the
+        remediator sent; None: unknown, a new entry) against its hourly restart budget."""
+        await self.note_ended(job, attempt_member(generation), at)
+
+    async def note_ended(self, job: str, member: str, at: float) -> None:
+        """Count the budget entry ``member`` (:mod:`.endings`) once: its failure, seen on
+        several hosts, then restarted by us, is one entry."""
+        await self.redis.zadd(self.keys.restarts(job), {member: at}, nx=True)
 
     async def next_seq(self, job: str) -> int:
         """A collective command's sequence number (shared with the other issuers)."""
@@ -224,6 +226,7 @@ class Store:
             with contextlib.suppress(msgspec.ValidationError, msgspec.DecodeError):
                 p = decode_progress(raw)
                 view.attempt, view.last_step = p.incarnation, p.last_step
+                view.generation = p.generation or None
                 view.world_size = p.world_size
         view.recoveries = await self.recoveries(job, now)
         return view
