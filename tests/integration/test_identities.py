@@ -27,7 +27,7 @@ from trainguard.agent.settings import AgentSettings
 from trainguard.cli import main as cli_main
 from trainguard.cli.credentials import run as cli_run
 from trainguard.contract.errors import ConfigError
-from trainguard.contract.rpc import CREDS
+from trainguard.contract.rpc import CREDS, RankCredentialsRequest
 from trainguard.contract.schemas import NodeHello
 from trainguard.contract.subjects import Subjects, stream_name
 from trainguard.core.auth import access_from, write_private
@@ -38,7 +38,7 @@ from trainguard.core.identities import (
     expiry_of,
     issuer_permissions,
 )
-from trainguard.core.natsjwt import Permissions, claims_of, jwt_of_creds
+from trainguard.core.natsjwt import Key, Permissions, claims_of, jwt_of_creds
 from trainguard.runtime.config import load_settings
 from trainguard.runtime.embedded import EmbeddedControlPlane, NatsServer, free_port
 from trainguard.runtime.issuer import serve_issuer
@@ -303,12 +303,40 @@ async def test_an_agent_obtains_and_renews_its_ranks_credentials_from_the_issuer
         with pytest.raises(CredentialsRefused):  # job k's agent, on job j's subject
             await RankCredentials(tmp_path / "k", S, "j", "h9", timeout=2).obtain(
                 other.nc, [0])
-        await wait_until(lambda: other.refused(S.rpc("j", "creds")),
+        await wait_until(lambda: other.refused(S.rpc_creds("j", "h9")),
                          what="the server to refuse job k's agent")
-        bad = await agent.nc.request(S.rpc("j", "creds"),
+        bad = await agent.nc.request(S.rpc_creds("j", "h1"),
                                      b'{"host": "h1", "keys": {"0": "not-a-key"}}', timeout=5)
         reply = CREDS.decode_reply(bad.data)
         assert not reply.ok and "not a user public key" in reply.reason
+
+
+async def test_an_agent_obtains_rank_credentials_for_its_own_host_only(
+        operator_nats: NatsServer, trust: Trust, tmp_path: Path) -> None:
+    """The issuer knows which host asks: the agent of h1 cannot ask in h2's name (the
+    server refuses its ask on h2's subject, the issuer a body naming h2 on h1's), and
+    every rank credential it obtains names h1."""
+    minter = trust.minter
+    issuer_creds = minter.mint("issuer", issuer_permissions(PREFIX))
+    async with connected(operator_nats, issuer_creds, tmp_path) as issuer, \
+            connected(operator_nats, minter.mint_agent(PREFIX, "j", "h1"), tmp_path) as agent:
+        await serve_issuer(issuer.nc, minter, PREFIX, ttl=600)
+        with pytest.raises(CredentialsRefused):  # h1's agent, asking as h2
+            await RankCredentials(tmp_path / "h2", S, "j", "h2", timeout=2).obtain(
+                agent.nc, [4])
+        await wait_until(lambda: agent.refused(S.rpc_creds("j", "h2")),
+                         what="the server to refuse h1's agent on h2's subject")
+        assert not (tmp_path / "h2" / "rank-4.creds").exists()
+        lying = await agent.nc.request(
+            S.rpc_creds("j", "h1"),
+            CREDS.encode_request(RankCredentialsRequest(
+                host="h2", keys={4: Key.new("user").public})), timeout=5)
+        reply = CREDS.decode_reply(lying.data)
+        assert not reply.ok and "names host 'h2'" in reply.reason
+        own = RankCredentials(tmp_path / "h1", S, "j", "h1")
+        await own.obtain(agent.nc, [0, 1])
+        names = {claims_of(jwt_of_creds(own.path(r).read_text()))["name"] for r in (0, 1)}
+        assert names == {"rank-j-0@h1", "rank-j-1@h1"}
 
 
 async def test_an_agent_in_jwt_mode_hands_each_rank_its_own_credential(

@@ -1,8 +1,8 @@
 """Each local rank's own NATS credential, obtained from the control plane and renewed.
 
 In ``jwt`` mode the agent makes a user nkey per rank on its host, asks the control
-plane's issuer (``rpc.creds`` of its job, :mod:`trainguard.runtime.issuer`) for a JWT per
-public key, and writes ``<dir>/rank-<R>.creds`` (mode 0600), the file that rank's
+plane's issuer (``rpc.creds.<host>`` of its job and host, :mod:`trainguard.runtime.issuer`)
+for a JWT per public key, and writes ``<dir>/rank-<R>.creds`` (mode 0600), the file that rank's
 environment names (``rank-{rank}.creds``: :data:`trainguard.agent.supervisor.RANK_FIELD`).
 Before the credentials expire it asks again and rewrites the files; each rank's Guard
 switches to a connection made with its rewritten file (:mod:`trainguard.client.transport`).
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.contract.errors import TrainguardError
-from trainguard.contract.rpc import CREDS, RankCredentialsRequest, call
+from trainguard.contract.rpc import CREDS, RankCredentialsRequest
 from trainguard.contract.subjects import Subjects
 from trainguard.core.auth import write_private
 from trainguard.core.natsjwt import Key, creds
@@ -59,8 +59,10 @@ class RankCredentials:
         returns when they expire. Raises :class:`CredentialsRefused`."""
         keys = {r: Key.new("user") for r in sorted(set(ranks))}
         req = RankCredentialsRequest(host=self.host, keys={r: k.public for r, k in keys.items()})
-        try:
-            reply = await call(nc, self.subjects, self.job, CREDS, req, self.timeout)
+        try:  # on its own host's subject, the only one its credential may ask on
+            msg = await nc.request(self.subjects.rpc_creds(self.job, self.host),
+                                   CREDS.encode_request(req), timeout=self.timeout)
+            reply = CREDS.decode_reply(msg.data) if msg.data else None
         except Exception as exc:
             raise CredentialsRefused(f"no credentials for ranks {sorted(keys)} of "
                                      f"{self.job}: the issuer did not answer ({exc!r})"

@@ -93,8 +93,9 @@ class CatalogueReply(msgspec.Struct, kw_only=True):
 
 class RankCredentialsRequest(msgspec.Struct, kw_only=True):
     """An agent asks for its ranks' credentials: each rank's user public key (``U...``),
-    made on the agent's host; the seed never travels. The job is the subject's, which the
-    agent's own credential confines it to."""
+    made on the agent's host; the seed never travels. The job and the host are the
+    subject's (``rpc.creds.<host>``), which the agent's own credential confines it to;
+    ``host`` must name the same host."""
 
     host: str
     keys: dict[int, str]
@@ -154,7 +155,8 @@ CATALOGUE: Endpoint[CatalogueRequest, CatalogueReply] = Endpoint(
 ENDPOINTS: tuple[Endpoint[Any, Any], ...] = (RESUME, SAVE, ROLLBACK, CATALOGUE)
 CREDS: Endpoint[RankCredentialsRequest, RankCredentialsReply] = Endpoint(
     "creds", RankCredentialsRequest, RankCredentialsReply)
-"""Answered by the control plane's credential issuer (``jwt`` mode), not the coordinator."""
+"""Answered by the control plane's credential issuer (``jwt`` mode), not the coordinator,
+on ``rpc.creds.<host>`` (:meth:`~trainguard.contract.subjects.Subjects.rpc_creds`)."""
 
 
 class Requester(Protocol):

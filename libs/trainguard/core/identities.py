@@ -11,13 +11,14 @@ account (:class:`Trust`), with permissions naming its own subjects only:
   (``_INBOX.J.rR.>``, which :meth:`trainguard.core.auth.Access.nats_options` reads back
   from the credential); short-lived;
 * the agent of host ``H`` of job ``J``: its host's telemetry, hello and exits, its ranks'
-  recovery reports, acks, the dead-letter subject, ``rpc.save``, ``rpc.creds`` (its
-  ranks' credentials, :mod:`trainguard.runtime.issuer`), its node's pre-flight event;
+  recovery reports, acks, the dead-letter subject, ``rpc.save``, ``rpc.creds.H`` (its
+  ranks' credentials, :mod:`trainguard.runtime.issuer`: asked on its own host's subject
+  only, so the issuer knows which host asks), its node's pre-flight event;
   subscribe ``cmd.all``, ``cmd.host.H`` and its inbox; and of JetStream's API only
   what its own durable command consumer (``agent-J-H``) needs to be created, read,
   pulled and acknowledged;
 * a service role: the same permissions as in the static mode;
-* the issuer: it answers ``rpc.creds`` and nothing else.
+* the issuer: it answers ``rpc.creds.<host>`` and nothing else.
 """
 
 from __future__ import annotations
@@ -65,10 +66,10 @@ def is_user_key(key: str) -> bool:
 
 
 def issuer_permissions(prefix: str) -> Permissions:
-    """The control plane's credential issuer: it hears ``rpc.creds`` of every job and
-    answers; it publishes nothing else (an empty allow list would allow everything)."""
+    """The control plane's credential issuer: it hears ``rpc.creds.<host>`` of every job
+    and answers; it publishes nothing else (an empty allow list would allow everything)."""
     return Permissions(publish=(Subjects(prefix).dead_pattern(),),
-                       subscribe=(Subjects(prefix).pattern("rpc", tail="creds"),
+                       subscribe=(Subjects(prefix).pattern("rpc", tail="creds.*"),
                                   f"{INBOX_ROOT}.>"), responses=True)
 
 
@@ -114,7 +115,7 @@ def agent_permissions(prefix: str, job: str, host: str) -> Permissions:
     return Permissions(
         publish=(s.gpu(job, h), s.node(job, h), s.exit(job, h), s.fr(job, h),
                  s.reg_node(job, h), s.pattern("recovery", job), s.pattern("ack", job), s.dead(job),
-                 s.rpc_save(job), s.rpc(job, "creds"), s.event(job, "preflight"),
+                 s.rpc_save(job), s.rpc_creds(job, h), s.event(job, "preflight"),
                  f"{api}.INFO", f"{api}.STREAM.INFO.*", f"{api}.STREAM.NAMES", *consumer,
                  f"{api}.DIRECT.GET.{fence}", f"{api}.DIRECT.GET.{fence}.>",
                  f"{api}.STREAM.MSG.GET.{fence}"),
@@ -152,12 +153,18 @@ class Minter:
     def mint_role(self, role: Role, prefix: str, ttl: float | None = None) -> str:
         return self.mint(role, role_permissions(role, prefix), ttl)
 
-    def issue(self, prefix: str, job: str, req: RankCredentialsRequest, ttl: float,
-              limit: int, now: float | None = None) -> RankCredentialsReply:
-        """The issuer's answer to an agent of ``job`` (the subject's job: the server
-        confines an agent's credential to its own): a JWT per rank for the public key the
-        agent made, expiring ``ttl`` seconds from ``now``. Refused whole if any rank or
-        key is bad, or more than ``limit`` ranks are asked for."""
+    def issue(self, prefix: str, job: str, host: str, req: RankCredentialsRequest,
+              ttl: float, limit: int, now: float | None = None) -> RankCredentialsReply:
+        """The issuer's answer to the agent of ``host`` in ``job`` (both the subject's:
+        the server lets an agent's credential ask on its own job's and host's subject
+        only): a JWT per rank for the public key the agent made, expiring ``ttl`` seconds
+        from ``now``, named after the rank and that host (``rank-J-R@H``). Refused whole
+        if the body names another host, any rank or key is bad, or more than ``limit``
+        ranks are asked for."""
+        if req.host != host:
+            return RankCredentialsReply(ok=False, reason=f"the request names host "
+                                                         f"{req.host!r} on host {host!r}'s "
+                                                         "subject")
         if not req.keys or len(req.keys) > limit:
             return RankCredentialsReply(ok=False, reason=f"ask for 1 to {limit} ranks, not "
                                                          f"{len(req.keys)}")
@@ -166,7 +173,7 @@ class Minter:
                 return RankCredentialsReply(ok=False, reason=f"rank {rank}: {key!r} is not "
                                                              "a user public key (U...)")
         expires = (now if now is not None else time.time()) + ttl
-        jwts = {rank: user_jwt(self.signer, self.account, key, f"rank-{job}-{rank}",
+        jwts = {rank: user_jwt(self.signer, self.account, key, f"rank-{job}-{rank}@{host}",
                                rank_permissions(prefix, job, rank), expires)
                 for rank, key in req.keys.items()}
         return RankCredentialsReply(ok=True, jwts=jwts, expires=expires)
