@@ -9,14 +9,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import nats.errors
+import nats.js.errors
 import pytest
 from nats.aio.client import Client as NATS
+from nats.js import api as js_api
 
 from tests.conftest import wait_until
 from trainguard import Guard
@@ -27,7 +30,13 @@ from trainguard.agent.settings import AgentSettings
 from trainguard.cli import main as cli_main
 from trainguard.cli.credentials import run as cli_run
 from trainguard.contract.errors import ConfigError
-from trainguard.contract.rpc import CREDS, RankCredentialsRequest
+from trainguard.contract.rpc import (
+    CONSUMER,
+    CREDS,
+    CommandConsumerReply,
+    CommandConsumerRequest,
+    RankCredentialsRequest,
+)
 from trainguard.contract.schemas import NodeHello
 from trainguard.contract.subjects import Subjects, stream_name
 from trainguard.core.auth import access_from, write_private
@@ -42,7 +51,7 @@ from trainguard.core.natsjwt import Key, Permissions, claims_of, jwt_of_creds
 from trainguard.runtime.config import load_settings
 from trainguard.runtime.embedded import EmbeddedControlPlane, NatsServer, free_port
 from trainguard.runtime.issuer import serve_issuer
-from trainguard.runtime.topology import ConsumerSpec, ensure_consumer, provision, streams
+from trainguard.runtime.topology import agent_consumer, ensure_consumer, provision, streams
 
 PREFIX = "tg"
 S = Subjects(PREFIX)
@@ -134,19 +143,29 @@ async def test_a_rank_cannot_hear_another_ranks_commands_or_pull_an_agents_consu
         assert not rank.refused(S.cmd_rank("j", 1))
 
 
+async def ask_for_consumer(agent: Client, host: str, said: str | None = None,
+                           timeout: float = 5) -> CommandConsumerReply:
+    msg = await agent.nc.request(S.rpc_consumer("j", host), CONSUMER.encode_request(
+        CommandConsumerRequest(host=said or host)), timeout=timeout)
+    return CONSUMER.decode_reply(msg.data)
+
+
 async def test_an_agent_pulls_its_own_command_consumer_and_not_another_hosts(
         operator_nats: NatsServer, trust: Trust, tmp_path: Path) -> None:
     minter = trust.minter
-    specs = {h: ConsumerSpec("cmds", agent_durable("j", h),
-                             (S.cmd_all("j"), S.cmd_host("j", h)), ack_wait=30.0)
-             for h in ("h1", "h2")}
+    specs = {h: agent_consumer(PREFIX, "j", h) for h in ("h1", "h2")}
     async with connected(operator_nats, minter.mint_role("remediator", PREFIX),
                          tmp_path) as svc, \
+            connected(operator_nats, minter.mint("issuer", issuer_permissions(PREFIX)),
+                      tmp_path) as issuer, \
             connected(operator_nats, minter.mint_agent(PREFIX, "j", "h1"), tmp_path) as agent:
         await provision(svc.nc.jetstream(), streams(PREFIX))
+        await serve_issuer(issuer.nc, minter, PREFIX, ttl=600)
         await ensure_consumer(svc.nc.jetstream(), PREFIX, specs["h2"])
         js = agent.nc.jetstream()
-        stream = await ensure_consumer(js, PREFIX, specs["h1"])
+        made = await ask_for_consumer(agent, "h1")  # the control plane makes it
+        assert made.ok and made.durable == specs["h1"].durable
+        stream = made.stream
         own = await js.pull_subscribe_bind(specs["h1"].durable, stream)
         for h in ("h2", "h1"):
             await svc.nc.jetstream().publish(S.cmd_host("j", h), f"for {h}".encode())
@@ -163,6 +182,57 @@ async def test_an_agent_pulls_its_own_command_consumer_and_not_another_hosts(
         # The command for h2 is still h2's to take.
         info = await svc.nc.jetstream().consumer_info(stream, specs["h2"].durable)
         assert info.num_pending == 1
+
+
+async def test_an_agent_cannot_create_its_command_consumer_with_another_hosts_filter(
+        operator_nats: NatsServer, trust: Trust, tmp_path: Path) -> None:
+    """An agent's own durable, created with a filter naming another host's commands, is
+    refused in every form of JetStream's create request; the control plane makes it with
+    its own host's filters at its ask (and only at its own host's agent's ask)."""
+    minter = trust.minter
+    durable = agent_durable("j", "h1")
+    stream = stream_name(PREFIX, "cmds")
+    foreign = [S.cmd_all("j"), S.cmd_host("j", "h2")]
+    async with connected(operator_nats, minter.mint_role("remediator", PREFIX),
+                         tmp_path) as svc, \
+            connected(operator_nats, minter.mint("issuer", issuer_permissions(PREFIX)),
+                      tmp_path) as issuer, \
+            connected(operator_nats, minter.mint_agent(PREFIX, "j", "h1"), tmp_path) as agent:
+        await provision(svc.nc.jetstream(), streams(PREFIX))
+        js = agent.nc.jetstream(timeout=2)
+        with pytest.raises((nats.errors.Error, asyncio.TimeoutError)):  # legacy form
+            await js.add_consumer(stream, js_api.ConsumerConfig(
+                durable_name=durable, ack_policy=js_api.AckPolicy.EXPLICIT,
+                filter_subjects=foreign))
+        api = f"$JS.API.CONSUMER.CREATE.{stream}.{durable}"
+        for subject, config in ((api, {"filter_subjects": foreign}),
+                                (f"{api}.{foreign[1]}", {"filter_subject": foreign[1]})):
+            body = json.dumps({"stream_name": stream, "config": {
+                "durable_name": durable, "ack_policy": "explicit", **config}}).encode()
+            with pytest.raises((nats.errors.Error, asyncio.TimeoutError)):
+                await agent.nc.request(subject, body, timeout=2)
+        await wait_until(lambda: all(agent.refused(x) for x in (
+            f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{durable}", api,
+            f"{api}.{foreign[1]}")), what="the server to refuse all three creates")
+        with pytest.raises(nats.js.errors.NotFoundError):
+            await svc.nc.jetstream().consumer_info(stream, durable)
+        await serve_issuer(issuer.nc, minter, PREFIX, ttl=600)
+        with pytest.raises((nats.errors.Error, asyncio.TimeoutError)):  # h2's subject
+            await ask_for_consumer(agent, "h2", timeout=2)
+        await wait_until(lambda: agent.refused(S.rpc_consumer("j", "h2")),
+                         what="the server to refuse h1's agent on h2's subject")
+        lying = await ask_for_consumer(agent, "h1", said="h2")
+        assert not lying.ok and "names host 'h2'" in lying.reason
+        made = await ask_for_consumer(agent, "h1")
+        assert made.ok and (made.stream, made.durable) == (stream, durable)
+        info = await svc.nc.jetstream().consumer_info(stream, durable)
+        assert sorted(info.config.filter_subjects or []) == sorted(
+            [S.cmd_all("j"), S.cmd_host("j", "h1")])
+        sub = await agent.nc.jetstream().pull_subscribe_bind(durable, stream)
+        for h in ("h2", "h1"):
+            await svc.nc.jetstream().publish(S.cmd_host("j", h), f"for {h}".encode())
+        [msg] = await sub.fetch(1, timeout=10)
+        assert msg.data == b"for h1"
 
 
 async def test_an_expired_credential_is_refused(operator_nats: NatsServer, trust: Trust,

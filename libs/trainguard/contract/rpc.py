@@ -110,6 +110,23 @@ class RankCredentialsReply(msgspec.Struct, kw_only=True):
     reason: str = ""
 
 
+class CommandConsumerRequest(msgspec.Struct, kw_only=True):
+    """An agent asks the control plane to create (or update) its durable command consumer
+    (``jwt`` mode: its own credential may bind, read and pull it, never create it, since
+    a consumer's filter subjects are the request's body, which a permission cannot
+    name). The job and the host are the subject's; ``host`` must name the same host."""
+
+    host: str
+
+
+class CommandConsumerReply(msgspec.Struct, kw_only=True):
+    ok: bool
+    stream: str = ""
+    durable: str = ""
+    """The consumer the agent binds (``agent-<job>-<host>`` on the command stream)."""
+    reason: str = ""
+
+
 Req = TypeVar("Req", bound=msgspec.Struct)
 Rep = TypeVar("Rep", bound=msgspec.Struct)
 
@@ -157,6 +174,11 @@ CREDS: Endpoint[RankCredentialsRequest, RankCredentialsReply] = Endpoint(
     "creds", RankCredentialsRequest, RankCredentialsReply)
 """Answered by the control plane's credential issuer (``jwt`` mode), not the coordinator,
 on ``rpc.creds.<host>`` (:meth:`~trainguard.contract.subjects.Subjects.rpc_creds`)."""
+
+CONSUMER: Endpoint[CommandConsumerRequest, CommandConsumerReply] = Endpoint(
+    "consumer", CommandConsumerRequest, CommandConsumerReply)
+"""Answered by the control plane's issuer (``jwt`` mode) on ``rpc.consumer.<host>``
+(:meth:`~trainguard.contract.subjects.Subjects.rpc_consumer`)."""
 
 
 class Requester(Protocol):
