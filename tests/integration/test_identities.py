@@ -354,8 +354,8 @@ async def test_an_agent_obtains_and_renews_its_ranks_credentials_from_the_issuer
             connected(operator_nats, minter.mint_agent(PREFIX, "k", "h9"), tmp_path) as other:
         await serve_issuer(issuer.nc, minter, PREFIX, ttl=600)
         ranks = RankCredentials(tmp_path / "ranks", S, "j", "h1")
-        first = await ranks.obtain(agent.nc, [0, 1])
-        assert ranks.pattern.format(rank=1) == str(ranks.path(1))
+        first = await ranks.obtain(agent.nc, {0: 0, 1: 1})
+        assert ranks.pattern.format(local_rank=1) == str(ranks.path(1))
         assert (ranks.path(0).stat().st_mode & 0o777) == 0o600
         async with connected(operator_nats, minter.mint_role("detector", PREFIX),
                              tmp_path) as svc, \
@@ -368,11 +368,11 @@ async def test_an_agent_obtains_and_renews_its_ranks_credentials_from_the_issuer
                              what="rank 1's own report through, rank 0's refused")
             assert seen == [S.step("j", 1)]
         before = ranks.path(0).read_text()
-        assert await ranks.obtain(agent.nc, ranks.ranks) >= first  # the renewal
+        assert (await ranks.renew(agent.nc) or 0) >= first  # the renewal
         assert ranks.path(0).read_text() != before and ranks.renew_in() > 0
         with pytest.raises(CredentialsRefused):  # job k's agent, on job j's subject
             await RankCredentials(tmp_path / "k", S, "j", "h9", timeout=2).obtain(
-                other.nc, [0])
+                other.nc, {0: 0})
         await wait_until(lambda: other.refused(S.rpc_creds("j", "h9")),
                          what="the server to refuse job k's agent")
         bad = await agent.nc.request(S.rpc_creds("j", "h1"),
@@ -393,10 +393,10 @@ async def test_an_agent_obtains_rank_credentials_for_its_own_host_only(
         await serve_issuer(issuer.nc, minter, PREFIX, ttl=600)
         with pytest.raises(CredentialsRefused):  # h1's agent, asking as h2
             await RankCredentials(tmp_path / "h2", S, "j", "h2", timeout=2).obtain(
-                agent.nc, [4])
+                agent.nc, {0: 4})
         await wait_until(lambda: agent.refused(S.rpc_creds("j", "h2")),
                          what="the server to refuse h1's agent on h2's subject")
-        assert not (tmp_path / "h2" / "rank-4.creds").exists()
+        assert not (tmp_path / "h2" / "local-0.creds").exists()
         lying = await agent.nc.request(
             S.rpc_creds("j", "h1"),
             CREDS.encode_request(RankCredentialsRequest(
@@ -404,9 +404,52 @@ async def test_an_agent_obtains_rank_credentials_for_its_own_host_only(
         reply = CREDS.decode_reply(lying.data)
         assert not reply.ok and "names host 'h2'" in reply.reason
         own = RankCredentials(tmp_path / "h1", S, "j", "h1")
-        await own.obtain(agent.nc, [0, 1])
+        await own.obtain(agent.nc, {0: 0, 1: 1})
         names = {claims_of(jwt_of_creds(own.path(r).read_text()))["name"] for r in (0, 1)}
         assert names == {"rank-j-0@h1", "rank-j-1@h1"}
+
+
+async def test_a_rank_renumbered_in_place_reports_on_its_new_numbers_credential(
+        operator_nats: NatsServer, trust: Trust, tmp_path: Path) -> None:
+    """Processes renumbered in place (ranks 2 and 3 of host h1 become 0 and 1 when the
+    host of 0 and 1 leaves) keep their credential files: their agent writes the new
+    numbers' credentials over them, the Guard switches, its reports under the new number
+    go through, and the agent renews the new numbers only."""
+    minter = trust.minter
+    issuer_creds = minter.mint("issuer", issuer_permissions(PREFIX))
+    async with connected(operator_nats, issuer_creds, tmp_path) as issuer, \
+            connected(operator_nats, minter.mint_agent(PREFIX, "j", "h1"), tmp_path) as agent, \
+            connected(operator_nats, minter.mint_role("detector", PREFIX), tmp_path) as svc:
+        await serve_issuer(issuer.nc, minter, PREFIX, ttl=600)
+        seen = await received(svc.nc, "tg.j.step.*")
+        rc = RankCredentials(tmp_path / "ranks", S, "j", "h1")
+        await rc.obtain(agent.nc, {0: 2, 1: 3})
+        guard = Guard(job="j", rank=3, world_size=4, host="h1", nats_url=operator_nats.url,
+                      prefix=PREFIX, heartbeat_interval=0.2, credentials=str(rc.path(1)))
+        try:
+            step = 0
+
+            def take_step() -> None:
+                nonlocal step
+                with guard.step(step):
+                    pass
+                step += 1
+
+            await wait_until(lambda: take_step() or S.step("j", 3) in seen,
+                             what="rank 3's step report")
+            guard.resize(2, rank=1)  # the host of ranks 0 and 1 left
+            assert await rc.renumber(agent.nc, {2: 0, 3: 1}) is not None
+            assert rc.held == {0: 0, 1: 1}
+            await wait_until(lambda: guard.transport.stats.renewals == 1,
+                             what="the switch to the new number's credential")
+            await wait_until(lambda: take_step() or S.step("j", 1) in seen, timeout=15,
+                             what="the renumbered rank's report as rank 1")
+            name = claims_of(jwt_of_creds(rc.path(1).read_text()))["name"]
+            assert name == "rank-j-1@h1" and rc.ranks == {0, 1}
+            assert await rc.renew(agent.nc) is not None  # renews the new numbers only
+            assert claims_of(jwt_of_creds(rc.path(1).read_text()))["name"] == "rank-j-1@h1"
+        finally:
+            guard.close()
 
 
 async def test_an_agent_in_jwt_mode_hands_each_rank_its_own_credential(
@@ -443,11 +486,11 @@ async def test_an_agent_in_jwt_mode_hands_each_rank_its_own_credential(
             link.start()
             try:
                 assert await asyncio.to_thread(link.ready.wait, 30), "agent link not ready"
-                await asyncio.to_thread(link.ensure_rank_credentials, 3)
-                assert rc.ranks == {3}
+                await asyncio.to_thread(link.ensure_rank_credentials, 1, 3)
+                assert rc.held == {1: 3}
                 guard = Guard(job="j", rank=3, world_size=4, host="node-a",
                               nats_url=plane.nats.url, prefix=PREFIX,
-                              credentials=rc.pattern.format(rank=3))
+                              credentials=str(rc.path(1)))
                 try:
                     with guard.step(0):
                         pass

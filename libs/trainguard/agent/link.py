@@ -68,7 +68,7 @@ from trainguard.runtime.topology import (
 from . import procs
 from .executor import CommandExecutor
 from .node import LocalNode
-from .rankcreds import RankCredentials
+from .rankcreds import CredentialsRefused, RankCredentials
 from .settings import AgentSettings
 
 log = logging.getLogger("trainguard.agent")
@@ -129,23 +129,45 @@ class AgentLink:
             log.debug("link call failed: %r", exc)
             return None
 
-    def ensure_rank_credentials(self, rank: int) -> None:
-        """Obtain ``rank``'s own credential file before it starts, if not yet held (from
-        the supervisor's thread, bounded). One that cannot be had costs the rank its
-        telemetry (the server refuses it), never its training: said, not raised."""
+    def ensure_rank_credentials(self, local_rank: int, rank: int) -> None:
+        """Obtain rank ``rank``'s own credential into local rank ``local_rank``'s file
+        before that process starts, if the file does not hold it yet (from the supervisor's
+        thread, bounded). One that cannot be had costs the rank its telemetry (the server
+        refuses it), never its training: said, not raised."""
         rc = self.rank_credentials
-        if rc is None or rank in rc.ranks:
+        if rc is None or rc.held.get(local_rank) == rank:
             return
 
         async def _obtain() -> None:
             assert self._bus is not None
-            await rc.obtain(self._bus.nc, [rank])
+            await rc.obtain(self._bus.nc, {local_rank: rank})
 
         self.call(_obtain, rc.timeout + 1.0)
-        if rank not in rc.ranks:
+        if rc.held.get(local_rank) != rank:
             print(f"trainguard launch: warning: no credential for rank {rank} from the "
                   "control plane's issuer (is `trainguard up --auth jwt` running?); its "
                   "telemetry will be refused", flush=True)
+
+    def renumber_rank_credentials(self, renumbered: dict[int, int]) -> None:
+        """Local ranks renumbered in place (old global rank -> new, from the supervisor's
+        thread, which it does not hold up): their files get the new numbers' credentials
+        on the link's loop, and their Guards switch to them. One that cannot be had is
+        said, not raised: the rank's telemetry under its new number is refused until its
+        next restart."""
+        rc, loop = self.rank_credentials, self._loop
+        if rc is None or loop is None or not renumbered:
+            return
+
+        async def _renumber() -> None:
+            assert self._bus is not None
+            try:
+                await rc.renumber(self._bus.nc, renumbered)
+            except CredentialsRefused as exc:
+                print(f"trainguard launch: warning: renumbered ranks {renumbered}: {exc}; "
+                      "their telemetry under the new numbers will be refused", flush=True)
+
+        with contextlib.suppress(RuntimeError):  # a closed loop: the link is gone
+            asyncio.run_coroutine_threadsafe(_renumber(), loop)
 
     def request_save(self, deadline: float) -> str:
         """Ask the checkpoint coordinator for a save-now (preemption); bounded wait."""
