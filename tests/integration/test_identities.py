@@ -9,14 +9,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import nats.errors
+import nats.js.errors
 import pytest
 from nats.aio.client import Client as NATS
+from nats.js import api as js_api
 
 from tests.conftest import wait_until
 from trainguard import Guard
@@ -27,7 +30,13 @@ from trainguard.agent.settings import AgentSettings
 from trainguard.cli import main as cli_main
 from trainguard.cli.credentials import run as cli_run
 from trainguard.contract.errors import ConfigError
-from trainguard.contract.rpc import CREDS
+from trainguard.contract.rpc import (
+    CONSUMER,
+    CREDS,
+    CommandConsumerReply,
+    CommandConsumerRequest,
+    RankCredentialsRequest,
+)
 from trainguard.contract.schemas import NodeHello
 from trainguard.contract.subjects import Subjects, stream_name
 from trainguard.core.auth import access_from, write_private
@@ -38,11 +47,11 @@ from trainguard.core.identities import (
     expiry_of,
     issuer_permissions,
 )
-from trainguard.core.natsjwt import Permissions, claims_of, jwt_of_creds
+from trainguard.core.natsjwt import Key, Permissions, claims_of, jwt_of_creds
 from trainguard.runtime.config import load_settings
 from trainguard.runtime.embedded import EmbeddedControlPlane, NatsServer, free_port
 from trainguard.runtime.issuer import serve_issuer
-from trainguard.runtime.topology import ConsumerSpec, ensure_consumer, provision, streams
+from trainguard.runtime.topology import agent_consumer, ensure_consumer, provision, streams
 
 PREFIX = "tg"
 S = Subjects(PREFIX)
@@ -134,19 +143,29 @@ async def test_a_rank_cannot_hear_another_ranks_commands_or_pull_an_agents_consu
         assert not rank.refused(S.cmd_rank("j", 1))
 
 
+async def ask_for_consumer(agent: Client, host: str, said: str | None = None,
+                           timeout: float = 5) -> CommandConsumerReply:
+    msg = await agent.nc.request(S.rpc_consumer("j", host), CONSUMER.encode_request(
+        CommandConsumerRequest(host=said or host)), timeout=timeout)
+    return CONSUMER.decode_reply(msg.data)
+
+
 async def test_an_agent_pulls_its_own_command_consumer_and_not_another_hosts(
         operator_nats: NatsServer, trust: Trust, tmp_path: Path) -> None:
     minter = trust.minter
-    specs = {h: ConsumerSpec("cmds", agent_durable("j", h),
-                             (S.cmd_all("j"), S.cmd_host("j", h)), ack_wait=30.0)
-             for h in ("h1", "h2")}
+    specs = {h: agent_consumer(PREFIX, "j", h) for h in ("h1", "h2")}
     async with connected(operator_nats, minter.mint_role("remediator", PREFIX),
                          tmp_path) as svc, \
+            connected(operator_nats, minter.mint("issuer", issuer_permissions(PREFIX)),
+                      tmp_path) as issuer, \
             connected(operator_nats, minter.mint_agent(PREFIX, "j", "h1"), tmp_path) as agent:
         await provision(svc.nc.jetstream(), streams(PREFIX))
+        await serve_issuer(issuer.nc, minter, PREFIX, ttl=600)
         await ensure_consumer(svc.nc.jetstream(), PREFIX, specs["h2"])
         js = agent.nc.jetstream()
-        stream = await ensure_consumer(js, PREFIX, specs["h1"])
+        made = await ask_for_consumer(agent, "h1")  # the control plane makes it
+        assert made.ok and made.durable == specs["h1"].durable
+        stream = made.stream
         own = await js.pull_subscribe_bind(specs["h1"].durable, stream)
         for h in ("h2", "h1"):
             await svc.nc.jetstream().publish(S.cmd_host("j", h), f"for {h}".encode())
@@ -163,6 +182,57 @@ async def test_an_agent_pulls_its_own_command_consumer_and_not_another_hosts(
         # The command for h2 is still h2's to take.
         info = await svc.nc.jetstream().consumer_info(stream, specs["h2"].durable)
         assert info.num_pending == 1
+
+
+async def test_an_agent_cannot_create_its_command_consumer_with_another_hosts_filter(
+        operator_nats: NatsServer, trust: Trust, tmp_path: Path) -> None:
+    """An agent's own durable, created with a filter naming another host's commands, is
+    refused in every form of JetStream's create request; the control plane makes it with
+    its own host's filters at its ask (and only at its own host's agent's ask)."""
+    minter = trust.minter
+    durable = agent_durable("j", "h1")
+    stream = stream_name(PREFIX, "cmds")
+    foreign = [S.cmd_all("j"), S.cmd_host("j", "h2")]
+    async with connected(operator_nats, minter.mint_role("remediator", PREFIX),
+                         tmp_path) as svc, \
+            connected(operator_nats, minter.mint("issuer", issuer_permissions(PREFIX)),
+                      tmp_path) as issuer, \
+            connected(operator_nats, minter.mint_agent(PREFIX, "j", "h1"), tmp_path) as agent:
+        await provision(svc.nc.jetstream(), streams(PREFIX))
+        js = agent.nc.jetstream(timeout=2)
+        with pytest.raises((nats.errors.Error, asyncio.TimeoutError)):  # legacy form
+            await js.add_consumer(stream, js_api.ConsumerConfig(
+                durable_name=durable, ack_policy=js_api.AckPolicy.EXPLICIT,
+                filter_subjects=foreign))
+        api = f"$JS.API.CONSUMER.CREATE.{stream}.{durable}"
+        for subject, config in ((api, {"filter_subjects": foreign}),
+                                (f"{api}.{foreign[1]}", {"filter_subject": foreign[1]})):
+            body = json.dumps({"stream_name": stream, "config": {
+                "durable_name": durable, "ack_policy": "explicit", **config}}).encode()
+            with pytest.raises((nats.errors.Error, asyncio.TimeoutError)):
+                await agent.nc.request(subject, body, timeout=2)
+        await wait_until(lambda: all(agent.refused(x) for x in (
+            f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{durable}", api,
+            f"{api}.{foreign[1]}")), what="the server to refuse all three creates")
+        with pytest.raises(nats.js.errors.NotFoundError):
+            await svc.nc.jetstream().consumer_info(stream, durable)
+        await serve_issuer(issuer.nc, minter, PREFIX, ttl=600)
+        with pytest.raises((nats.errors.Error, asyncio.TimeoutError)):  # h2's subject
+            await ask_for_consumer(agent, "h2", timeout=2)
+        await wait_until(lambda: agent.refused(S.rpc_consumer("j", "h2")),
+                         what="the server to refuse h1's agent on h2's subject")
+        lying = await ask_for_consumer(agent, "h1", said="h2")
+        assert not lying.ok and "names host 'h2'" in lying.reason
+        made = await ask_for_consumer(agent, "h1")
+        assert made.ok and (made.stream, made.durable) == (stream, durable)
+        info = await svc.nc.jetstream().consumer_info(stream, durable)
+        assert sorted(info.config.filter_subjects or []) == sorted(
+            [S.cmd_all("j"), S.cmd_host("j", "h1")])
+        sub = await agent.nc.jetstream().pull_subscribe_bind(durable, stream)
+        for h in ("h2", "h1"):
+            await svc.nc.jetstream().publish(S.cmd_host("j", h), f"for {h}".encode())
+        [msg] = await sub.fetch(1, timeout=10)
+        assert msg.data == b"for h1"
 
 
 async def test_an_expired_credential_is_refused(operator_nats: NatsServer, trust: Trust,
@@ -284,8 +354,8 @@ async def test_an_agent_obtains_and_renews_its_ranks_credentials_from_the_issuer
             connected(operator_nats, minter.mint_agent(PREFIX, "k", "h9"), tmp_path) as other:
         await serve_issuer(issuer.nc, minter, PREFIX, ttl=600)
         ranks = RankCredentials(tmp_path / "ranks", S, "j", "h1")
-        first = await ranks.obtain(agent.nc, [0, 1])
-        assert ranks.pattern.format(rank=1) == str(ranks.path(1))
+        first = await ranks.obtain(agent.nc, {0: 0, 1: 1})
+        assert ranks.pattern.format(local_rank=1) == str(ranks.path(1))
         assert (ranks.path(0).stat().st_mode & 0o777) == 0o600
         async with connected(operator_nats, minter.mint_role("detector", PREFIX),
                              tmp_path) as svc, \
@@ -298,17 +368,88 @@ async def test_an_agent_obtains_and_renews_its_ranks_credentials_from_the_issuer
                              what="rank 1's own report through, rank 0's refused")
             assert seen == [S.step("j", 1)]
         before = ranks.path(0).read_text()
-        assert await ranks.obtain(agent.nc, ranks.ranks) >= first  # the renewal
+        assert (await ranks.renew(agent.nc) or 0) >= first  # the renewal
         assert ranks.path(0).read_text() != before and ranks.renew_in() > 0
         with pytest.raises(CredentialsRefused):  # job k's agent, on job j's subject
             await RankCredentials(tmp_path / "k", S, "j", "h9", timeout=2).obtain(
-                other.nc, [0])
-        await wait_until(lambda: other.refused(S.rpc("j", "creds")),
+                other.nc, {0: 0})
+        await wait_until(lambda: other.refused(S.rpc_creds("j", "h9")),
                          what="the server to refuse job k's agent")
-        bad = await agent.nc.request(S.rpc("j", "creds"),
+        bad = await agent.nc.request(S.rpc_creds("j", "h1"),
                                      b'{"host": "h1", "keys": {"0": "not-a-key"}}', timeout=5)
         reply = CREDS.decode_reply(bad.data)
         assert not reply.ok and "not a user public key" in reply.reason
+
+
+async def test_an_agent_obtains_rank_credentials_for_its_own_host_only(
+        operator_nats: NatsServer, trust: Trust, tmp_path: Path) -> None:
+    """The issuer knows which host asks: the agent of h1 cannot ask in h2's name (the
+    server refuses its ask on h2's subject, the issuer a body naming h2 on h1's), and
+    every rank credential it obtains names h1."""
+    minter = trust.minter
+    issuer_creds = minter.mint("issuer", issuer_permissions(PREFIX))
+    async with connected(operator_nats, issuer_creds, tmp_path) as issuer, \
+            connected(operator_nats, minter.mint_agent(PREFIX, "j", "h1"), tmp_path) as agent:
+        await serve_issuer(issuer.nc, minter, PREFIX, ttl=600)
+        with pytest.raises(CredentialsRefused):  # h1's agent, asking as h2
+            await RankCredentials(tmp_path / "h2", S, "j", "h2", timeout=2).obtain(
+                agent.nc, {0: 4})
+        await wait_until(lambda: agent.refused(S.rpc_creds("j", "h2")),
+                         what="the server to refuse h1's agent on h2's subject")
+        assert not (tmp_path / "h2" / "local-0.creds").exists()
+        lying = await agent.nc.request(
+            S.rpc_creds("j", "h1"),
+            CREDS.encode_request(RankCredentialsRequest(
+                host="h2", keys={4: Key.new("user").public})), timeout=5)
+        reply = CREDS.decode_reply(lying.data)
+        assert not reply.ok and "names host 'h2'" in reply.reason
+        own = RankCredentials(tmp_path / "h1", S, "j", "h1")
+        await own.obtain(agent.nc, {0: 0, 1: 1})
+        names = {claims_of(jwt_of_creds(own.path(r).read_text()))["name"] for r in (0, 1)}
+        assert names == {"rank-j-0@h1", "rank-j-1@h1"}
+
+
+async def test_a_rank_renumbered_in_place_reports_on_its_new_numbers_credential(
+        operator_nats: NatsServer, trust: Trust, tmp_path: Path) -> None:
+    """Processes renumbered in place (ranks 2 and 3 of host h1 become 0 and 1 when the
+    host of 0 and 1 leaves) keep their credential files: their agent writes the new
+    numbers' credentials over them, the Guard switches, its reports under the new number
+    go through, and the agent renews the new numbers only."""
+    minter = trust.minter
+    issuer_creds = minter.mint("issuer", issuer_permissions(PREFIX))
+    async with connected(operator_nats, issuer_creds, tmp_path) as issuer, \
+            connected(operator_nats, minter.mint_agent(PREFIX, "j", "h1"), tmp_path) as agent, \
+            connected(operator_nats, minter.mint_role("detector", PREFIX), tmp_path) as svc:
+        await serve_issuer(issuer.nc, minter, PREFIX, ttl=600)
+        seen = await received(svc.nc, "tg.j.step.*")
+        rc = RankCredentials(tmp_path / "ranks", S, "j", "h1")
+        await rc.obtain(agent.nc, {0: 2, 1: 3})
+        guard = Guard(job="j", rank=3, world_size=4, host="h1", nats_url=operator_nats.url,
+                      prefix=PREFIX, heartbeat_interval=0.2, credentials=str(rc.path(1)))
+        try:
+            step = 0
+
+            def take_step() -> None:
+                nonlocal step
+                with guard.step(step):
+                    pass
+                step += 1
+
+            await wait_until(lambda: take_step() or S.step("j", 3) in seen,
+                             what="rank 3's step report")
+            guard.resize(2, rank=1)  # the host of ranks 0 and 1 left
+            assert await rc.renumber(agent.nc, {2: 0, 3: 1}) is not None
+            assert rc.held == {0: 0, 1: 1}
+            await wait_until(lambda: guard.transport.stats.renewals == 1,
+                             what="the switch to the new number's credential")
+            await wait_until(lambda: take_step() or S.step("j", 1) in seen, timeout=15,
+                             what="the renumbered rank's report as rank 1")
+            name = claims_of(jwt_of_creds(rc.path(1).read_text()))["name"]
+            assert name == "rank-j-1@h1" and rc.ranks == {0, 1}
+            assert await rc.renew(agent.nc) is not None  # renews the new numbers only
+            assert claims_of(jwt_of_creds(rc.path(1).read_text()))["name"] == "rank-j-1@h1"
+        finally:
+            guard.close()
 
 
 async def test_an_agent_in_jwt_mode_hands_each_rank_its_own_credential(
@@ -345,11 +486,11 @@ async def test_an_agent_in_jwt_mode_hands_each_rank_its_own_credential(
             link.start()
             try:
                 assert await asyncio.to_thread(link.ready.wait, 30), "agent link not ready"
-                await asyncio.to_thread(link.ensure_rank_credentials, 3)
-                assert rc.ranks == {3}
+                await asyncio.to_thread(link.ensure_rank_credentials, 1, 3)
+                assert rc.held == {1: 3}
                 guard = Guard(job="j", rank=3, world_size=4, host="node-a",
                               nats_url=plane.nats.url, prefix=PREFIX,
-                              credentials=rc.pattern.format(rank=3))
+                              credentials=str(rc.path(1)))
                 try:
                     with guard.step(0):
                         pass

@@ -177,9 +177,11 @@ def test_the_ranks_after_a_leaving_host_close_up_the_gap(tmp_path: Path) -> None
     settings = load_settings(AgentSettings, env={}, overrides={"job": "j", "host": "node-c"})
     node = LocalNode(settings, hosts_store=False, gpu=None, publish_exit=lambda e: None)
     rdzv = JobRendezvous(plan(f"127.0.0.1:{free_port()}", 1, host=True))
+    told: list[dict[int, int]] = []
     sup = Supervisor(node=node, rdzv=rdzv, program=Program("train.py", []), nproc=2,
                      max_restarts=3, log_dir=str(tmp_path),
-                     spares=SparePool(0, {}, str(tmp_path)), stop_grace=1.0)
+                     spares=SparePool(0, {}, str(tmp_path)), stop_grace=1.0,
+                     renumbered=told.append)
     try:
         sup.round = Round(group_rank=2, group_world_size=3, base_rank=4, world_size=6,
                           master_addr="127.0.0.1", master_port=1, generation=3, store=None)
@@ -196,8 +198,13 @@ def test_the_ranks_after_a_leaving_host_close_up_the_gap(tmp_path: Path) -> None
         assert (sup.round.world_size, sup.round.group_world_size, sup.round.base_rank) == (
             4, 2, 2)
         assert node.rank_pids() == {2: 500, 3: 501}
-        env = sup.rank_env(sup.round, 1, sup.group[1].rank, 4, 0, "/x/error.json", join=True)
+        assert told == [{4: 2, 5: 3}]  # jwt mode: their files get the new numbers'
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("TRAINGUARD_CREDENTIALS", "/c/local-{local_rank}.creds")
+            env = sup.rank_env(sup.round, 1, sup.group[1].rank, 4, 0, "/x/error.json",
+                               join=True)
         assert (env["RANK"], env["WORLD_SIZE"]) == ("3", "4")
+        assert env["TRAINGUARD_CREDENTIALS"] == "/c/local-1.creds"  # the process's file
     finally:
         sup.tail.close()
         rdzv.close()

@@ -14,10 +14,12 @@ from trainguard.core.credsfile import CredsFile
 from trainguard.core.identities import (
     Trust,
     agent_permissions,
+    ensure_issuer_creds,
     ensure_role_creds,
+    issuer_permissions,
     rank_permissions,
 )
-from trainguard.core.natsjwt import Key, claims_of, encode, inbox_of, jwt_of_creds
+from trainguard.core.natsjwt import Key, Permissions, claims_of, encode, inbox_of, jwt_of_creds
 
 
 def _part(text: str) -> bytes:
@@ -74,6 +76,8 @@ def test_an_agent_may_use_only_its_own_durable() -> None:
     p = agent_permissions("tg", "j", "h1")
     api = [s for s in p.publish if s.startswith("$JS.API.CONSUMER")]
     assert api and all(".agent-j-h1" in s for s in api)
+    assert not any("CREATE" in s for s in api)  # the control plane creates it
+    assert "tg.j.rpc.consumer.h1" in p.publish and "tg.j.rpc.creds.h1" in p.publish
     assert "$JS.ACK.TG_CMDS.agent-j-h1.>" in p.publish
     assert "tg.j.cmd.host.h1" in p.subscribe and "tg.j.cmd.host.*" not in p.subscribe
 
@@ -86,3 +90,16 @@ def test_role_credentials_are_kept_and_reminted_only_for_a_new_trust(tmp_path) -
     assert ensure_role_creds(tmp_path, first, "tg")["detector"].read_text() == kept
     renewed = ensure_role_creds(tmp_path, second, "tg")["detector"].read_text()
     assert claims_of(jwt_of_creds(renewed))["iss"] == second.signer.public
+
+
+def test_the_issuers_credential_is_reminted_when_its_permissions_changed(tmp_path) -> None:
+    trust = Trust.new()
+    path = tmp_path / "issuer.creds"
+    path.write_text(trust.minter.mint("issuer", Permissions(("tg.*.dead",),
+                                                            ("tg.*.rpc.creds",))))
+    ensure_issuer_creds(tmp_path, trust, "tg")
+    allowed = claims_of(jwt_of_creds(path.read_text()))["nats"]
+    assert allowed["pub"]["allow"] == list(issuer_permissions("tg").publish)
+    assert allowed["sub"]["allow"] == list(issuer_permissions("tg").subscribe)
+    kept = path.read_text()
+    assert ensure_issuer_creds(tmp_path, trust, "tg").read_text() == kept

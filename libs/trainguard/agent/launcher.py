@@ -292,6 +292,8 @@ def launch(settings: AgentSettings, torchrun_argv: list[str]) -> int:
                                 refill_delay=settings.spare_refill_delay,
                                 in_place=settings.in_place,
                                 credentials=link.ensure_rank_credentials if rank_creds
+                                else None,
+                                renumbered=link.renumber_rank_credentials if rank_creds
                                 else None)
         supervisor_box.append(supervisor)
         node.rank_restarter = supervisor.restart_rank

@@ -3,7 +3,9 @@
 The main thread belongs to the launcher's supervisor (it handles signals and polls its
 workers), so NATS and Redis live on a thread with its own event loop. Order at start
 matters: the durable command consumer exists *before* ``NodeHello`` goes out, because the
-command stream has interest retention and drops commands nobody is bound to yet.
+command stream has interest retention and drops commands nobody is bound to yet. The agent
+creates it, or in ``jwt`` mode asks the control plane to (its own credential may bind and
+pull it only).
 """
 
 from __future__ import annotations
@@ -26,7 +28,14 @@ from trainguard.contract.codec import decode_as
 from trainguard.contract.envelope import H_TYPE, normalize_headers
 from trainguard.contract.errors import DecodeError, InvalidToken
 from trainguard.contract.evidence import HostFacts
-from trainguard.contract.rpc import SAVE, SaveReply, SaveRequest, call
+from trainguard.contract.rpc import (
+    CONSUMER,
+    SAVE,
+    CommandConsumerRequest,
+    SaveReply,
+    SaveRequest,
+    call,
+)
 from trainguard.contract.schemas import (
     Command,
     CommandAck,
@@ -40,7 +49,6 @@ from trainguard.contract.schemas import (
     XidEvent,
 )
 from trainguard.core import tracing
-from trainguard.core.identities import agent_durable
 from trainguard.core.receiver import Unreadable
 from trainguard.runtime.bus import Bus, BusUnavailable, connect_nats
 from trainguard.runtime.deadletter import MAX_REASON, clip
@@ -51,6 +59,7 @@ from trainguard.runtime.state import Keys, read_blocklist_entry
 from trainguard.runtime.store import redis_client
 from trainguard.runtime.topology import (
     ConsumerSpec,
+    agent_consumer,
     ensure_consumer,
     missing_streams,
     provision,
@@ -61,7 +70,7 @@ from . import procs
 from .executor import CommandExecutor
 from .gpu import alarm
 from .node import LocalNode
-from .rankcreds import RankCredentials
+from .rankcreds import CredentialsRefused, RankCredentials
 from .settings import AgentSettings
 
 log = logging.getLogger("trainguard.agent")
@@ -72,11 +81,7 @@ away, before it is dropped with a warning."""
 
 
 def consumer_spec(settings: AgentSettings) -> ConsumerSpec:
-    s = settings.subjects
-    return ConsumerSpec(
-        "cmds", agent_durable(settings.job, settings.host),  # jwt permissions name it
-        (s.cmd_all(settings.job), s.cmd_host(settings.job, settings.host)),
-        ack_wait=120.0, inactive_threshold=3600.0)
+    return agent_consumer(settings.prefix, settings.job, settings.host)
 
 
 class AgentLink:
@@ -126,23 +131,45 @@ class AgentLink:
             log.debug("link call failed: %r", exc)
             return None
 
-    def ensure_rank_credentials(self, rank: int) -> None:
-        """Obtain ``rank``'s own credential file before it starts, if not yet held (from
-        the supervisor's thread, bounded). One that cannot be had costs the rank its
-        telemetry (the server refuses it), never its training: said, not raised."""
+    def ensure_rank_credentials(self, local_rank: int, rank: int) -> None:
+        """Obtain rank ``rank``'s own credential into local rank ``local_rank``'s file
+        before that process starts, if the file does not hold it yet (from the supervisor's
+        thread, bounded). One that cannot be had costs the rank its telemetry (the server
+        refuses it), never its training: said, not raised."""
         rc = self.rank_credentials
-        if rc is None or rank in rc.ranks:
+        if rc is None or rc.held.get(local_rank) == rank:
             return
 
         async def _obtain() -> None:
             assert self._bus is not None
-            await rc.obtain(self._bus.nc, [rank])
+            await rc.obtain(self._bus.nc, {local_rank: rank})
 
         self.call(_obtain, rc.timeout + 1.0)
-        if rank not in rc.ranks:
+        if rc.held.get(local_rank) != rank:
             print(f"trainguard launch: warning: no credential for rank {rank} from the "
                   "control plane's issuer (is `trainguard up --auth jwt` running?); its "
                   "telemetry will be refused", flush=True)
+
+    def renumber_rank_credentials(self, renumbered: dict[int, int]) -> None:
+        """Local ranks renumbered in place (old global rank -> new, from the supervisor's
+        thread, which it does not hold up): their files get the new numbers' credentials
+        on the link's loop, and their Guards switch to them. One that cannot be had is
+        said, not raised: the rank's telemetry under its new number is refused until its
+        next restart."""
+        rc, loop = self.rank_credentials, self._loop
+        if rc is None or loop is None or not renumbered:
+            return
+
+        async def _renumber() -> None:
+            assert self._bus is not None
+            try:
+                await rc.renumber(self._bus.nc, renumbered)
+            except CredentialsRefused as exc:
+                print(f"trainguard launch: warning: renumbered ranks {renumbered}: {exc}; "
+                      "their telemetry under the new numbers will be refused", flush=True)
+
+        with contextlib.suppress(RuntimeError):  # a closed loop: the link is gone
+            asyncio.run_coroutine_threadsafe(_renumber(), loop)
 
     def request_save(self, deadline: float) -> str:
         """Ask the checkpoint coordinator for a save-now (preemption); bounded wait."""
@@ -216,7 +243,11 @@ class AgentLink:
             if not await self._streams_ready(bus):
                 return
             spec = consumer_spec(s)
-            stream = await ensure_consumer(bus.js, s.prefix, spec)  # the stream's replicas
+            if s.access.own_identity:  # jwt mode: the control plane creates it
+                if (stream := await self._consumer_from_control_plane(bus)) is None:
+                    return
+            else:
+                stream = await ensure_consumer(bus.js, s.prefix, spec)  # the stream's replicas
             sub = await bus.js.pull_subscribe_bind(spec.durable, stream)
             self.hello.time = time.time()
             await bus.publish_durable(s.subjects.reg_node(s.job, s.host), self.hello)
@@ -237,6 +268,33 @@ class AgentLink:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await bus.close()
+
+    async def _consumer_from_control_plane(self, bus: Bus) -> str | None:
+        """Ask the control plane's issuer for this host's command consumer (``jwt`` mode:
+        the agent's credential may bind it, not create it) until it is made; its stream's
+        name, or None if stopped first."""
+        assert self._stop is not None
+        s = self.settings
+        subject = s.subjects.rpc_consumer(s.job, s.host)
+        body = CONSUMER.encode_request(CommandConsumerRequest(host=s.host))
+        logged = False
+        while not self._stop.is_set():
+            try:
+                msg = await bus.nc.request(subject, body, timeout=s.connect_timeout)
+                reply = CONSUMER.decode_reply(msg.data)
+                if reply.ok:
+                    return reply.stream
+                why = reply.reason
+            except Exception as exc:
+                why = repr(exc)
+            if not logged:
+                log.warning("waiting for the control plane's issuer to create this host's "
+                            "command consumer (is `trainguard up --auth jwt` running?): %s",
+                            why)
+                logged = True
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), 2.0)
+        return None
 
     async def _streams_ready(self, bus: Bus) -> bool:
         """The streams exist: provisioned here where this agent may (a server without auth),

@@ -35,7 +35,8 @@ class AgentSettings(PreflightSettings):
     rank_credentials: str = ""
     """The rank role's credentials file, handed to the ranks (``TRAINGUARD_CREDENTIALS`` of
     their environment); the agent's own is ``credentials``. ``{rank}`` in it becomes each
-    rank's number: one file per rank (``rank-J-{rank}.creds``, ``jwt`` mode)."""
+    rank's number: one file per rank (``rank-J-{rank}.creds``, ``jwt`` mode); or
+    ``{local_rank}`` each process's local rank (the agent's own files in ``jwt`` mode)."""
     warm_spares: int | None = None
     """Warm spares kept per node (processes with torch imported, waiting to replace a
     rank); None (the default): one per local rank, so a whole-group restart is warm for

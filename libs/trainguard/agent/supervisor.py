@@ -46,6 +46,9 @@ log = logging.getLogger("trainguard.agent")
 
 RANK_FIELD: Final = "{rank}"
 """Where a ``rank_credentials`` path names each rank's own file, the rank's number goes."""
+LOCAL_FIELD: Final = "{local_rank}"
+"""Or the process's local rank: the agent's own files (``jwt`` mode), which keep their
+path when the process is renumbered and get the new number's credential."""
 
 
 @dataclass(frozen=True)
@@ -104,11 +107,15 @@ class Supervisor:
                  nproc: int, max_restarts: int, log_dir: str, spares: SparePool,
                  stop_grace: float, monitor_interval: float = 0.1,
                  refill_delay: float = 1.0, in_place: bool = True,
-                 credentials: Callable[[int], None] | None = None) -> None:
+                 credentials: Callable[[int, int], None] | None = None,
+                 renumbered: Callable[[dict[int, int]], None] | None = None) -> None:
         self.node = node
         self.credentials = credentials
-        """Makes sure a rank's own credential file exists before it starts (``jwt``
-        mode: obtained from the control plane's issuer)."""
+        """Makes sure the credential file of a local rank holds its global rank's before
+        it starts (``jwt`` mode: obtained from the control plane's issuer)."""
+        self.renumbered = renumbered
+        """Told the ranks renumbered in place (old -> new: ``jwt`` mode, their files then
+        get the new numbers' credentials)."""
         self.rdzv = rdzv
         self.program = program
         self.nproc = nproc
@@ -299,8 +306,9 @@ class Supervisor:
         # Per-rank credentials (``--rank-credentials DIR/rank-J-{rank}.creds``): each rank
         # is handed its own file's path, never another's.
         creds = env.get(envnames.CREDENTIALS, "")
-        if RANK_FIELD in creds:
-            env[envnames.CREDENTIALS] = creds.replace(RANK_FIELD, str(rank))
+        if RANK_FIELD in creds or LOCAL_FIELD in creds:
+            env[envnames.CREDENTIALS] = creds.replace(RANK_FIELD, str(rank)).replace(
+                LOCAL_FIELD, str(local_rank))
         return env
 
     def _spawn(self, local_rank: int, rank: int, generation: int,
@@ -308,7 +316,7 @@ class Supervisor:
                extra: Mapping[str, str] | None = None) -> RankProc:
         assert self.round is not None
         if self.credentials is not None:
-            self.credentials(rank)
+            self.credentials(local_rank, rank)
         stdout, stderr = rank_files(self.log_dir, restart_count, local_rank, generation)
         error_file = os.path.join(os.path.dirname(stderr), "error.json")
         env = self.rank_env(self.round, local_rank, rank, generation, restart_count,
@@ -484,6 +492,8 @@ class Supervisor:
             p.rank = renumbered.get(p.rank, p.rank)
         if renumbered:
             self.node.workers_renumbered(renumbered)
+            if self.renumbered is not None:
+                self.renumbered(renumbered)
         base = min((p.rank for p in self.group.values()), default=self.round.base_rank)
         group_rank = self.round.group_rank - (0 <= resize.node < self.round.group_rank)
         self.round = replace(self.round, world_size=resize.world_size,

@@ -93,8 +93,9 @@ class CatalogueReply(msgspec.Struct, kw_only=True):
 
 class RankCredentialsRequest(msgspec.Struct, kw_only=True):
     """An agent asks for its ranks' credentials: each rank's user public key (``U...``),
-    made on the agent's host; the seed never travels. The job is the subject's, which the
-    agent's own credential confines it to."""
+    made on the agent's host; the seed never travels. The job and the host are the
+    subject's (``rpc.creds.<host>``), which the agent's own credential confines it to;
+    ``host`` must name the same host."""
 
     host: str
     keys: dict[int, str]
@@ -106,6 +107,23 @@ class RankCredentialsReply(msgspec.Struct, kw_only=True):
     jwts: dict[int, str] = {}
     """Rank -> its user JWT (permissions for that rank of the job, an expiry)."""
     expires: float = 0.0
+    reason: str = ""
+
+
+class CommandConsumerRequest(msgspec.Struct, kw_only=True):
+    """An agent asks the control plane to create (or update) its durable command consumer
+    (``jwt`` mode: its own credential may bind, read and pull it, never create it, since
+    a consumer's filter subjects are the request's body, which a permission cannot
+    name). The job and the host are the subject's; ``host`` must name the same host."""
+
+    host: str
+
+
+class CommandConsumerReply(msgspec.Struct, kw_only=True):
+    ok: bool
+    stream: str = ""
+    durable: str = ""
+    """The consumer the agent binds (``agent-<job>-<host>`` on the command stream)."""
     reason: str = ""
 
 
@@ -154,7 +172,13 @@ CATALOGUE: Endpoint[CatalogueRequest, CatalogueReply] = Endpoint(
 ENDPOINTS: tuple[Endpoint[Any, Any], ...] = (RESUME, SAVE, ROLLBACK, CATALOGUE)
 CREDS: Endpoint[RankCredentialsRequest, RankCredentialsReply] = Endpoint(
     "creds", RankCredentialsRequest, RankCredentialsReply)
-"""Answered by the control plane's credential issuer (``jwt`` mode), not the coordinator."""
+"""Answered by the control plane's credential issuer (``jwt`` mode), not the coordinator,
+on ``rpc.creds.<host>`` (:meth:`~trainguard.contract.subjects.Subjects.rpc_creds`)."""
+
+CONSUMER: Endpoint[CommandConsumerRequest, CommandConsumerReply] = Endpoint(
+    "consumer", CommandConsumerRequest, CommandConsumerReply)
+"""Answered by the control plane's issuer (``jwt`` mode) on ``rpc.consumer.<host>``
+(:meth:`~trainguard.contract.subjects.Subjects.rpc_consumer`)."""
 
 
 class Requester(Protocol):

@@ -10,6 +10,7 @@ Layout (docs/design.md, section 3), with the default prefix ``tg``::
     tg.<job>.reg.<rank>         tg.<job>.reg.host-<host>    (rank and node hellos)
     tg.<job>.cmd.all            tg.<job>.cmd.host.<host>    tg.<job>.cmd.rank.<rank>
     tg.<job>.ack.<issuer>       tg.<job>.rpc.resume
+    tg.<job>.rpc.creds.<host>   tg.<job>.rpc.consumer.<host>   (an agent's asks, ``jwt`` mode)
 
 Jobs, hosts and issuers must be single tokens: letters, digits, ``-`` and ``_``. Anything
 else is refused with :class:`InvalidToken` rather than mangled, because a silently
@@ -147,6 +148,29 @@ class Subjects:
 
     def rpc_catalogue(self, job: str) -> str:
         return self.rpc(job, "checkpoints")
+
+    def rpc_of_host(self, job: str, name: str, host: str) -> str:
+        """An endpoint the agent of ``host`` asks on for itself (``jwt`` mode): the host is
+        the subject's, so a credential that may publish only its own host's names it."""
+        return f"{self.rpc(job, name)}.{check_token('host', host)}"
+
+    def rpc_creds(self, job: str, host: str) -> str:
+        """Where the agent of ``host`` asks the issuer for its ranks' credentials."""
+        return self.rpc_of_host(job, "creds", host)
+
+    def rpc_consumer(self, job: str, host: str) -> str:
+        """Where the agent of ``host`` asks the control plane for its command consumer."""
+        return self.rpc_of_host(job, "consumer", host)
+
+    def host_of_rpc(self, subject: str, name: str) -> str | None:
+        """The host of an ``rpc.<name>.<host>`` subject, or None for any other subject."""
+        try:
+            parsed = self.parse(subject)
+        except InvalidToken:
+            return None
+        if parsed.kind != "rpc" or len(parsed.rest) != 2 or parsed.rest[0] != name:
+            return None
+        return parsed.rest[1]
 
     def dead(self, job: str) -> str:
         return f"{self._job(job)}.dead"

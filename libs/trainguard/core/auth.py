@@ -293,6 +293,12 @@ class Access:
     def role(self) -> str:
         return self.credentials.role if self.credentials else ""
 
+    @property
+    def own_identity(self) -> bool:
+        """Whether the NATS credential is one identity's of ``jwt`` mode (a ``.creds`` file
+        confining its replies to its own inbox), not a role shared by every process of it."""
+        return bool(self.nats_creds) and _inbox_of_file(self.nats_creds) is not None
+
     def nats_options(self) -> dict[str, Any]:
         options: dict[str, Any] = {}
         secret = self.credentials.nats if self.credentials else None

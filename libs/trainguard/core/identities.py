@@ -11,13 +11,16 @@ account (:class:`Trust`), with permissions naming its own subjects only:
   (``_INBOX.J.rR.>``, which :meth:`trainguard.core.auth.Access.nats_options` reads back
   from the credential); short-lived;
 * the agent of host ``H`` of job ``J``: its host's telemetry, hello and exits, its ranks'
-  recovery reports, acks, the dead-letter subject, ``rpc.save``, ``rpc.creds`` (its
-  ranks' credentials, :mod:`trainguard.runtime.issuer`), its node's pre-flight event;
+  recovery reports, acks, the dead-letter subject, ``rpc.save``, ``rpc.creds.H`` (its
+  ranks' credentials, :mod:`trainguard.runtime.issuer`: asked on its own host's subject
+  only, so the issuer knows which host asks), its node's pre-flight event;
   subscribe ``cmd.all``, ``cmd.host.H`` and its inbox; and of JetStream's API only
-  what its own durable command consumer (``agent-J-H``) needs to be created, read,
-  pulled and acknowledged;
+  what its own durable command consumer (``agent-J-H``) needs to be read, pulled and
+  acknowledged: the control plane creates it at the agent's ask (``rpc.consumer.H``),
+  with the job's and the host's command subjects as its filters;
 * a service role: the same permissions as in the static mode;
-* the issuer: it answers ``rpc.creds`` and nothing else.
+* the issuer: it answers ``rpc.creds.<host>`` and ``rpc.consumer.<host>``, and creates
+  agents' command consumers.
 """
 
 from __future__ import annotations
@@ -65,10 +68,15 @@ def is_user_key(key: str) -> bool:
 
 
 def issuer_permissions(prefix: str) -> Permissions:
-    """The control plane's credential issuer: it hears ``rpc.creds`` of every job and
-    answers; it publishes nothing else (an empty allow list would allow everything)."""
-    return Permissions(publish=(Subjects(prefix).dead_pattern(),),
-                       subscribe=(Subjects(prefix).pattern("rpc", tail="creds"),
+    """The control plane's issuer: it hears ``rpc.creds.<host>`` and
+    ``rpc.consumer.<host>`` of every job and answers; of JetStream's API it may only read
+    the command stream and create a durable on it (an agent's command consumer)."""
+    s = Subjects(prefix)
+    cmds = stream_name(prefix, "cmds")
+    return Permissions(publish=(s.dead_pattern(), f"$JS.API.STREAM.INFO.{cmds}",
+                                f"$JS.API.CONSUMER.DURABLE.CREATE.{cmds}.*"),
+                       subscribe=(s.pattern("rpc", tail="creds.*"),
+                                  s.pattern("rpc", tail="consumer.*"),
                                   f"{INBOX_ROOT}.>"), responses=True)
 
 
@@ -98,23 +106,25 @@ def rank_permissions(prefix: str, job: str, rank: int) -> Permissions:
 
 
 def agent_permissions(prefix: str, job: str, host: str) -> Permissions:
-    """The agent of ``host`` in ``job``: its host's subjects and its own command consumer."""
+    """The agent of ``host`` in ``job``: its host's subjects and its own command consumer,
+    which it may read, pull and acknowledge but not create: a consumer's filter subjects
+    travel in the create request's body (with two filters, the subject-based form that
+    names one is refused), so no permission could keep it to its own host's. It asks the
+    control plane for it (``rpc.consumer.H``, :mod:`trainguard.runtime.issuer`)."""
     s = Subjects(prefix)
     h = check_token("host", host)
     cmds = stream_name(prefix, "cmds")
     durable = agent_durable(job, host)
     api = "$JS.API"
     fence = f"KV_{bucket_name(prefix)}"
-    consumer = (f"{api}.CONSUMER.CREATE.{cmds}.{durable}",
-                f"{api}.CONSUMER.CREATE.{cmds}.{durable}.>",
-                f"{api}.CONSUMER.DURABLE.CREATE.{cmds}.{durable}",
-                f"{api}.CONSUMER.INFO.{cmds}.{durable}",
+    consumer = (f"{api}.CONSUMER.INFO.{cmds}.{durable}",
                 f"{api}.CONSUMER.MSG.NEXT.{cmds}.{durable}",
                 f"$JS.ACK.{cmds}.{durable}.>")
     return Permissions(
         publish=(s.gpu(job, h), s.node(job, h), s.exit(job, h), s.fr(job, h),
                  s.reg_node(job, h), s.pattern("recovery", job), s.pattern("ack", job), s.dead(job),
-                 s.rpc_save(job), s.rpc(job, "creds"), s.event(job, "preflight"),
+                 s.rpc_save(job), s.rpc_creds(job, h), s.rpc_consumer(job, h),
+                 s.event(job, "preflight"),
                  f"{api}.INFO", f"{api}.STREAM.INFO.*", f"{api}.STREAM.NAMES", *consumer,
                  f"{api}.DIRECT.GET.{fence}", f"{api}.DIRECT.GET.{fence}.>",
                  f"{api}.STREAM.MSG.GET.{fence}"),
@@ -152,12 +162,18 @@ class Minter:
     def mint_role(self, role: Role, prefix: str, ttl: float | None = None) -> str:
         return self.mint(role, role_permissions(role, prefix), ttl)
 
-    def issue(self, prefix: str, job: str, req: RankCredentialsRequest, ttl: float,
-              limit: int, now: float | None = None) -> RankCredentialsReply:
-        """The issuer's answer to an agent of ``job`` (the subject's job: the server
-        confines an agent's credential to its own): a JWT per rank for the public key the
-        agent made, expiring ``ttl`` seconds from ``now``. Refused whole if any rank or
-        key is bad, or more than ``limit`` ranks are asked for."""
+    def issue(self, prefix: str, job: str, host: str, req: RankCredentialsRequest,
+              ttl: float, limit: int, now: float | None = None) -> RankCredentialsReply:
+        """The issuer's answer to the agent of ``host`` in ``job`` (both the subject's:
+        the server lets an agent's credential ask on its own job's and host's subject
+        only): a JWT per rank for the public key the agent made, expiring ``ttl`` seconds
+        from ``now``, named after the rank and that host (``rank-J-R@H``). Refused whole
+        if the body names another host, any rank or key is bad, or more than ``limit``
+        ranks are asked for."""
+        if req.host != host:
+            return RankCredentialsReply(ok=False, reason=f"the request names host "
+                                                         f"{req.host!r} on host {host!r}'s "
+                                                         "subject")
         if not req.keys or len(req.keys) > limit:
             return RankCredentialsReply(ok=False, reason=f"ask for 1 to {limit} ranks, not "
                                                          f"{len(req.keys)}")
@@ -166,7 +182,7 @@ class Minter:
                 return RankCredentialsReply(ok=False, reason=f"rank {rank}: {key!r} is not "
                                                              "a user public key (U...)")
         expires = (now if now is not None else time.time()) + ttl
-        jwts = {rank: user_jwt(self.signer, self.account, key, f"rank-{job}-{rank}",
+        jwts = {rank: user_jwt(self.signer, self.account, key, f"rank-{job}-{rank}@{host}",
                                rank_permissions(prefix, job, rank), expires)
                 for rank, key in req.keys.items()}
         return RankCredentialsReply(ok=True, jwts=jwts, expires=expires)
@@ -236,20 +252,29 @@ PER_IDENTITY: Final = frozenset({"rank", "agent"})
 has its own (:meth:`Minter.mint_rank`, :meth:`Minter.mint_agent`)."""
 
 
-def _signed_by(path: Path, trust: Trust) -> bool:
+def _signed_by(path: Path, trust: Trust, permissions: Permissions | None = None) -> bool:
     """Whether ``path`` holds a credential the current trust's signing key minted (one
-    from a trust made anew would be refused)."""
+    from a trust made anew would be refused) and, if given, with ``permissions``."""
     try:
-        return bool(claims_of(jwt_of_creds(path.read_text())).get("iss") == trust.signer.public)
+        claims = claims_of(jwt_of_creds(path.read_text()))
     except (OSError, ValueError):
         return False
+    if claims.get("iss") != trust.signer.public:
+        return False
+    if permissions is None:
+        return True
+    nats = claims.get("nats", {})
+    return bool(nats.get("pub", {}).get("allow") == list(permissions.publish)
+                and nats.get("sub", {}).get("allow") == list(permissions.subscribe))
 
 
 def ensure_issuer_creds(directory: Path, trust: Trust, prefix: str) -> Path:
-    """``issuer.creds``: the control plane's credential issuer's own identity."""
+    """``issuer.creds``: the control plane's issuer's own identity, minted again when its
+    permissions changed."""
     path = directory / "issuer.creds"
-    if not _signed_by(path, trust):
-        write_private(path, trust.minter.mint("issuer", issuer_permissions(prefix)))
+    permissions = issuer_permissions(prefix)
+    if not _signed_by(path, trust, permissions):
+        write_private(path, trust.minter.mint("issuer", permissions))
     return path
 
 

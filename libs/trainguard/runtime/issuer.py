@@ -1,11 +1,20 @@
 """The credential issuer: the one control-plane endpoint that mints ranks' credentials.
 
-In ``jwt`` mode an agent asks on ``<prefix>.<job>.rpc.creds`` for its ranks' credentials,
-sending each rank's user public key (:class:`~trainguard.contract.rpc.RankCredentialsRequest`);
-the issuer answers with a short-lived JWT per rank (:meth:`Minter.issue`). The job is the
-subject's, and the server lets an agent's credential publish only its own job's
-``rpc.creds``, so no agent obtains another job's ranks. The issuer holds the account's
+In ``jwt`` mode the agent of host ``H`` asks on ``<prefix>.<job>.rpc.creds.<H>`` for its
+ranks' credentials, sending each rank's user public key
+(:class:`~trainguard.contract.rpc.RankCredentialsRequest`); the issuer answers with a
+short-lived JWT per rank (:meth:`Minter.issue`). The job and the host are the subject's,
+and the server lets an agent's credential publish only its own job's and host's
+``rpc.creds.<host>``: no agent obtains another job's ranks, and every rank credential names
+the host whose agent asked for it (logged here too). Which global rank numbers a host runs
+is torch's rendezvous's, which the control plane does not take part in: an agent may still
+ask for any rank number of its own job (docs/security.md). The issuer holds the account's
 signing key; agents and ranks never do. A thin shell: the rule is :meth:`Minter.issue`.
+
+It also creates an agent's durable command consumer when the agent asks on
+``<prefix>.<job>.rpc.consumer.<H>``: the consumer of that job and host
+(:func:`~trainguard.runtime.topology.agent_consumer`, filtered to ``cmd.all`` and
+``cmd.host.<H>``), which the agent's own credential may bind and pull but not create.
 """
 
 from __future__ import annotations
@@ -13,39 +22,89 @@ from __future__ import annotations
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
 
-from trainguard.contract.errors import DecodeError
-from trainguard.contract.rpc import CREDS, RankCredentialsReply
+from trainguard.contract.errors import DecodeError, InvalidToken
+from trainguard.contract.rpc import (
+    CONSUMER,
+    CREDS,
+    CommandConsumerReply,
+    CommandConsumerRequest,
+    RankCredentialsReply,
+)
 from trainguard.contract.subjects import Subjects
 from trainguard.core.connection import flush
 from trainguard.core.identities import Minter
 
 from .logs import get_logger
+from .topology import agent_consumer, ensure_consumer
 
 log = get_logger("trainguard.runtime.issuer")
 
 
 async def serve_issuer(nc: NATS, minter: Minter, prefix: str, *, ttl: float,
                        limit: int = 4096) -> Subscription:
-    """Answer ``rpc.creds`` of every job on ``nc`` (a queue group: replicas share the
-    work); the server knows the subscription once this returns."""
+    """Answer ``rpc.creds.<host>`` and ``rpc.consumer.<host>`` of every job on ``nc`` (a
+    queue group: replicas share the work); the server knows the subscriptions once this
+    returns."""
     subjects = Subjects(prefix)
 
     async def on_request(msg: Msg) -> None:
         job = subjects.job_of(msg.subject) or ""
+        host = subjects.host_of_rpc(msg.subject, CREDS.name) or ""
         try:
             req = CREDS.decode_request(msg.data)
-            reply = minter.issue(prefix, job, req, ttl, limit)
+            reply = minter.issue(prefix, job, host, req, ttl, limit)
         except DecodeError as exc:
             reply = RankCredentialsReply(ok=False, reason=exc.reason)
         except Exception as exc:  # one bad request must not end the endpoint
             log.exception("issuing credentials for %s failed", job)
             reply = RankCredentialsReply(ok=False, reason=f"issuer failed: {exc!r}")
         if not reply.ok:
-            log.warning("refused credentials for job %s: %s", job, reply.reason)
+            log.warning("refused credentials for job %s to host %s: %s", job, host,
+                        reply.reason)
+        else:
+            log.info("issued credentials for ranks %s of job %s to host %s",
+                     sorted(reply.jwts), job, host)
         await msg.respond(CREDS.encode_reply(reply))
 
-    sub: Subscription = await nc.subscribe(subjects.pattern("rpc", tail=CREDS.name), queue="issuer",
-                             cb=on_request)
+    async def on_consumer(msg: Msg) -> None:
+        job = subjects.job_of(msg.subject) or ""
+        host = subjects.host_of_rpc(msg.subject, CONSUMER.name) or ""
+        try:
+            reply = await create_agent_consumer(js, prefix, job, host,
+                                                CONSUMER.decode_request(msg.data))
+        except DecodeError as exc:
+            reply = CommandConsumerReply(ok=False, reason=exc.reason)
+        except Exception as exc:  # one bad request must not end the endpoint
+            log.warning("creating the command consumer of host %s of job %s failed: %r",
+                        host, job, exc)
+            reply = CommandConsumerReply(ok=False, reason=f"issuer failed: {exc!r}")
+        if not reply.ok:
+            log.warning("refused the command consumer of host %s of job %s: %s", host, job,
+                        reply.reason)
+        await msg.respond(CONSUMER.encode_reply(reply))
+
+    js = nc.jetstream()
+    sub: Subscription = await nc.subscribe(subjects.pattern("rpc", tail=f"{CREDS.name}.*"),
+                                           queue="issuer", cb=on_request)
+    await nc.subscribe(subjects.pattern("rpc", tail=f"{CONSUMER.name}.*"), queue="issuer",
+                       cb=on_consumer)
     await flush(nc)
     return sub
+
+
+async def create_agent_consumer(js: JetStreamContext, prefix: str, job: str, host: str,
+                                req: CommandConsumerRequest) -> CommandConsumerReply:
+    """Create (or update) the command consumer of ``host``'s agent in ``job`` (both the
+    subject's, which the agent's credential confines to its own); refused if the body
+    names another host. The stream's own errors (not provisioned yet) propagate."""
+    if req.host != host:
+        return CommandConsumerReply(ok=False, reason=f"the request names host {req.host!r} "
+                                                     f"on host {host!r}'s subject")
+    try:
+        spec = agent_consumer(prefix, job, host)
+    except InvalidToken as exc:
+        return CommandConsumerReply(ok=False, reason=str(exc))
+    stream = await ensure_consumer(js, prefix, spec)
+    return CommandConsumerReply(ok=True, stream=stream, durable=spec.durable)

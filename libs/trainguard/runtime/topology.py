@@ -31,6 +31,7 @@ from nats.js.errors import APIError, NotFoundError
 
 from trainguard.contract.errors import ConfigError
 from trainguard.contract.subjects import StreamRole, Subjects, stream_name
+from trainguard.core.identities import agent_durable
 
 DAY: Final = 86400.0
 
@@ -90,6 +91,18 @@ class ConsumerSpec:
             filter_subjects=list(self.filter_subjects),
             inactive_threshold=self.inactive_threshold,
         )
+
+
+def agent_consumer(prefix: str, job: str, host: str) -> ConsumerSpec:
+    """The durable command consumer of ``host``'s agent in ``job``: the job's broadcasts
+    and its own host's commands, in the stream's order. Made by the agent itself, or in
+    ``jwt`` mode by the control plane at its agent's ask (:mod:`trainguard.runtime.issuer`):
+    an agent's own credential may not create a consumer, whose filters no permission can
+    name."""
+    s = Subjects(prefix)
+    return ConsumerSpec("cmds", agent_durable(job, host),  # jwt permissions name it
+                        (s.cmd_all(job), s.cmd_host(job, host)),
+                        ack_wait=120.0, inactive_threshold=3600.0)
 
 
 def streams(prefix: str, *, replicas: int = 1,
