@@ -39,7 +39,7 @@ TELEMETRY: list[s.TelemetryMessage] = [
                     pids={0: 100, 1: 101}),
     s.SnapshotReport(job="j1", time=3.2, seq=5, rank=1, step=120, attempt=1, taken=3.15,
                      bytes=4096, copy_seconds=0.002, check_seconds=0.01, every=2,
-                     kept_steps=[100, 118, 120], host_bytes=12288, world_size=4),
+                     kept_steps=[100, 118, 120], oldest_taken=1.0, host_bytes=12288, world_size=4),
 ]
 
 DURABLE: list[s.Durable] = [

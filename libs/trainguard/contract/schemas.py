@@ -235,6 +235,8 @@ class SnapshotReport(Telemetry, tag="snap.v1"):
     """Steps between snapshots now (``every="auto"`` moves it with the measured cost)."""
     kept_steps: list[int] = []
     """The steps of the clean, checked snapshots this rank holds, oldest first."""
+    oldest_taken: float = 0.0
+    """When the oldest of them was taken (how far back in time a rollback reaches)."""
     host_bytes: int = 0
     """Host memory the kept snapshots hold on this rank."""
     world_size: int = 0

@@ -968,11 +968,13 @@ class Checkpointer:
         if mem is None:
             return
         self._snapshot_seq += 1
+        kept = mem.clean()
         guard.publish_snapshot(SnapshotReport(
             job=guard.job, time=time.time(), seq=self._snapshot_seq, rank=guard.rank,
             step=snap.step, attempt=guard.identity.attempt.restart_count, taken=snap.taken,
             bytes=snap.nbytes, copy_seconds=snap.copy_seconds, check_seconds=snap.check_seconds,
-            every=mem.interval, kept_steps=mem.kept(), host_bytes=mem.nbytes,
+            every=mem.interval, kept_steps=[s.step for s in kept],
+            oldest_taken=kept[0].taken if kept else snap.taken, host_bytes=mem.nbytes,
             world_size=guard.world_size))
 
     def _snapshot(self, step: int) -> None:

@@ -258,11 +258,15 @@ class MemorySnapshots:
         return victim if fits else None
 
     # -- restoring ------------------------------------------------------------------------
-    def kept(self) -> list[int]:
-        """Steps of the snapshots kept whose check has passed, oldest first; never waits
+    def clean(self) -> list[Snapshot]:
+        """The snapshots kept whose check has passed, oldest step first; never waits
         (safe on the check thread, where a check still queued would never end)."""
-        return sorted(s.step for s in list(self.ring)
-                      if s.check.done() and not s.check.result()[1])
+        return sorted((s for s in list(self.ring)
+                       if s.check.done() and not s.check.result()[1]), key=lambda s: s.step)
+
+    def kept(self) -> list[int]:
+        """Steps of :meth:`clean`."""
+        return [s.step for s in self.clean()]
 
     def held(self, below: int) -> list[int]:
         """Steps below ``below`` this rank holds clean (checked, finite) snapshots of."""
