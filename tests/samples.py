@@ -37,6 +37,9 @@ TELEMETRY: list[s.TelemetryMessage] = [
                         foreign=[ForeignProcess(gpu=0, pid=3192, name="python", user="1001")])),
     s.NodeHeartbeat(job="j1", time=3.1, host="node-a", ranks={0: "R", 1: "T"},
                     pids={0: 100, 1: 101}),
+    s.SnapshotReport(job="j1", time=3.2, seq=5, rank=1, step=120, attempt=1, taken=3.15,
+                     bytes=4096, copy_seconds=0.002, check_seconds=0.01, every=2,
+                     kept_steps=[100, 118, 120], oldest_taken=1.0, host_bytes=12288, world_size=4),
 ]
 
 DURABLE: list[s.Durable] = [

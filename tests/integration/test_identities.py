@@ -118,14 +118,16 @@ async def test_a_rank_publishes_its_own_subjects_only(
     async with connected(operator_nats, minter.mint_role("detector", PREFIX), tmp_path) as svc, \
             connected(operator_nats, minter.mint_rank(PREFIX, "j", 1, 600), tmp_path) as rank:
         seen = await received(svc.nc, "tg.>")
-        for subject in (S.step("j", 2), S.hb("k", 1), S.step("j", 1)):
+        for subject in (S.step("j", 2), S.hb("k", 1), S.snap("j", 2), S.step("j", 1),
+                        S.snap("j", 1)):
             await rank.nc.publish(subject, b"x")
         await rank.nc.flush()
-        await wait_until(lambda: seen, what="the rank's own step report")
-        await wait_until(lambda: rank.refused(S.step("j", 2)) and rank.refused(S.hb("k", 1)),
-                         what="the server to refuse both foreign subjects")
+        await wait_until(lambda: len(seen) == 2, what="the rank's own step and snapshot reports")
+        await wait_until(lambda: rank.refused(S.step("j", 2)) and rank.refused(S.hb("k", 1))
+                         and rank.refused(S.snap("j", 2)),
+                         what="the server to refuse the foreign subjects")
         await svc.nc.flush()
-        assert seen == [S.step("j", 1)]
+        assert seen == [S.step("j", 1), S.snap("j", 1)]
 
 
 async def test_a_rank_cannot_hear_another_ranks_commands_or_pull_an_agents_consumer(

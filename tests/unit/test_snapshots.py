@@ -7,6 +7,7 @@ time; ``every="auto"`` spaces them by the copy's measured cost."""
 from __future__ import annotations
 
 import functools
+import queue
 from collections.abc import Callable
 from typing import Any
 
@@ -221,3 +222,26 @@ def test_extra_is_read_only_for_the_steps_that_take_a_snapshot() -> None:
         mem.step_done(step, model, opt, extra_of(step))
     assert asked == [0, 3, 6]
     mem.close()
+
+
+def test_on_checked_sees_each_clean_snapshot_once_checked_and_never_a_poisoned_one() -> None:
+    """The report hook runs on the check thread once a snapshot is verified, with the
+    snapshot still kept and counted among the clean ones; a poisoned one is never told."""
+    model, opt = trainer()
+    seen: queue.Queue[tuple[int, list[int], float, float]] = queue.Queue()
+    mem: MemorySnapshots
+    mem = snapshots(keep=2, on_checked=lambda s: seen.put(
+        (s.step, mem.kept(), s.copy_seconds, s.check_seconds)))
+    for step in range(3):
+        train(model, opt, step)
+        mem.step_done(step, model, opt)
+        told, kept, copy, check = seen.get(timeout=30)
+        assert (told, kept) == (step, [max(0, step - 1), step] if step else [0])
+        assert copy > 0 and check > 0
+    assert mem.interval == 1
+    with torch.no_grad():
+        next(model.parameters()).view(-1)[0] = float("nan")
+    assert mem.step_done(3, model, opt)
+    assert "non-finite" in mem.verify(3, model, opt)
+    mem.close()  # waits for the check thread: its hook has run, or never will
+    assert seen.empty()

@@ -149,6 +149,29 @@ def _layout(topology: Any) -> str:
            f"(mesh {mesh})"
 
 
+def _age(seconds: Any) -> str:
+    s = float(seconds or 0)
+    return f"{s:.0f}s" if s < 120 else f"{s / 60:.0f}m" if s < 7200 else f"{s / 3600:.1f}h"
+
+
+Row = tuple[str, str, str, str, str, str, str, str, str]
+
+
+def _memory_row(m: dict[str, Any]) -> Row:
+    """The ranks' memory snapshots as one row: the newest step every rank holds (taken
+    when CLOSED says), the host memory (SIZE) and copy cost (BLOCKED) of the heaviest rank
+    per rank, and the oldest step kept."""
+    ranks = m.get("ranks") or []
+    world = m.get("world_size") or "?"
+    copy, check = float(m.get("copy_seconds") or 0), float(m.get("check_seconds") or 0)
+    note = (f"newest {_age(m.get('age'))} old; oldest kept {m.get('oldest_step')} "
+            f"({_age(m.get('oldest_age'))} old); every {m.get('every')} step(s); size and "
+            "blocked per rank")
+    return (str(m.get("newest_step")), "held", "memory", f"{len(ranks)}/{world}",
+            _size(m.get("host_bytes")), f"{copy:.3f}s", f"{copy + check:.3f}s",
+            _when(m.get("taken")), note)
+
+
 def format_catalogue(data: dict[str, Any]) -> str:
     """The catalogue as a table a person reads on a terminal."""
     lines = [f"job {data.get('job')}"]
@@ -166,7 +189,11 @@ def format_catalogue(data: dict[str, Any]) -> str:
     for anomaly, onset in (data.get("onsets") or {}).items():
         lines.append(f"open onset: {onset.get('kind')} at step {onset.get('step')} "
                      f"(anomaly {anomaly})")
-    rows = [("STEP", "STATUS", "KIND", "RANKS", "SIZE", "BLOCKED", "TOTAL", "CLOSED", "NOTE")]
+    rows: list[Row] = [("STEP", "STATUS", "KIND", "RANKS", "SIZE", "BLOCKED", "TOTAL", "CLOSED",
+                        "NOTE")]
+    memory = data.get("memory")
+    if memory:
+        rows.append(_memory_row(memory))
     for c in data.get("checkpoints") or []:
         reported = len(c.get("reported") or [])
         note = c.get("suspect") or c.get("reason") or _layout(c.get("topology"))

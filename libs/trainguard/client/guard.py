@@ -37,6 +37,7 @@ from trainguard.contract.schemas import (
     RankHello,
     RecoveryReport,
     ResumePoint,
+    SnapshotReport,
 )
 from trainguard.contract.subjects import DEFAULT_PREFIX, Subjects
 from trainguard.core.auth import TlsFiles, access_from
@@ -50,10 +51,14 @@ from .commands import CommandDesk
 from .drills import Drills
 from .reports import GRAD_SPIKE_FACTOR, Reports
 from .steps import Step
+from .throttle import Latest
 from .transport import Transport
 from .values import optimizer_lr
 
 log = logging.getLogger("trainguard.client")
+
+SNAPSHOT_REPORT_INTERVAL = 1.0
+"""Seconds at least between a rank's memory snapshot reports (the newest goes out)."""
 
 PhaseAccounting = Callable[[dict[str, float]], None]
 """Adjusts a finished step's phase durations (the DDP hook moves collective wait to comm)."""
@@ -160,6 +165,8 @@ class Guard:
             publish_fingerprint=lambda f: self.transport.publish(self._fp_subject, f),
             world_size=self.world_size, lr=lambda: optimizer_lr(self.optimizer),
             grad_spike_factor=grad_spike_factor)
+        self._snapshots: Latest[SnapshotReport] = Latest(SNAPSHOT_REPORT_INTERVAL)
+        """Memory snapshot reports: the newest, at most one a second."""
         self._drills = Drills(self.state, lambda: self.allow_drills, lambda: self.model)
         self._phase_accounting: PhaseAccounting | None = None
         self._interval = (checkpoint_every or 0, 0)
@@ -190,6 +197,7 @@ class Guard:
         self.commands.listen()
         t.every(self.heartbeat_interval, self._beat)
         t.every(STALL_CHECK_S, self._beat_if_stalled)
+        t.every(SNAPSHOT_REPORT_INTERVAL, self._snapshot_due)
         self._fr = frdump.Trigger.from_env(self.rank)
         if self._fr is not None:
             t.every(frdump.POLL_S, self._fr.poll)  # the agent's flight-recorder dump requests
@@ -222,6 +230,9 @@ class Guard:
                 # Silence after this is a finished rank, not an unresponsive one.
                 self.state.phase = "closed"
                 self._beat()
+            held = self._snapshots.flush()
+            if held is not None:
+                self._send_snapshot(held)
             self.reports.poll(force=False)
             self.reports.flush()
             self.transport.close(self.close_timeout if timeout is None else timeout)
@@ -471,6 +482,26 @@ class Guard:
         self.start()
         if self.enabled:
             self.transport.publish_durable(self.subjects.ckpt(self.job, self.rank), report)
+
+    def publish_snapshot(self, report: SnapshotReport) -> None:
+        """Used by ``trainguard.torch``'s memory snapshots, from their check thread, once a
+        snapshot is verified: telemetry, at most one a second; a newer one replaces the
+        one held meanwhile, which the transport thread sends when the second is over.
+        Never blocks (a deque append)."""
+        if not self.enabled:
+            return
+        out = self._snapshots.offer(report, time.monotonic())
+        if out is not None:
+            self._send_snapshot(out)
+
+    def _snapshot_due(self) -> None:
+        out = self._snapshots.due(time.monotonic())
+        if out is not None:
+            self._send_snapshot(out)
+
+    def _send_snapshot(self, report: SnapshotReport) -> None:
+        # The report's own rank: one built before a resize goes out on its subject.
+        self.transport.publish(self.subjects.snap(self.job, report.rank), report)
 
     def stats(self) -> dict[str, Any]:
         s = self.transport.stats

@@ -8,7 +8,8 @@ receiver's decode path applies once, after decoding and before any handler runs.
 What a subject binds (:class:`~trainguard.contract.subjects.ParsedSubject`):
 
 * every subject under the prefix: the job;
-* per-rank kinds (``hb``, ``step``, ``fp``, ``ckpt``, ``recovery``, ``reg.<rank>``): the rank;
+* per-rank kinds (``hb``, ``step``, ``fp``, ``snap``, ``ckpt``, ``recovery``,
+  ``reg.<rank>``): the rank;
 * per-host kinds (``gpu``, ``node``, ``exit``, ``fr``, ``reg.host-<host>``): the host.
 
 A field the body lacks, or a subject outside the prefix, binds nothing.
@@ -22,7 +23,7 @@ from typing import Final
 from .errors import InvalidToken, Misaddressed
 from .subjects import Subjects
 
-RANK_KINDS: Final = frozenset({"hb", "step", "fp", "ckpt", "recovery", "reg"})
+RANK_KINDS: Final = frozenset({"hb", "step", "fp", "snap", "ckpt", "recovery", "reg"})
 HOST_KINDS: Final = frozenset({"gpu", "node", "exit", "fr", "reg"})
 
 

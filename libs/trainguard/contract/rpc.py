@@ -80,6 +80,38 @@ class CatalogueRequest(msgspec.Struct, kw_only=True):
     limit: int = 100
 
 
+class MemorySummary(msgspec.Struct, kw_only=True):
+    """The ranks' memory snapshots as the coordinator last heard of them (each rank's
+    newest :class:`~trainguard.contract.schemas.SnapshotReport`, still fresh)."""
+
+    newest_step: int
+    """The newest step every rank holds: the lowest of the ranks' newest."""
+    oldest_step: int
+    """The oldest step kept: the highest of the ranks' oldest (every rank holds one as old
+    or older)."""
+    taken: float = 0.0
+    """When the snapshot of ``newest_step`` was taken (the earliest of the ranks' clocks)."""
+    age: float = 0.0
+    """Seconds from ``taken`` to the reply."""
+    oldest_taken: float = 0.0
+    """When the snapshot of ``oldest_step`` was taken."""
+    oldest_age: float = 0.0
+    """Seconds from ``oldest_taken`` to the reply: how far back in time memory reaches."""
+    host_bytes: int = 0
+    """Host memory the kept snapshots hold, on the rank that holds the most."""
+    bytes: int = 0
+    """One snapshot's size, on the rank with the largest share of the state."""
+    copy_seconds: float = 0.0
+    """The copy's cost to the training loop, on the slowest rank."""
+    check_seconds: float = 0.0
+    every: int = 0
+    """Steps between snapshots (the most of any rank)."""
+    ranks: list[int] = []
+    """The ranks that reported."""
+    world_size: int = 0
+    """The job's size as the newest report says (0: not told)."""
+
+
 class CatalogueReply(msgspec.Struct, kw_only=True):
     job: str
     pointer: ResumePoint | None = None
@@ -87,6 +119,8 @@ class CatalogueReply(msgspec.Struct, kw_only=True):
     interval: dict[str, Any] | None = None
     onsets: dict[str, Any] = {}
     checkpoints: list[dict[str, Any]] = []
+    memory: MemorySummary | None = None
+    """The ranks' memory snapshots (None: no rank reported one lately)."""
     reason: str = ""
     """Set when the coordinator could not answer (an error, not an empty catalogue)."""
 

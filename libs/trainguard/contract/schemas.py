@@ -3,7 +3,7 @@
 Two families, encoded differently (docs/design.md, section 3):
 
 * Telemetry (``Heartbeat``, ``StepReport``, ``Fingerprint``, ``GpuSample``,
-  ``NodeHeartbeat``) is high-rate and fire-and-forget: MessagePack, with a tag
+  ``NodeHeartbeat``, ``SnapshotReport``) is high-rate and fire-and-forget: MessagePack, with a tag
   ``<type>.v<N>`` that carries the version, no headers.
 * Durable messages (events, commands, acks, exits, checkpoint reports, hellos, dead
   letters) travel on JetStream as JSON with CloudEvents headers; ``ce-type`` =
@@ -213,7 +213,38 @@ class NodeHeartbeat(Telemetry, tag="node.v1"):
     restart, keeping its pid)."""
 
 
-TelemetryMessage = Heartbeat | StepReport | Fingerprint | GpuSample | NodeHeartbeat
+class SnapshotReport(Telemetry, tag="snap.v1"):
+    """A rank's memory snapshots (``trainguard.torch.snapshots``) after one was taken and
+    verified (its background checksum and finiteness check passed): at most about one a
+    second per rank, the newest. The checkpoint coordinator keeps the newest per rank and
+    shows the steps every rank holds beside the committed checkpoints."""
+
+    rank: int
+    step: int
+    """The step the snapshot holds the state after."""
+    attempt: int = 0
+    taken: float = 0.0
+    """When the snapshot was taken (the rank's clock; ``time`` is when this was sent)."""
+    bytes: int = 0
+    """The size of that one snapshot (this rank's share of the state)."""
+    copy_seconds: float = 0.0
+    """What the copy cost the training loop."""
+    check_seconds: float = 0.0
+    """The checksum and finiteness check, off the training loop (CPU seconds)."""
+    every: int = 0
+    """Steps between snapshots now (``every="auto"`` moves it with the measured cost)."""
+    kept_steps: list[int] = []
+    """The steps of the clean, checked snapshots this rank holds, oldest first."""
+    oldest_taken: float = 0.0
+    """When the oldest of them was taken (how far back in time a rollback reaches)."""
+    host_bytes: int = 0
+    """Host memory the kept snapshots hold on this rank."""
+    world_size: int = 0
+    """The job's size this rank runs in (0: not told)."""
+
+
+TelemetryMessage = Heartbeat | StepReport | Fingerprint | GpuSample | NodeHeartbeat | \
+    SnapshotReport
 
 # -- durable (JSON + CloudEvents) ------------------------------------------------------
 

@@ -7,6 +7,7 @@ Layout (docs/design.md, section 3), with the default prefix ``tg``::
     tg.<job>.fr.<host>          (an agent's flight-recorder dumps)
     tg.<job>.ckpt.<rank>        tg.<job>.event.<kind>       tg.<job>.dead
     tg.<job>.recovery.<rank>    (a rank's account of an in-place or cold recovery)
+    tg.<job>.snap.<rank>        (a rank's memory snapshots, telemetry)
     tg.<job>.reg.<rank>         tg.<job>.reg.host-<host>    (rank and node hellos)
     tg.<job>.cmd.all            tg.<job>.cmd.host.<host>    tg.<job>.cmd.rank.<rank>
     tg.<job>.ack.<issuer>       tg.<job>.rpc.resume
@@ -88,6 +89,10 @@ class Subjects:
 
     def fp(self, job: str, rank: int) -> str:
         return f"{self._job(job)}.fp.{check_rank(rank)}"
+
+    def snap(self, job: str, rank: int) -> str:
+        """A rank's :class:`~trainguard.contract.schemas.SnapshotReport` (telemetry)."""
+        return f"{self._job(job)}.snap.{check_rank(rank)}"
 
     def gpu(self, job: str, host: str) -> str:
         return f"{self._job(job)}.gpu.{check_token('host', host)}"
@@ -214,7 +219,7 @@ class ParsedSubject:
 
     @property
     def rank(self) -> int | None:
-        """The rank of a per-rank subject (hb, step, fp, ckpt, reg, cmd.rank)."""
+        """The rank of a per-rank subject (hb, step, fp, snap, ckpt, reg, cmd.rank)."""
         tail = self.rest[-1] if self.rest else ""
         return int(tail) if tail.isdigit() else None
 

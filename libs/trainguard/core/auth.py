@@ -91,7 +91,7 @@ def nats_permissions(role: Role, prefix: str = "tg", job: str = "*") -> dict[str
     match role:
         case "rank":
             publish = [f"{p}.{k}.*" for k in ("hb", "step", "fp", "ckpt", "reg", "ack",
-                                               "recovery")]
+                                               "recovery", "snap")]
             publish += [f"{p}.rpc.resume"]
             subscribe += [f"{p}.cmd.all", f"{p}.cmd.rank.*"]
         case "agent":

@@ -6,7 +6,7 @@ may then publish any rank's telemetry and an agent bind any host's command consu
 ``jwt`` mode the control plane mints a user per identity, signed by the deployment's
 account (:class:`Trust`), with permissions naming its own subjects only:
 
-* rank ``R`` of job ``J``: publish ``tg.J.{hb,step,fp,ckpt,recovery,reg}.R``, acks and
+* rank ``R`` of job ``J``: publish ``tg.J.{hb,step,fp,snap,ckpt,recovery,reg}.R``, acks and
   ``rpc.resume``; subscribe ``cmd.all``, ``cmd.rank.R`` and its own reply inbox
   (``_INBOX.J.rR.>``, which :meth:`trainguard.core.auth.Access.nats_options` reads back
   from the credential); short-lived;

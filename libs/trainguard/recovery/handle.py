@@ -12,7 +12,13 @@ from collections.abc import Callable
 from typing import Any, Final, Protocol
 
 from trainguard.contract.envelope import uuid7
-from trainguard.contract.schemas import CheckpointReport, Command, RecoveryReport, ResumePoint
+from trainguard.contract.schemas import (
+    CheckpointReport,
+    Command,
+    RecoveryReport,
+    ResumePoint,
+    SnapshotReport,
+)
 from trainguard.core.identity import Identity
 from trainguard.core.rankstate import RankState
 
@@ -73,6 +79,10 @@ class GuardHandle(Protocol):
     def set_phase_accounting(self, fn: Callable[[dict[str, float]], None]) -> None: ...
 
     def publish_checkpoint_report(self, report: CheckpointReport) -> None: ...
+
+    def publish_snapshot(self, report: SnapshotReport) -> None:
+        """A verified memory snapshot (telemetry, throttled; callable from any thread)."""
+        ...
 
     def resume_point(self, root: str | None = None, timeout: float = RESUME_TIMEOUT, *,
                      below_step: int | None = None) -> ResumePoint | None: ...

@@ -1,8 +1,8 @@
-"""The series worth alerting on: jobs, incidents, checkpoints, leadership.
+"""The series worth alerting on: jobs, incidents, checkpoints, memory snapshots, leadership.
 
 Each service creates the families it feeds on its own registry (the detector the job
-series, the remediator the incident and leader series, the coordinator the checkpoint
-series); the names are spelled here once, because ``deploy/prometheus`` and
+series, the remediator the incident and leader series, the coordinator the checkpoint and
+memory snapshot series); the names are spelled here once, because ``deploy/prometheus`` and
 ``deploy/grafana`` read them and a test checks that every name they use is exported.
 
 Label cardinality is bounded: the job (label ``training_job``) goes through
@@ -22,6 +22,7 @@ from typing import Final, Literal, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from trainguard.contract.rpc import MemorySummary
 from trainguard.contract.schemas import Incident, PreflightReport
 
 from .state import Progress
@@ -274,3 +275,40 @@ class CheckpointMetrics:
             self._newest[label] = step
             self.last_committed.labels(label).set(step)
             self.last_committed_time.labels(label).set(now)
+
+
+class MemorySnapshotMetrics:
+    """The coordinator's series of the ranks' memory snapshots, from each job's summary
+    (:class:`~trainguard.contract.rpc.MemorySummary`): how far back a rollback from memory
+    reaches, and what the snapshots cost."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.jobs = JobLabels()
+        self.age = Gauge("trainguard_memory_snapshot_age_seconds",
+                         "Seconds since the newest step every rank holds a memory snapshot "
+                         "of was taken", [JOB], registry=registry)
+        self.step = Gauge("trainguard_memory_snapshot_step",
+                          "The newest step every rank holds a memory snapshot of", [JOB],
+                          registry=registry)
+        self.copy = Gauge("trainguard_memory_snapshot_copy_seconds",
+                          "What one memory snapshot's copy costs the training loop, on the "
+                          "slowest rank", [JOB], registry=registry)
+        self.host_bytes = Gauge("trainguard_memory_snapshot_host_bytes",
+                                "Host memory the kept memory snapshots hold, on the rank "
+                                "that holds the most", [JOB], registry=registry)
+
+    def show(self, job: str, summary: MemorySummary | None) -> None:
+        """Set the job's series from ``summary``; None removes them (no rank reports)."""
+        if summary is None:
+            if self.jobs.forget(job):
+                for gauge in (self.age, self.step, self.copy, self.host_bytes):
+                    with contextlib.suppress(KeyError):  # never set for this job
+                        gauge.remove(job)
+            return
+        label = self.jobs(job)
+        if label == OTHER:
+            return  # no meaningful value for a mix of jobs
+        self.age.labels(label).set(summary.age)
+        self.step.labels(label).set(summary.newest_step)
+        self.copy.labels(label).set(summary.copy_seconds)
+        self.host_bytes.labels(label).set(summary.host_bytes)

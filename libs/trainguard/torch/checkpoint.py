@@ -55,6 +55,7 @@ from trainguard.contract.schemas import (
     Command,
     FileDigest,
     ResumePoint,
+    SnapshotReport,
     Topology,
 )
 from trainguard.core.files import write_atomically
@@ -62,7 +63,7 @@ from trainguard.recovery.handle import RESUME_TIMEOUT, GuardHandle, recovery_rep
 
 from .data import Batches
 from .increments import Chain, RankView, decide, digests, graft, only, without
-from .snapshots import Every, MemorySnapshots
+from .snapshots import Every, MemorySnapshots, Snapshot
 from .stats import state_layout
 from .trusted import (
     CheckpointRefused,
@@ -288,10 +289,12 @@ class Checkpointer:
         # DCP loads once the first step is done, so it takes nothing from the rank's start.
         warm_up(lambda: guard.last_completed_step is not None)
         self._lock = threading.Lock()
+        self._snapshot_seq = 0
         self.memory = MemorySnapshots(
             memory, memory_keep, rng=_rng_state, set_rng=_set_rng_state,
             position=data.position if data is not None else None,
-            set_position=data.restore if data is not None else None) \
+            set_position=data.restore if data is not None else None,
+            on_checked=self._snapshot_checked) \
             if memory is not None else None
         """This rank's memory snapshots (None: off)."""
         if self.memory is not None:
@@ -958,6 +961,21 @@ class Checkpointer:
         box: list[Any] = [None] * self.world_size
         dist.all_gather_object(box, mine, group=self.group)
         return box
+
+    def _snapshot_checked(self, snap: Snapshot) -> None:
+        """On the snapshots' check thread: tell the control plane (throttled by the Guard)."""
+        mem, guard = self.memory, self.guard
+        if mem is None:
+            return
+        self._snapshot_seq += 1
+        kept = mem.clean()
+        guard.publish_snapshot(SnapshotReport(
+            job=guard.job, time=time.time(), seq=self._snapshot_seq, rank=guard.rank,
+            step=snap.step, attempt=guard.identity.attempt.restart_count, taken=snap.taken,
+            bytes=snap.nbytes, copy_seconds=snap.copy_seconds, check_seconds=snap.check_seconds,
+            every=mem.interval, kept_steps=[s.step for s in kept],
+            oldest_taken=kept[0].taken if kept else snap.taken, host_bytes=mem.nbytes,
+            world_size=guard.world_size))
 
     def _snapshot(self, step: int) -> None:
         """After each completed step of ``guard.steps``: a memory snapshot when due."""

@@ -22,6 +22,9 @@ onset to detection) without reading storage. Why it is built the way it is:
 
 The ranks agree on which snapshot to restore (:meth:`Checkpointer._on_reload`): the newest
 step below the onset that every rank holds and verified.
+
+Once a snapshot's check passed, ``on_checked`` runs on the check thread (the Checkpointer
+reports it to the control plane, :class:`~trainguard.contract.schemas.SnapshotReport`).
 """
 
 from __future__ import annotations
@@ -65,6 +68,10 @@ class Snapshot:
     fingerprint goes back to (kept until two newer anchors exist)."""
     check: Future[tuple[int, str]] = field(default_factory=Future)
     """(crc32 over every tensor's bytes, why it is poisoned or "")."""
+    copy_seconds: float = 0.0
+    """What its copy cost the training thread."""
+    check_seconds: float = 0.0
+    """Its checksum and finiteness check, in CPU seconds off the training thread."""
 
     def verdict(self, timeout: float | None = None) -> tuple[int, str]:
         return self.check.result(timeout)
@@ -135,6 +142,8 @@ class MemorySnapshots:
         budget: with ``"auto"``, the share of step time the copy may take.
         rng: returns the RNG states to keep with the state (restored by ``set_rng``).
         position: returns the data stream's position (restored by ``set_position``).
+        on_checked: called with each snapshot whose check passed, on the check thread,
+            while it is still kept (an exception is logged, never raised).
     """
 
     def __init__(self, every: Every = "auto", keep: int = 3, *, spacing: float = 10.0,
@@ -142,7 +151,8 @@ class MemorySnapshots:
                  rng: Callable[[], Any] | None = None,
                  set_rng: Callable[[Any], object] | None = None,
                  position: Callable[[], Any] | None = None,
-                 set_position: Callable[[Any], object] | None = None) -> None:
+                 set_position: Callable[[Any], object] | None = None,
+                 on_checked: Callable[[Snapshot], object] | None = None) -> None:
         if every != "auto" and (not isinstance(every, int) or every < 1):
             raise ValueError(f"memory snapshots every {every!r} steps: give a whole number "
                              "of steps >= 1, or 'auto'")
@@ -155,6 +165,7 @@ class MemorySnapshots:
         self.budget = budget
         self._rng, self._set_rng = rng, set_rng
         self._position, self._set_position = position, set_position
+        self.on_checked = on_checked
         self.ring: list[Snapshot] = []
         """Oldest first."""
         self.copy_seconds = 0.0
@@ -200,6 +211,11 @@ class MemorySnapshots:
         self._next = step + interval
         return True
 
+    @property
+    def interval(self) -> int:
+        """Steps between snapshots now."""
+        return self._interval()
+
     def _interval(self) -> int:
         if not self.auto or not self._step_seconds:
             return self.every
@@ -236,12 +252,12 @@ class MemorySnapshots:
         snap = Snapshot(step=step, names=[n for n, _ in live], tensors=tensors, values=values,
                         taken=time.time(), nbytes=sum(t.numel() * t.element_size()
                                                       for t in tensors), anchor=anchor)
-        self._checker.submit(self._check, snap, event)
         with self._lock:
             if reuse is not None:
                 self.ring.remove(reuse)
             self.ring.append(snap)
-        self.copy_seconds = time.perf_counter() - t0
+        snap.copy_seconds = self.copy_seconds = time.perf_counter() - t0
+        self._checker.submit(self._check, snap, event)  # in the ring first: on_checked sees it
         return snap
 
     def _reusable(self, live: list[tuple[str, torch.Tensor]]) -> Snapshot | None:
@@ -259,6 +275,16 @@ class MemorySnapshots:
         return victim if fits else None
 
     # -- restoring ------------------------------------------------------------------------
+    def clean(self) -> list[Snapshot]:
+        """The snapshots kept whose check has passed, oldest step first; never waits
+        (safe on the check thread, where a check still queued would never end)."""
+        return sorted((s for s in list(self.ring)
+                       if s.check.done() and not s.check.result()[1]), key=lambda s: s.step)
+
+    def kept(self) -> list[int]:
+        """Steps of :meth:`clean`."""
+        return [s.step for s in self.clean()]
+
     def held(self, below: int) -> list[int]:
         """Steps below ``below`` this rank holds clean (checked, finite) snapshots of."""
         return sorted(s.step for s in list(self.ring)
@@ -355,7 +381,21 @@ class MemorySnapshots:
             snap.check.set_result((0, f"the snapshot of step {snap.step} could not be "
                                       f"checked: {exc!r}"))
         finally:
-            self.check_seconds = time.thread_time() - t0
+            snap.check_seconds = self.check_seconds = time.thread_time() - t0
+        if self.on_checked is not None:
+            self._checked(snap)
+
+    def _checked(self, snap: Snapshot) -> None:
+        """``on_checked(snap)`` for a clean snapshot still kept (one cleared or replaced
+        meanwhile is no longer held)."""
+        try:
+            if snap.verdict()[1] or not any(s is snap for s in list(self.ring)):
+                return
+            assert self.on_checked is not None
+            self.on_checked(snap)
+        except Exception:  # reporting must never cost a snapshot
+            log.debug("on_checked failed for the snapshot of step %d", snap.step,
+                      exc_info=True)
 
 
 def auto_interval(copy_seconds: float, step_seconds: float, budget: float) -> int:

@@ -16,6 +16,9 @@ Per job (``<p>:ckpt:<job>:...``):
 ``incidents``       set     ids of incidents (MTBF)
 ``since``           string  when the coordinator first saw the job (MTBF window)
 ``interval``        string  JSON of the interval last published
+``memory``          hash    each rank's newest memory snapshot report: rank -> JSON
+                            ``{"at", "report"}`` (:mod:`.memory`); expires ``memory_ttl``
+                            seconds after the last write
 ==================  ======  ===========================================================
 
 Global: ``<p>:ckpt:deadlines`` (zset ``<job>/<step>`` -> commit deadline) and
@@ -62,6 +65,9 @@ class CkptKeys:
 
     def interval(self, job: str) -> str:
         return f"{self.base(job)}:interval"
+
+    def memory(self, job: str) -> str:
+        return f"{self.base(job)}:memory"
 
     def deadlines(self) -> str:
         return f"{self.prefix}:ckpt:deadlines"

@@ -9,6 +9,9 @@
   and SDC onsets make checkpoints suspect; crashes, hangs and incidents feed the MTBF.
 * Core request/reply (queue group ``checkpointer``, so one replica answers):
   ``rpc.resume``, ``rpc.save``, ``rpc.rollback``, ``rpc.checkpoints``.
+* ``SnapshotReport`` telemetry (core, queue group ``checkpointer``): each rank's newest
+  memory snapshot, written to Redis on the tick (:mod:`.memory`); ``rpc.checkpoints``
+  answers with their summary, and the memory snapshot series follow it.
 * After each commit: retention, then the Young/Daly interval (``set_interval`` when it
   moves by more than ``interval_change``).
 """
@@ -48,10 +51,12 @@ from trainguard.contract.schemas import (
     CheckpointReport,
     Incident,
     ResumePoint,
+    SnapshotReport,
+    TelemetryMessage,
 )
 from trainguard.core.connection import flush
 from trainguard.runtime.config import Settings
-from trainguard.runtime.jobmetrics import CheckpointMetrics
+from trainguard.runtime.jobmetrics import CheckpointMetrics, MemorySnapshotMetrics
 from trainguard.runtime.logs import get_logger
 from trainguard.runtime.service import Consumer, Delivery, Runtime, Service
 from trainguard.runtime.topology import ConsumerSpec
@@ -60,6 +65,7 @@ from .catalogue import Catalogue, PointerChange, point_json, saved_topology
 from .commands import CommandFactory
 from .interval import IntervalPolicy
 from .latest import remove_latest, write_commit, write_latest
+from .memory import MemoryStore, Pending
 from .records import Record
 from .retention import Entry, expire
 from .savenow import SaveNow
@@ -103,6 +109,11 @@ class CheckpointerService(Service[CheckpointerSettings]):
         self._commands: CommandFactory | None = None
         self._serving = False
         self._ckpt_metrics: CheckpointMetrics | None = None
+        self._memory: MemoryStore | None = None
+        self._memory_pending = Pending()
+        self._memory_jobs: set[str] = set()
+        """Jobs whose memory snapshot series this replica shows (it heard of them)."""
+        self._memory_metrics: MemorySnapshotMetrics | None = None
 
     # -- wiring -------------------------------------------------------------------------
     @property
@@ -139,6 +150,8 @@ class CheckpointerService(Service[CheckpointerSettings]):
     async def start(self, rt: Runtime) -> None:
         self._catalogue = Catalogue(rt.redis, self.settings.prefix)
         self._ckpt_metrics = CheckpointMetrics(rt.metrics.registry)
+        self._memory = MemoryStore(rt.redis, self._catalogue.keys, self.settings.memory_ttl)
+        self._memory_metrics = MemorySnapshotMetrics(rt.metrics.registry)
         self._commands = CommandFactory(self._catalogue, self.settings)
         self._savenow = SaveNow(rt, self._catalogue, self.settings, self._commands)
         s = self.settings.subjects
@@ -149,9 +162,11 @@ class CheckpointerService(Service[CheckpointerSettings]):
         for name, fn in endpoints.items():
             await rt.bus.nc.subscribe(s.pattern("rpc", tail=name), queue=RPC_QUEUE,
                                       cb=self._endpoint(name, fn))
+        await rt.subscribe_telemetry(s.pattern("snap"), self.on_snapshot, queue=RPC_QUEUE)
         await flush(rt.bus.nc)
         self._serving = True
         rt.every(self.settings.tick, self.tick, "deadlines")
+        rt.every(self.settings.tick, self.memory_tick, "memory")
 
     async def ready(self) -> tuple[bool, str]:
         return (True, "") if self._serving else (False, "endpoints not subscribed")
@@ -322,6 +337,26 @@ class CheckpointerService(Service[CheckpointerSettings]):
                                               "bad_ranks": "[]"})
         for job, step in await cat.queued_announcements():
             await self._announce(job, step)
+
+    # -- memory snapshots ---------------------------------------------------------------
+    def on_snapshot(self, msg: TelemetryMessage, subject: str) -> None:
+        """A rank's newest verified memory snapshot: noted, written on the next tick."""
+        if isinstance(msg, SnapshotReport):
+            self._memory_pending.note(msg, time.time())
+
+    async def memory_tick(self) -> None:
+        """Write the reports noted since the last tick; refresh the series of every job
+        this replica heard of (the age grows while no rank reports)."""
+        store, metrics = self._memory, self._memory_metrics
+        if store is None or metrics is None:
+            return
+        self._memory_jobs |= await store.write(self._memory_pending.take())
+        now = time.time()
+        for job in list(self._memory_jobs):
+            summary = await store.summary(job, now)
+            metrics.show(job, summary)
+            if summary is None:
+                self._memory_jobs.discard(job)
 
     # -- events out ---------------------------------------------------------------------
     async def _announce(self, job: str, step: int) -> None:
@@ -537,6 +572,8 @@ class CheckpointerService(Service[CheckpointerSettings]):
             with contextlib.suppress(DecodeError):
                 point = decode_durable(pointer.encode(), ResumePoint)
         records = await cat.records(job, max(1, req.limit))
+        memory = await self._memory.summary(job) if self._memory is not None else None
         return CATALOGUE.encode_reply(CatalogueReply(
             job=job, pointer=point, pin=await cat.pin(job), interval=await cat.interval(job),
-            onsets=await cat.onsets(job), checkpoints=[r.summary() for r in records]))
+            onsets=await cat.onsets(job), checkpoints=[r.summary() for r in records],
+            memory=memory))

@@ -53,7 +53,11 @@ class CheckpointerSettings(Settings):
     failure_kinds: str = "crash,hang"
     """Anomaly kinds counted as failures for the MTBF (incidents count too)."""
     tick: float = 0.5
-    """Seconds between deadline checks and event-outbox retries."""
+    """Seconds between deadline checks and event-outbox retries (and writes of the ranks'
+    memory snapshot reports)."""
+    memory_ttl: float = 600.0
+    """Seconds a rank's memory snapshot report is kept after it arrived: a rank silent
+    that long (its process gone, or no longer taking snapshots) drops out of the summary."""
 
     def __post_init__(self) -> None:
         if self.verify not in VERIFY_MODES:
@@ -62,7 +66,7 @@ class CheckpointerSettings(Settings):
         if not 0 < self.interval_min <= self.interval_max:
             raise ConfigError(f"interval bounds {self.interval_min}..{self.interval_max}: "
                               "need 0 < interval_min <= interval_max")
-        for name in ("commit_deadline", "save_deadline", "mtbf_prior", "tick"):
+        for name in ("commit_deadline", "save_deadline", "mtbf_prior", "tick", "memory_ttl"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"setting {name}={getattr(self, name)!r} must be positive")
         if self.retain < 1:
