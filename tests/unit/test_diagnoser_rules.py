@@ -307,3 +307,18 @@ def test_a_diagnosis_says_whether_a_worker_ended() -> None:
     other.observe_exit(exit_of(3, "node-b", ECC_TEXT, NOW - 3))
     (crashed,) = other.on_anomaly(crash(3, "node-b", ECC_TEXT), NOW).publish
     assert crashed.cause == "hbm_ecc" and crashed.worker_exited
+
+
+def test_a_hang_right_after_its_crash_was_recovered_is_its_own_failure() -> None:
+    """Rank 1 crashed and was replaced in place (the detector resolved the crash); its new
+    process hangs two seconds later. That hang is no symptom of the crash: joined to it,
+    the old recovery's report resolved the new incident and nothing acted on the hang."""
+    d = Diagnoser(symptom_window=20)
+    d.observe_exit(exit_of(1, "node-a", TRACE, NOW - 1))
+    crashed = crash(1, "node-a", TRACE, "c1")
+    (root,) = d.on_anomaly(crashed, NOW).publish
+    crashed.status = "resolved"
+    d.on_anomaly(crashed, NOW + 2)
+    stuck = {"culprits": [1], "culprit_basis": "process_state", "majority_phase": "comm"}
+    (hung,) = d.on_anomaly(hang([1], ["node-a"], "h1", **stuck), NOW + 4).publish
+    assert hung.id != root.id and hung.cause == "rank_hang" and hung.anomaly_ids == ["h1"]

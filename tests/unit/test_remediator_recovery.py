@@ -43,7 +43,8 @@ MATCHING = [
     # reports (id, time offset from onset, path, kind), wanted id
     ([], None),
     ([("old", -30.0, "in_place", "replace")], None),  # an earlier recovery
-    ([("late", -1.0, "in_place", "replace")], "late"),  # within the clocks' slack
+    ([("late", -0.4, "in_place", "replace")], "late"),  # within the clocks' slack
+    ([("prior", -1.7, "in_place", "replace")], None),  # the previous failure's, 1.7 s before
     ([("a", 1.0, "restart", "replace"), ("b", 2.0, "in_place", "replace")], "b"),
     ([("b", 2.0, "in_place", "replace"), ("c", 3.0, "restart", "replace")], "c"),  # newest
     ([("r", 2.0, "in_place", "rollback")], None),  # not what a crash needs

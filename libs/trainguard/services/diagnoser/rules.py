@@ -269,8 +269,12 @@ class Diagnoser:
         if d.status != "open" or (d.cause == "hosts_lost" and self.lost.is_loss(a)):
             return False  # another host's silence is not a symptom of a domain's loss
         if v.collateral or (o.root and a.kind in SYMPTOM_KINDS and v.cause not in ROOT_CAUSES
-                            and now - o.last <= self.symptom_window):
-            return True  # a symptom of an open root failure
+                            and now - o.last <= self.symptom_window
+                            and self.live.any_open(a.job, d.anomaly_ids)):
+            # A symptom of an open root failure. One whose anomalies the detector resolved
+            # (its rank replaced in place, training on again) explains nothing new: a rank
+            # that hangs right after is a failure of its own.
+            return True
         return v.cause == d.cause and now - o.last <= self.same_cause_window \
             and (not d.hosts or bool(set(v.hosts) & set(d.hosts)))
 

@@ -27,9 +27,11 @@ from trainguard.contract.schemas import CommandAck, Incident, RecoveryNote, Reco
 
 from .engine import JobView
 
-SLACK_S: Final = 2.0
+SLACK_S: Final = 0.5
 """Reports up to this long before an incident's onset still belong to it: the onset is
-the detector's reading (an exit's time, a stall's start) and clocks differ a little."""
+the detector's reading (an exit's time, a stall's start) and clocks differ a little. No
+more: the report of the previous failure's recovery (a rank replaced in place) must not
+resolve a new failure that comes a second or two after it."""
 ROLLBACK_CAUSES: Final = frozenset({"numeric", "sdc_suspect"})
 RESIZE_WAIT_S: Final = 5.0
 """How long the restart that follows an isolation waits for the isolated agent's word that
