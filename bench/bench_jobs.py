@@ -45,6 +45,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -161,6 +162,8 @@ class Plan:
 class Outcome:
     plan: Plan
     detection_s: float | None = None
+    raised_s: float | None = None
+    """Onset to the anomaly's ``detected_at`` (the detector's clock: this machine's)."""
     named_right: bool = False
     kind: str = ""
     storm_anomalies: int = 0
@@ -264,6 +267,7 @@ async def one(plan: Plan, fleets: dict[str, Fleet], seen: Seen, probe_kind: str,
     if first is not None:
         t, a = first
         out.detection_s = round(t - onset, 3)
+        out.raised_s = round(a.detected_at - onset, 3)
         out.named_right = a.ranks == [plan.rank]
         out.kind = a.kind
     if plan.storm is not None:
@@ -368,6 +372,10 @@ async def bench(args: argparse.Namespace, plane: EmbeddedControlPlane,
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(sim, 10)
         services.stop()
+        if args.logs:
+            Path(args.logs).mkdir(parents=True, exist_ok=True)
+            for log in services.logs.values():
+                shutil.copy(log, Path(args.logs) / log.name)
         pages.server.shutdown()
         await nc.close()
     return {"jobs": args.jobs, "hosts": shape.hosts, "per_host": shape.per_host,
@@ -383,6 +391,7 @@ async def bench(args: argparse.Namespace, plane: EmbeddedControlPlane,
             "runs": [{"setup": o.plan.setup, "probe_job": o.plan.probe,
                       "probe_owner": owner[o.plan.probe], "storm_job": o.plan.storm,
                       "same_detector": o.plan.same_detector, "detection_s": o.detection_s,
+                      "raised_s": o.raised_s,
                       "named_right": o.named_right, "kind": o.kind,
                       "storm_anomalies": o.storm_anomalies,
                       "storm_crashes": o.storm_crashes,
@@ -423,6 +432,8 @@ def report(r: dict[str, Any]) -> None:
         ("probe detection, each run (s)", [col(s, lambda xs: " / ".join(
             f"{x['detection_s']}" + ("" if x["same_detector"] else "*") for x in xs))
             for s in setups]),
+        ("of which onset -> raised by the detector (s)", [col(s, lambda xs: " / ".join(
+            f"{x['raised_s']}" for x in xs)) for s in setups]),
         ("p50 / p99 (s)", [col(s, lambda xs: f"{pct(lat(xs), 0.5)} / {pct(lat(xs), 0.99)}")
                            for s in setups]),
         ("named the right rank", [col(s, lambda xs: f"{sum(x['named_right'] for x in xs)} "
@@ -469,6 +480,7 @@ def main() -> int:
     ap.add_argument("--observe", type=float, default=20.0,
                     help="longest wait for the probe's anomaly")
     ap.add_argument("--out", default="")
+    ap.add_argument("--logs", default="", help="a folder to keep the services' logs in")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         plane = EmbeddedControlPlane(Path(tmp) / "plane").start()
