@@ -49,6 +49,7 @@ from trainguard.runtime.topology import ensure_consumer, provision, streams
 from .bus import Bus, connect_nats
 from .config import Settings
 from .health import Check, HealthServer, summary
+from .lanes import Lanes
 from .logs import Log, get_logger
 from .metrics import ErrorReason, Metrics
 from .ports import health_port
@@ -349,6 +350,11 @@ class Runtime:
         else:
             return
         self._bound.add(spec.durable)
+        lanes: Lanes[Msg] | None = None
+        if consumer.by_job:
+            jobs = self.bus.subjects
+            lanes = Lanes(lambda msg: settle(consumer, msg),
+                          lambda msg: jobs.job_of(msg.subject) or "", spec.max_ack_pending)
         try:
             while not self.stopping.is_set():
                 try:
@@ -361,8 +367,17 @@ class Runtime:
                         await asyncio.wait_for(self.stopping.wait(), 0.5)
                     continue
                 for msg in msgs:
-                    await settle(consumer, msg)  # never raises: one message stops nothing
+                    if lanes is not None:
+                        await lanes.put(msg)  # its job's lane; the loop fetches on
+                    else:
+                        await settle(consumer, msg)  # never raises: one message stops nothing
         finally:
+            if lanes is not None:  # what was fetched is settled before the unsubscribe
+                try:
+                    await lanes.join()
+                except asyncio.CancelledError:
+                    lanes.cancel()
+                    raise
             self._bound.discard(spec.durable)
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()

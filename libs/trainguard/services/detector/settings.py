@@ -42,4 +42,8 @@ class DetectorSettings(Settings, Thresholds):
     """How long an anomaly change waits to be stored in Redis before it is published
     anyway (detection never waits longer for Redis)."""
     retry_delay: float = 0.5
-    """Redelivery delay for a durable message of a job another detector owns."""
+    """Redelivery delay for a durable message of a job this detector may not take now (no
+    live owner known: the job is free, or its owner's lease has yet to expire)."""
+    owned_retry_delay: float = 0.05
+    """Redelivery delay for a durable message of a job a live detector owns: it goes back
+    at once for its owner to fetch (each bounce adds this to the message's latency)."""
