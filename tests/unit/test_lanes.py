@@ -1,8 +1,12 @@
-"""Lanes: one key's items in order, different keys' at once, a bound on items in hand."""
+"""Lanes: one key's items in order, different keys' at once, a bound on items in hand; and
+how long a consumer's pull requests wait."""
 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
+
+import pytest
 
 from trainguard.runtime.lanes import Lanes
 
@@ -62,3 +66,50 @@ async def test_a_lane_ends_with_its_last_item_and_a_new_one_starts_after() -> No
     await lanes.put(2)
     await lanes.join()
     assert seen == [1, 2] and lanes.busy == 0
+
+
+class _OneFetch:
+    """A pull subscription that records each fetch's wait and ends the consumer's loop."""
+
+    def __init__(self, stopping: asyncio.Event) -> None:
+        self.stopping = stopping
+        self.waits: list[float] = []
+
+    async def fetch(self, batch: int, timeout: float) -> list[object]:
+        self.waits.append(timeout)
+        self.stopping.set()
+        raise TimeoutError
+
+    async def unsubscribe(self) -> None:
+        pass
+
+
+async def test_a_consumers_pull_requests_wait_fetch_wait_and_the_detectors_are_short(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replica's pull request keeps receiving what it hands back until it expires: the
+    detector's replicas, which hand each other's jobs back, wait less than the default."""
+    from trainguard.runtime import service as service_module
+    from trainguard.runtime.config import Settings, load_settings
+    from trainguard.runtime.service import Consumer, Runtime
+    from trainguard.runtime.topology import ConsumerSpec
+    from trainguard.services.detector.service import DetectorService
+    from trainguard.services.detector.settings import DetectorSettings
+
+    detector = load_settings(DetectorSettings, env={}, overrides={})
+    assert detector.fetch_wait < load_settings(Settings, env={}, overrides={}).fetch_wait
+    rt = Runtime(DetectorService(detector), detector)
+    sub = _OneFetch(rt.stopping)
+
+    async def bind(durable: str, stream: str) -> _OneFetch:
+        return sub
+
+    async def ensure(*args: object) -> str:
+        return "stream"
+
+    monkeypatch.setattr(service_module, "ensure_consumer", ensure)
+    rt._bus = SimpleNamespace(js=SimpleNamespace(pull_subscribe_bind=bind),  # type: ignore[assignment]
+                              subjects=detector.subjects)
+    rt._settler = SimpleNamespace(settle=None)  # type: ignore[assignment]
+    spec = ConsumerSpec("reports", "detector-exit", ("x.>",))
+    await rt._consume(Consumer(spec, lambda *_: asyncio.sleep(0), (), by_job=True))
+    assert sub.waits == [detector.fetch_wait]

@@ -6,8 +6,10 @@ detector's worker exits: each handler waits for Redis and the bus), that makes e
 wait behind the busiest: a crash storm of a few hundred exits in one job held another
 job's single crash until all of them were handled. :class:`Lanes` gives each key (the
 job) its own task, started with the key's first message and ended with its last; the
-loop hands messages over and fetches on, bounded by ``limit`` messages in hand at once
-(the consumer's ``max_ack_pending`` is the natural bound: the server sends no more).
+loop hands messages over and fetches on, bounded by ``limit`` messages in hand at once:
+:data:`LANES_BATCHES` fetches' worth (a message waits in its lane unacknowledged, and one
+that waited past the consumer's ``ack_wait`` would be delivered again), at most the
+consumer's ``max_ack_pending`` (the server sends no more).
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
+
+LANES_BATCHES = 4
+"""A consumer with lanes holds at most this many fetch batches of messages in hand."""
 
 
 class Lanes(Generic[T]):
