@@ -17,8 +17,8 @@ alternate, ``--repeat`` times each, on the same servers:
 * ``alone``: one rank of a probe job crashes (its agent's ``WorkerExit``, exit code 1; the
   rank falls silent, its peers stall in a collective), nothing else fails;
 * ``storm``: the same probe fault at the same moment as a crash storm in another job: the
-  ranks of half its hosts (``--storm-hosts``) exit at once (a ``WorkerExit`` each), those
-  hosts fall silent and the rest of that job stalls (a hang).
+  ranks of ``--storm-hosts`` of its hosts (default 16) exit at once (a ``WorkerExit``
+  each), those hosts fall silent and the rest of that job stalls (a hang).
 
 Each run uses fresh jobs, picked so that the probe job is owned by the storm job's
 detector in half the repetitions and by the other detector in the rest (both columns use
@@ -27,15 +27,21 @@ the same picks). ``--probe hang`` makes the probe fault a hang of one rank (it s
 interval) instead of a crash.
 
 Reported per run: the probe's detection latency (fault onset, as this process publishes
-it, to its first anomaly on the bus, as this process receives it) and whether that anomaly
-names the right rank; p50 and p99 over the repetitions; anomalies in the jobs that never
-failed (false ones); CPU seconds of each service process, nats-server and redis-server and
-this generator during each run; messages a second through NATS; the generator's lag.
+it, to its first anomaly on the bus, as this process receives it; beside it the onset to
+the anomaly's ``detected_at`` and to the exit report stored by the stream) and whether that
+anomaly names the right rank; p50 and p99 over the repetitions; the storm job's crashes
+and when the last was reported; anomalies after the warm-up in the jobs that never failed
+(false ones); CPU of each service process, nats-server, redis-server and this generator
+during each run (``/proc/<pid>/stat``, as a share of one core); messages a second through
+this process's NATS connection; the generator's lag; the detectors' bus stalls (their
+logs). ``--logs DIR`` keeps the services' logs.
 
-Run: ``.venv/bin/python bench/bench_jobs.py [--jobs 64 --hosts 32 --per-host 8]
-[--beat-every 4] [--repeat 5] [--out results.json]``. At 16,384 simulated ranks the one
-generator process and the embedded NATS server may not keep up on a small machine: the
-report says so (the generator's lag, the detectors' bus stalls, false anomalies).
+Run (the target's size, 64 jobs of 32 x 8 ranks, a beat every 4 s; about 4 minutes, most
+of it the 16,384 ranks' hellos): ``.venv/bin/python bench/bench_jobs.py [--repeat 3]
+[--out results.json]``. On a small machine the one generator process cannot carry that
+many ranks: the report says so (the generator's lag, false ``unresponsive`` anomalies in
+healthy jobs); the size that holds on 2 cores, about 1.5 minutes:
+``--hosts 8 --storm-hosts 6 --beat-every 2 --repeat 8`` (64 jobs of 64 ranks).
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -163,6 +169,8 @@ class Outcome:
     plan: Plan
     detection_s: float | None = None
     raised_s: float | None = None
+    stored_s: float | None = None
+    """Onset to the probe's exit report stored by the stream (its publish acknowledged)."""
     """Onset to the anomaly's ``detected_at`` (the detector's clock: this machine's)."""
     named_right: bool = False
     kind: str = ""
@@ -207,9 +215,9 @@ def exit_of(fleet: Fleet, rank: int, now: float) -> WorkerExit:
                       time=now)
 
 
-async def crash(fleet: Fleet, ranks: list[int], hosts: frozenset[str] = frozenset()) -> None:
+async def crash(fleet: Fleet, ranks: list[int], hosts: frozenset[str] = frozenset()) -> float:
     """``ranks`` exit (their agents' reports) and fall silent with ``hosts``; the rest of
-    the job stalls in a collective."""
+    the job stalls in a collective. Returns when the stream had stored every report."""
     now = time.time()
     fleet.silent_ranks.update(ranks)
     fleet.silent = fleet.silent | hosts
@@ -217,6 +225,7 @@ async def crash(fleet: Fleet, ranks: list[int], hosts: frozenset[str] = frozense
     s = fleet.bus.subjects
     await asyncio.gather(*(fleet.bus.publish_durable(
         s.exit(fleet.job, fleet.shape.host(r)), exit_of(fleet, r, now)) for r in ranks))
+    return time.time()
 
 
 async def one(plan: Plan, fleets: dict[str, Fleet], seen: Seen, probe_kind: str,
@@ -229,7 +238,7 @@ async def one(plan: Plan, fleets: dict[str, Fleet], seen: Seen, probe_kind: str,
     msgs = nc.stats["out_msgs"], nc.stats["in_msgs"]
     lag_from = len(lag)
     started = time.monotonic()
-    faults = []
+    faults: list[Awaitable[float | None]] = []
     if plan.storm is not None:
         storm = fleets[plan.storm]
         hosts = frozenset(f"host-{h}" for h in range(storm_hosts))
@@ -241,7 +250,10 @@ async def one(plan: Plan, fleets: dict[str, Fleet], seen: Seen, probe_kind: str,
     else:
         probe.stall(holders=[plan.rank])
         onset = probe.stalled_at or onset
-    await asyncio.gather(*faults)
+        faults.append(asyncio.sleep(0, None))
+    stored = (await asyncio.gather(*faults))[-1]
+    if stored is not None:
+        out.stored_s = round(stored - onset, 3)
     deadline = time.monotonic() + observe
     first = None
     while time.monotonic() < deadline:
@@ -391,7 +403,7 @@ async def bench(args: argparse.Namespace, plane: EmbeddedControlPlane,
             "runs": [{"setup": o.plan.setup, "probe_job": o.plan.probe,
                       "probe_owner": owner[o.plan.probe], "storm_job": o.plan.storm,
                       "same_detector": o.plan.same_detector, "detection_s": o.detection_s,
-                      "raised_s": o.raised_s,
+                      "raised_s": o.raised_s, "stored_s": o.stored_s,
                       "named_right": o.named_right, "kind": o.kind,
                       "storm_anomalies": o.storm_anomalies,
                       "storm_crashes": o.storm_crashes,
@@ -434,6 +446,8 @@ def report(r: dict[str, Any]) -> None:
             for s in setups]),
         ("of which onset -> raised by the detector (s)", [col(s, lambda xs: " / ".join(
             f"{x['raised_s']}" for x in xs)) for s in setups]),
+        ("of which onset -> the exit stored by the stream (s)", [col(s, lambda xs: " / ".join(
+            f"{x['stored_s']}" for x in xs)) for s in setups]),
         ("p50 / p99 (s)", [col(s, lambda xs: f"{pct(lat(xs), 0.5)} / {pct(lat(xs), 0.99)}")
                            for s in setups]),
         ("named the right rank", [col(s, lambda xs: f"{sum(x['named_right'] for x in xs)} "
@@ -469,7 +483,7 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=64)
     ap.add_argument("--hosts", type=int, default=32, help="hosts of each job")
     ap.add_argument("--per-host", type=int, default=8)
-    ap.add_argument("--beat-every", type=float, default=1.0,
+    ap.add_argument("--beat-every", type=float, default=4.0,
                     help="seconds between a rank's heartbeats and step reports")
     ap.add_argument("--storm-hosts", type=int, default=16,
                     help="hosts of the storm job whose ranks all exit at once")
