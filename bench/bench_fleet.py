@@ -287,7 +287,14 @@ class Fleet:
         self.bus, self.s, self.job, self.shape = bus, bus.subjects, job, shape
         self.gone = shape.lost if gone is None else gone
         """The hosts whose agents never answer (the lost switch's)."""
-        self.lost = False
+        self.silent: frozenset[str] = frozenset()
+        """Hosts whose ranks and agent have fallen silent."""
+        self.silent_ranks: set[int] = set()
+        """Ranks that have fallen silent (their process is gone)."""
+        self.stalled_at: float | None = None
+        """When the job stopped stepping (its ranks wait in a collective), if it has."""
+        self.holders: frozenset[int] = frozenset()
+        """Ranks that stay in ``compute`` while the stalled job waits for them (a hang)."""
         self.seq = 0
         self.step = 0
         self.started = time.time()
@@ -329,46 +336,48 @@ class Fleet:
 
         await nc.subscribe(self.s.pattern("cmd", job=self.job, tail=">"), cb=cb)
 
+    def lose(self) -> None:
+        """The lost hosts (:attr:`gone`) fall silent, and the others stop stepping."""
+        self.silent = self.gone
+        self.stall()
+
+    def stall(self, holders: Collection[int] = ()) -> None:
+        """The job stops stepping: every rank waits in a collective but ``holders``."""
+        self.stalled_at = time.time()
+        self.holders = frozenset(holders)
+
     async def run(self, stop: asyncio.Event) -> None:
-        """Beat and step until ``stop``: each rank once a beat period in its slot, each
-        agent once a second in its slot of the second."""
+        """Beat and step until ``stop`` (:func:`drive`, this fleet alone)."""
+        await drive([self], stop, self.shape.beat_every)
+
+    async def ranks(self, slot: int, now: float) -> None:
+        """The ranks of ``slot``: a heartbeat each, and a step report while the job steps."""
         shape = self.shape
-        ranks = shape.ranks
-        slot = 0
-        period = shape.beat_every / SLOTS
-        t0 = start = time.monotonic()
-        beats = 0  # agents' slots beaten so far (SLOTS a second)
-        while not stop.is_set():
-            now = time.time()
-            if slot == 0 and not self.lost:
-                self.step += 1
-            for r in range(slot, ranks, SLOTS):
-                host = shape.host(r)
-                if self.lost and host in self.gone:
-                    continue
-                self.seq += 1
-                if not self.lost:
-                    await self.bus.publish_telemetry(self.s.step(self.job, r), StepReport(
-                        job=self.job, time=now, seq=self.seq, rank=r, step=self.step,
-                        duration=shape.beat_every,
-                        phases={"data": 0.01, "compute": 0.8, "comm": 0.19},
-                        loss=2.0, grad_norm=1.0))
-                await self.bus.publish_telemetry(self.s.hb(self.job, r), Heartbeat(
-                    job=self.job, time=now, seq=self.seq, rank=r, host=host,
-                    pid=100_000 + r, step=self.step,
-                    phase="comm" if self.lost else "compute", phase_elapsed=0.1))
-            while beats <= (time.monotonic() - start) * SLOTS:
-                await self.agents(beats % SLOTS, now)
-                beats += 1
-            slot = (slot + 1) % SLOTS
-            t0 += period
-            await asyncio.sleep(max(0.0, t0 - time.monotonic()))
+        stalled = self.stalled_at
+        if slot == 0 and stalled is None:
+            self.step += 1
+        for r in range(slot, shape.ranks, SLOTS):
+            host = shape.host(r)
+            if host in self.silent or r in self.silent_ranks:
+                continue
+            self.seq += 1
+            if stalled is None:
+                await self.bus.publish_telemetry(self.s.step(self.job, r), StepReport(
+                    job=self.job, time=now, seq=self.seq, rank=r, step=self.step,
+                    duration=shape.beat_every,
+                    phases={"data": 0.01, "compute": 0.8, "comm": 0.19},
+                    loss=2.0, grad_norm=1.0))
+            await self.bus.publish_telemetry(self.s.hb(self.job, r), Heartbeat(
+                job=self.job, time=now, seq=self.seq, rank=r, host=host,
+                pid=100_000 + r, step=self.step,
+                phase="compute" if stalled is None or r in self.holders else "comm",
+                phase_elapsed=0.1 if stalled is None else max(0.1, now - stalled)))
 
     async def agents(self, slot: int, now: float) -> None:
         shape = self.shape
         for h in range(slot, shape.hosts, SLOTS):
             host = f"host-{h}"
-            if self.lost and host in self.gone:
+            if host in self.silent:
                 continue
             self.seq += 1
             local = range(h * shape.per_host, (h + 1) * shape.per_host)
@@ -377,7 +386,32 @@ class Fleet:
                 ranks=dict.fromkeys(local, "S"), pids={r: 100_000 + r for r in local}))
 
 
+async def drive(fleets: list[Fleet], stop: asyncio.Event, beat_every: float,
+                lag: list[float] | None = None) -> None:
+    """Beat and step ``fleets`` until ``stop``: each rank once a beat period in its slot,
+    each agent once a second in its slot of the second. ``lag`` gets, for every slot, how
+    late its beats went out (seconds after the slot's time: the generator falling behind)."""
+    slot = 0
+    period = beat_every / SLOTS
+    t0 = start = time.monotonic()
+    beats = 0  # agents' slots beaten so far (SLOTS a second)
+    while not stop.is_set():
+        if lag is not None:
+            lag.append(time.monotonic() - t0)
+        now = time.time()
+        for fleet in fleets:
+            await fleet.ranks(slot, now)
+        while beats <= (time.monotonic() - start) * SLOTS:
+            for fleet in fleets:
+                await fleet.agents(beats % SLOTS, now)
+            beats += 1
+        slot = (slot + 1) % SLOTS
+        t0 += period
+        await asyncio.sleep(max(0.0, t0 - time.monotonic()))
+
+
 async def watch(nc: Any, prefix: str, job: str, seen: Seen) -> None:
+    """Record the anomalies, diagnoses and incidents of ``job`` (``*``: every job)."""
     s = Subjects(prefix)
 
     async def on_anomaly(msg: Any) -> None:
@@ -395,9 +429,9 @@ async def watch(nc: Any, prefix: str, job: str, seen: Seen) -> None:
         inc = decode_durable(msg.data, Incident)
         seen.incidents.setdefault(inc.id, []).append((time.time(), inc))
 
-    await nc.subscribe(s.event(job, "anomaly"), cb=on_anomaly)
-    await nc.subscribe(s.event(job, "diagnosis"), cb=on_diagnosis)
-    await nc.subscribe(s.event(job, "incident"), cb=on_incident)
+    await nc.subscribe(s.pattern("event", job=job, tail="anomaly"), cb=on_anomaly)
+    await nc.subscribe(s.pattern("event", job=job, tail="diagnosis"), cb=on_diagnosis)
+    await nc.subscribe(s.pattern("event", job=job, tail="incident"), cb=on_incident)
     await nc.flush()
 
 
@@ -423,6 +457,14 @@ async def serving(services: list[Service[Any]]) -> AsyncIterator[list[Runtime]]:
         await asyncio.wait_for(asyncio.gather(*tasks), 60)
 
 
+async def connect(plane: EmbeddedControlPlane, prefix: str) -> tuple[Any, Bus]:
+    """The simulator's NATS connection (one for every rank and agent), the deployment's
+    streams provisioned, and a bus on it."""
+    nc = await nats.connect(plane.nats.url, pending_size=256 * 1024 * 1024)
+    await provision(nc.jetstream(), streams(prefix))
+    return nc, Bus(nc, Subjects(prefix), source="bench")
+
+
 @dataclass(frozen=True)
 class Run:
     """One run's settings."""
@@ -442,9 +484,7 @@ async def one_run(plane: EmbeddedControlPlane, tmp: Path, run: Run,
     base = {"nats_url": plane.nats.url, "redis_url": plane.redis.url, "prefix": prefix}
     (tmp / "topology.toml").write_text(topology(shape))
     pages = Pages()
-    nc = await nats.connect(plane.nats.url, pending_size=256 * 1024 * 1024)
-    await provision(nc.jetstream(), streams(prefix))
-    bus = Bus(nc, Subjects(prefix), source="bench")
+    nc, bus = await connect(plane, prefix)
     fleet = Fleet(bus, job, shape)
     seen = Seen()
     await watch(nc, prefix, job, seen)
@@ -481,7 +521,7 @@ async def one_run(plane: EmbeddedControlPlane, tmp: Path, run: Run,
             else:
                 raise RuntimeError(f"the detector did not take {job} within the warm-up")
             onset = time.time()  # the switch dies: no beat of its ranks from now on
-            fleet.lost = True
+            fleet.lose()
             await asyncio.sleep(run.observe)
             stop.set()
             await sim
@@ -501,9 +541,7 @@ async def decision_run(plane: EmbeddedControlPlane, run: Run, n: int) -> dict[st
     shape = run.shape
     prefix, job = f"decide{run.acks}{n}", f"llm-{shape.ranks // 1024}k"
     base = {"nats_url": plane.nats.url, "redis_url": plane.redis.url, "prefix": prefix}
-    nc = await nats.connect(plane.nats.url, pending_size=256 * 1024 * 1024)
-    await provision(nc.jetstream(), streams(prefix))
-    bus = Bus(nc, Subjects(prefix), source="bench")
+    nc, bus = await connect(plane, prefix)
     fleet = Fleet(bus, job, shape, gone=frozenset())
     seen = Seen()
     await watch(nc, prefix, job, seen)

@@ -69,6 +69,11 @@ class Settings:
     redelivered."""
     ack_wait: float = 30.0
     fetch_batch: int = 64
+    fetch_wait: float = 1.0
+    """How long one pull request of a durable consumer waits for messages. The server keeps
+    sending to a request until it expires, redeliveries included: where replicas share a
+    consumer and hand each other's messages back, a shorter wait lets the others have them
+    sooner (the detector's is shorter)."""
     otel_exporter: str = ""
     """none, console, file:<path> or otlp; empty: OTLP if OTEL_EXPORTER_OTLP_ENDPOINT is set."""
     log_level: str = "INFO"

@@ -49,6 +49,7 @@ from trainguard.runtime.topology import ensure_consumer, provision, streams
 from .bus import Bus, connect_nats
 from .config import Settings
 from .health import Check, HealthServer, summary
+from .lanes import LANES_BATCHES, Lanes
 from .logs import Log, get_logger
 from .metrics import ErrorReason, Metrics
 from .ports import health_port
@@ -349,10 +350,19 @@ class Runtime:
         else:
             return
         self._bound.add(spec.durable)
+        lanes: Lanes[Msg] | None = None
+        if consumer.by_job:
+            jobs = self.bus.subjects
+            # A bound on messages in hand: a message waiting in its lane is not yet acked,
+            # and one waiting longer than ack_wait would be delivered again.
+            lanes = Lanes(lambda msg: settle(consumer, msg),
+                          lambda msg: jobs.job_of(msg.subject) or "",
+                          min(spec.max_ack_pending, LANES_BATCHES * self.settings.fetch_batch))
         try:
             while not self.stopping.is_set():
                 try:
-                    msgs = await sub.fetch(self.settings.fetch_batch, timeout=1.0)
+                    msgs = await sub.fetch(self.settings.fetch_batch,
+                                           timeout=self.settings.fetch_wait)
                 except (TimeoutError, nats.errors.TimeoutError):
                     continue
                 except Exception as exc:
@@ -361,8 +371,17 @@ class Runtime:
                         await asyncio.wait_for(self.stopping.wait(), 0.5)
                     continue
                 for msg in msgs:
-                    await settle(consumer, msg)  # never raises: one message stops nothing
+                    if lanes is not None:
+                        await lanes.put(msg)  # its job's lane; the loop fetches on
+                    else:
+                        await settle(consumer, msg)  # never raises: one message stops nothing
         finally:
+            if lanes is not None:  # what was fetched is settled before the unsubscribe
+                try:
+                    await lanes.join()
+                except asyncio.CancelledError:
+                    lanes.cancel()
+                    raise
             self._bound.discard(spec.durable)
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()

@@ -103,6 +103,10 @@ class Consumer:
     spec: ConsumerSpec
     handler: DurableHandler
     accepts: tuple[type[Durable], ...]
+    by_job: bool = False
+    """Settle the messages of different jobs at once, each job's in order
+    (:mod:`trainguard.runtime.lanes`): for handlers that wait on I/O and keep no order
+    across jobs, so that one job's burst does not hold up the others'."""
 
 
 def decode_reason(exc: DecodeError) -> ErrorReason:

@@ -81,6 +81,10 @@ class DetectorService(Service[DetectorSettings]):
         self.subscribed: set[str] = set()
         self.retired: dict[str, float] = {}
         self._free_since: dict[str, float] = {}
+        self.elsewhere: dict[str, str] = {}
+        """Job -> the other detector whose lease it was under when last read."""
+        self.live: frozenset[str] = frozenset()
+        """The detectors registered at the last look (us included)."""
         self._own_lock = asyncio.Lock()
         self._started = asyncio.Event()
         self._leases: Leases | None = None
@@ -105,14 +109,16 @@ class DetectorService(Service[DetectorSettings]):
     # -- wiring -------------------------------------------------------------------------
     def consumers(self) -> Sequence[Consumer]:
         s = self.settings.subjects
+        # Each job's messages in order, the jobs' at once: one job's storm of exits (each
+        # handler waits for Redis and the bus) does not hold up another job's crash.
         return [
             Consumer(ConsumerSpec("reports", "detector-reg", (s.pattern("reg"),)),
-                     self._on_reg, (RankHello, NodeHello)),
+                     self._on_reg, (RankHello, NodeHello), by_job=True),
             Consumer(ConsumerSpec("reports", "detector-exit", (s.pattern("exit"),)),
-                     self._on_exit, (WorkerExit,)),
+                     self._on_exit, (WorkerExit,), by_job=True),
             Consumer(ConsumerSpec("reports", "detector-ckpt", (s.pattern("ckpt"),),
                                   deliver_new=True),
-                     self._on_ckpt, (CheckpointReport,)),
+                     self._on_ckpt, (CheckpointReport,), by_job=True),
         ]
 
     async def start(self, rt: Runtime) -> None:
@@ -244,6 +250,11 @@ class DetectorService(Service[DetectorSettings]):
             return False
         if self.redis_outage.down:
             raise Retry(self.cfg.retry_delay * 4, f"job {job}: Redis is away, ownership unknown")
+        owner = self.elsewhere.get(job)
+        if owner in self.live:
+            # Another live detector holds it (as of the last lease round): no Redis round
+            # trip, and no wait for the lock behind other jobs' messages; back at once.
+            raise Retry(self.cfg.owned_retry_delay, f"job {job} belongs to detector {owner}")
         async with self._own_lock:
             if job in self.owned:
                 return True
@@ -251,11 +262,17 @@ class DetectorService(Service[DetectorSettings]):
             await self.runtime.redis.sadd(self.keys.jobs(), job)
             owner = (await self.leases.owners([job]))[job]
             if owner in (None, self.instance):
+                self.elsewhere.pop(job, None)
                 live = await self.leases.heartbeat()
+                self.live = frozenset(live)
                 ours = owner == self.instance or preferred(job, live) in (self.instance, None)
                 if ours and await self.leases.acquire(job):
                     await self._adopt(job)
                     return True
+            else:
+                self.elsewhere[job] = owner
+        if owner is not None and owner in self.live:
+            raise Retry(self.cfg.owned_retry_delay, f"job {job} belongs to detector {owner}")
         raise Retry(self.cfg.retry_delay, f"job {job} belongs to detector {owner or '?'}")
 
     async def _adopt(self, job: str) -> None:
@@ -264,6 +281,7 @@ class DetectorService(Service[DetectorSettings]):
         self.detector.restore(job, open_, progress, time.time())
         self.owned.add(job)
         self._free_since.pop(job, None)
+        self.elsewhere.pop(job, None)
         await self._subscribe(job)
         log.info("detector %s owns job %s (%d open anomalies)", self.instance, job, len(open_))
 
@@ -348,6 +366,7 @@ class DetectorService(Service[DetectorSettings]):
         if self._identity is not None and not await self._identity.keep():
             await self._step_aside(self._identity)
         live = await self.leases.heartbeat()
+        self.live = frozenset(live)
         for job in await self.leases.renew(self.owned):
             self._drop(job)
         for job in list(self.owned):
@@ -362,7 +381,9 @@ class DetectorService(Service[DetectorSettings]):
         for job, owner in (await self.leases.owners(free)).items():
             if owner not in (None, self.instance):  # ours: a process before us held it
                 self._free_since.pop(job, None)
+                self.elsewhere[job] = owner
                 continue
+            self.elsewhere.pop(job, None)
             since = self._free_since.setdefault(job, now)
             if (owner is None and preferred(job, live) != self.instance
                     and now - since < self.cfg.lease_ttl):

@@ -42,4 +42,13 @@ class DetectorSettings(Settings, Thresholds):
     """How long an anomaly change waits to be stored in Redis before it is published
     anyway (detection never waits longer for Redis)."""
     retry_delay: float = 0.5
-    """Redelivery delay for a durable message of a job another detector owns."""
+    """Redelivery delay for a durable message of a job this detector may not take now (no
+    live owner known: the job is free, or its owner's lease has yet to expire)."""
+    fetch_wait: float = 0.25
+    """How long one pull request waits for messages (the base setting's 1 s): a replica's
+    pull request keeps receiving until it expires, so a message this detector hands back
+    (another owns its job) tends to come back to it until then, again and again (in a storm
+    of another job's exits a crash reached its owner 1.1-1.3 s late at 1 s)."""
+    owned_retry_delay: float = 0.05
+    """Redelivery delay for a durable message of a job a live detector owns: it goes back
+    at once for its owner to fetch (each bounce adds this to the message's latency)."""
