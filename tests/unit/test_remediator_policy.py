@@ -141,6 +141,9 @@ def test_a_host_that_cannot_leave_restarts_only_the_rank_its_fault_names() -> No
     two = msgspec.structs.replace(d, ranks=[0, 1])
     steps, _ = plan(open_incident(two, NOW, NOW), two, POLICY, view, NOW)
     assert [(s.action, s.params) for s in steps][-1] == ("restart", {})
+    ended = msgspec.structs.replace(d, worker_exited=True)  # its agent replaces it already
+    steps, _ = plan(open_incident(ended, NOW, NOW), ended, POLICY, view, NOW)
+    assert [(s.action, s.params) for s in steps][-1] == ("restart", {})
     leaves = diag("hbm_ecc", ["node-b"])
     steps, _ = plan(open_incident(leaves, NOW, NOW), leaves, POLICY, view, NOW)
     assert [(s.action, s.params) for s in steps] == [("isolate", {"host": "node-b"}),

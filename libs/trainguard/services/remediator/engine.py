@@ -277,10 +277,13 @@ def _lost_steps(inc: Incident, view: JobView, notes: list[str]) -> list[Incident
 def culprit(inc: Incident, *, stays: bool = False) -> tuple[int, str] | None:
     """The one rank (and its host) whose restart replaces that rank alone (in place when
     the job can take it, else the group restarts): a ``rank_hang``'s, or, where its host
-    should leave the job and cannot (``stays``: it runs the rendezvous store), the rank
-    the fault names. A GPU's fault is its one process's: a new process on it is what a
-    restart of the whole group would give that GPU, and the other ranks keep theirs."""
-    if (inc.cause == "rank_hang" or stays) and len(inc.ranks) == 1 and len(inc.hosts) == 1:
+    should leave the job and cannot (``stays``: it runs the rendezvous store) and the rank
+    still runs, the rank the fault names. A GPU's fault is its one process's: a new
+    process on it is what a restart of the whole group would give that GPU, and the other
+    ranks keep theirs. A rank that ended is being replaced already (its agent's spare, or
+    the launcher's restart, which the group's restart step waits for)."""
+    if (inc.cause == "rank_hang" or (stays and not inc.worker_exited)) \
+            and len(inc.ranks) == 1 and len(inc.hosts) == 1:
         return inc.ranks[0], inc.hosts[0]
     return None
 
