@@ -304,8 +304,6 @@ def restart(inc: Incident, step: IncidentStep, view: JobView) -> Outcome | Send:
     A culprit's restart (``rank`` in its params) goes to its host's agent, which restarts
     it in place when its group can take it and the group otherwise; each one counts."""
     if "rank" in step.params:
-        if _in_place(inc, view):  # the group re-formed since the failure: done
-            return Outcome("skipped", recovery.skip_detail(inc))
         skipped = moot(inc, view, "restart")
         if skipped is not None:
             return skipped
