@@ -112,6 +112,18 @@ async def received(nc: Any, subject: str) -> list[str]:
     return seen
 
 
+class Stepper:
+    """Each call runs the guard's next step (its report goes out as a trainer's would)."""
+
+    def __init__(self, guard: Guard) -> None:
+        self.guard, self.taken = guard, 0
+
+    def __call__(self) -> None:
+        with self.guard.step(self.taken):
+            pass
+        self.taken += 1
+
+
 async def test_a_rank_publishes_its_own_subjects_only(
         operator_nats: NatsServer, trust: Trust, tmp_path: Path) -> None:
     minter = trust.minter
@@ -296,13 +308,7 @@ async def test_a_rank_renewed_before_expiry_loses_no_telemetry(
         guard = Guard(job="j", rank=0, world_size=1, host="h", nats_url=operator_nats.url,
                       prefix=PREFIX, heartbeat_interval=0.2, credentials=str(path))
         try:
-            step = 0
-
-            def take_step() -> None:
-                nonlocal step
-                with guard.step(step):
-                    pass
-                step += 1
+            take_step = Stepper(guard)
 
             await wait_until(lambda: take_step() or seen, what="the first step report")
             write_private(path, minter.mint_rank(PREFIX, "j", 0, ttl=600))  # the renewal
@@ -311,8 +317,8 @@ async def test_a_rank_renewed_before_expiry_loses_no_telemetry(
             while time.time() < expires + 1.5:  # past the first credential's expiry
                 take_step()
                 await asyncio.sleep(0.02)
-            await wait_until(lambda: len(seen) == step, timeout=15,
-                             what=f"all {step} step reports")
+            await wait_until(lambda: len(seen) == take_step.taken, timeout=15,
+                             what=f"all {take_step.taken} step reports")
         finally:
             guard.close()
     assert "ended_by_server" not in guard.transport.stats.errors
@@ -429,13 +435,7 @@ async def test_a_rank_renumbered_in_place_reports_on_its_new_numbers_credential(
         guard = Guard(job="j", rank=3, world_size=4, host="h1", nats_url=operator_nats.url,
                       prefix=PREFIX, heartbeat_interval=0.2, credentials=str(rc.path(1)))
         try:
-            step = 0
-
-            def take_step() -> None:
-                nonlocal step
-                with guard.step(step):
-                    pass
-                step += 1
+            take_step = Stepper(guard)
 
             await wait_until(lambda: take_step() or S.step("j", 3) in seen,
                              what="rank 3's step report")
