@@ -20,10 +20,13 @@ def short_job(ranks: int = 8, th: Thresholds | None = None, **cfg: object) -> Ha
     return Harness(th or Thresholds(), config, tick_every=0.25)
 
 
-def stall_until_hang(h: Harness, culprit: int, phase: str, most: float = 12.0) -> float:
-    """Rank ``culprit`` stops in ``phase``, the rest wait in ``comm``; seconds to the hang."""
+def stall_until_hang(h: Harness, culprit: int, phase: str, most: float = 12.0,
+                     quiet: bool = False) -> float:
+    """Rank ``culprit`` stops in ``phase``, the rest wait in ``comm``; seconds to the hang.
+    ``quiet``: the culprit does no work there (a loader stuck, not refilling)."""
     onset = h.sim.now
-    h.sim.stall(most, lambda r: phase if r == culprit else "comm")
+    h.sim.stall(most, lambda r: phase if r == culprit else "comm",
+                frozenset({culprit}) if quiet else frozenset())
     [hang] = h.opened("hang")
     assert hang.ranks == [culprit] and hang.evidence.culprits == [culprit]
     return hang.detected_at - onset
@@ -48,6 +51,29 @@ def test_a_rank_held_in_an_irregular_phase_gets_the_unclear_floor() -> None:
     [hang] = h.opened("hang")
     assert hang.evidence.limit_basis == "unclear_hang_floor"
     assert found >= Thresholds().unclear_hang_floor
+
+
+def test_a_rank_stuck_in_data_doing_no_work_is_found_within_a_second_and_a_half() -> None:
+    """Its heartbeats say its process and loader workers did nothing for ``quiet_floor``:
+    a loader stuck, not refilling, so the fast floor applies."""
+    h = short_job()
+    h.sim.steps(300)
+    found = stall_until_hang(h, 5, "data", quiet=True)
+    [hang] = h.opened("hang")
+    assert hang.evidence.limit_basis == "hang_floor" and hang.evidence.unclear == ""
+    assert hang.evidence.phases["5"].quiet_for >= Thresholds().quiet_floor
+    assert found <= 1.5
+
+
+def test_a_loader_quiet_for_less_than_the_quiet_floor_keeps_the_unclear_floor() -> None:
+    """A job whose loader may wait 3 s on storage says so (``quiet_floor``): the rank is
+    judged only once its beats show that much quiet."""
+    th = Thresholds(quiet_floor=3.0)
+    h = short_job(th=th)
+    h.sim.steps(300)
+    found = stall_until_hang(h, 5, "data", quiet=True)
+    assert found >= th.quiet_floor
+    assert h.opened("hang")[0].evidence.phases["5"].quiet_for >= th.quiet_floor
 
 
 def test_a_rank_saving_while_the_rest_wait_gets_the_checkpoint_phase_limit() -> None:

@@ -42,11 +42,12 @@ from trainguard.contract.schemas import (
 from trainguard.contract.subjects import DEFAULT_PREFIX, Subjects
 from trainguard.core.auth import TlsFiles, access_from
 from trainguard.core.identity import Identity, environment_record, resolve_identity
-from trainguard.core.rankstate import STALL_CHECK_S, RankState
+from trainguard.core.rankstate import QUIET_BEAT_S, STALL_CHECK_S, RankState
 from trainguard.recovery.handle import RESUME_TIMEOUT, Handler
 from trainguard.recovery.loop import CommandState, Loop, Recovery, iterate
 
 from . import fastexit, frdump
+from .activity import Activity
 from .commands import CommandDesk
 from .drills import Drills
 from .reports import GRAD_SPIKE_FACTOR, Reports
@@ -143,6 +144,7 @@ class Guard:
         self.optimizer: Any = None
 
         self.state = RankState()
+        self._activity = Activity()
         """What the heartbeat reports; phases, drills and the DDP hook write it."""
         self.transport = Transport(self.nats_url, name=f"trainguard-{self.job}-{self.rank}",
                                    source=f"trainguard/rank/{self.job}/{self.rank}",
@@ -606,11 +608,20 @@ class Guard:
     # -- background thread ------------------------------------------------------------
     def _beat(self) -> None:
         identity = self.identity  # one read: a resize on the training thread may be midway
-        hb = self.state.heartbeat(identity, self.transport.stats.dropped)
+        hb = self.state.heartbeat(identity, self.transport.stats.dropped,
+                                  self._activity.quiet)
         self.transport.publish(self.subjects.hb(self.job, identity.rank), hb)
 
     def _beat_if_stalled(self) -> None:
-        if self.state.stalled(time.monotonic()):
+        """Beats early when a step runs long, and when a phase has shown no work for
+        ``QUIET_BEAT_S`` (once per phase): a stuck loader is told the moment it is one."""
+        now = time.monotonic()
+        activity = self._activity
+        quiet = activity.look(self.state.looked_at(), now)
+        if self.state.stalled(now):
+            self._beat()
+        elif quiet >= QUIET_BEAT_S and not activity.beat_sent:
+            activity.beat_sent = True
             self._beat()
 
     # -- built-in command handlers ----------------------------------------------------

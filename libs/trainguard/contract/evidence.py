@@ -140,6 +140,9 @@ class RankPhase(msgspec.Struct, kw_only=True):
     state: str = "alive"
     """``alive``, ``silent`` or ``stopped``."""
     process_state: str | None = None
+    quiet_for: float | None = None
+    """How long its phase had shown no work (no CPU, no I/O) when last heard; None: it
+    was working, or it is not known."""
 
 
 class HangEvidence(_Evidence, kw_only=True):

@@ -23,6 +23,11 @@ STALL_BEAT_FACTOR = 4.0
 heartbeat (:meth:`RankState.stalled`)."""
 STALL_CHECK_S = 0.1
 """How often the transport thread asks :meth:`RankState.stalled`."""
+QUIET_LOOK_AFTER_S = 0.25
+"""A phase younger than this is not looked at for work (most phases of most steps);
+from its first look on it counts as quiet while it shows none."""
+QUIET_BEAT_S = 1.0
+"""A phase quiet this long sends a heartbeat at once (the detector's ``quiet_floor``)."""
 
 
 def usual_after(usual: float | None, seconds: float) -> float:
@@ -97,17 +102,26 @@ class RankState:
             self.comm_outstanding -= 1
             self.coll_done += 1
 
+    def looked_at(self) -> float | None:
+        """The start of the phase whose work :class:`~trainguard.client.activity.Activity`
+        watches, None outside one (between steps, or waiting in a collective)."""
+        if self.phase is None or self.comm_outstanding > 0:
+            return None
+        return self.phase_t0
+
     def enter(self, phase: str) -> None:
         """``phase`` begins now."""
         self.phase = phase
         self.phase_t0 = time.monotonic()
 
-    def heartbeat(self, identity: Identity, dropped: int) -> Heartbeat:
-        """The next heartbeat (``dropped``: telemetry lost so far, for the detector)."""
+    def heartbeat(self, identity: Identity, dropped: int, quiet_for: float = 0.0) -> Heartbeat:
+        """The next heartbeat (``dropped``: telemetry lost so far, for the detector;
+        ``quiet_for``: how long the phase has shown no work)."""
         self.hb_seq += 1
         return Heartbeat(job=identity.job, time=time.time(), seq=self.hb_seq,
                          rank=identity.rank, attempt=identity.attempt.restart_count,
                          host=identity.host, pid=os.getpid(), step=self.step,
                          phase="comm" if self.comm_outstanding > 0 else self.phase,
                          phase_elapsed=time.monotonic() - self.phase_t0,
-                         coll_seq=self.coll_seq, coll_done=self.coll_done, dropped=dropped)
+                         coll_seq=self.coll_seq, coll_done=self.coll_done, dropped=dropped,
+                         quiet_for=round(quiet_for, 3))

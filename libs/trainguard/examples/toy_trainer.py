@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import hashlib
 import math
 import os
 import random
@@ -69,7 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--refill-every", type=int, default=0, metavar="N",
                    help="about every N steps (seeded) the data loaders refill")
     p.add_argument("--refill-seconds", type=float, default=1.0,
-                   help="the longest refill; each takes 20-100%% of it (default 1)")
+                   help="the longest refill; each takes 20-100%% of it (default 1), reading "
+                        "and decoding as a loader does")
     p.add_argument("--refill-alone", action="store_true",
                    help="a refill is one rank's (in turn), its peers waiting for it")
     p.add_argument("--first-step-seconds", type=float, default=0.0,
@@ -180,6 +182,16 @@ class Irregular:
             alone = step % world if args.refill_alone else rank
             refill = args.refill_seconds * job.uniform(0.2, 1.0) if alone == rank else 0.0
         return cls(jitter, args.eval_seconds if evaluates else 0.0, refill)
+
+
+def refill(seconds: float) -> None:
+    """A loader refilling for ``seconds``: it reads and decodes (hashes) file bytes, working
+    the whole time as a real refill does; a stuck loader, which waits, is the ``hang``."""
+    deadline = time.monotonic() + seconds
+    with open(__file__, "rb") as f:
+        while time.monotonic() < deadline:
+            f.seek(0)
+            hashlib.sha256(f.read()).digest()
 
 
 def _memory_every(value: str) -> int | str | None:
@@ -519,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
                     time.sleep(irregular.eval_s)
             weight = ids = None
             with s.phase("data"):
-                time.sleep(irregular.refill_s)
+                refill(irregular.refill_s)
                 data = torch.Generator().manual_seed(args.seed * 1_000_003 + rank * 7919 + step)
                 if batches is not None and check is not None:
                     batch = batches.next(step)

@@ -48,8 +48,8 @@ class RankInfo:
 
     __slots__ = ("attempt", "coll_done", "coll_seq", "compute_recent", "exited", "hb_step",
                  "heard", "host", "last_hb", "last_step", "local_rank", "phase",
-                 "phase_start", "pid", "proc_since", "proc_state", "rank", "straggle",
-                 "straggle_since", "straggling")
+                 "phase_start", "pid", "proc_since", "proc_state", "quiet_since", "rank",
+                 "straggle", "straggle_since", "straggling")
 
     def __init__(self, rank: int, attempt: int, t: float, host: str, window: int) -> None:
         self.rank = rank
@@ -71,6 +71,8 @@ class RankInfo:
         """Has this incarnation sent telemetry? Until then it is starting (startup grace)."""
         self.phase: str | None = None
         self.phase_start: float | None = None
+        self.quiet_since: float | None = None
+        """Since when its phase has shown no work, as its newest heartbeat says."""
         self.hb_step: int | None = None
         self.coll_seq = 0
         self.coll_done = 0
@@ -437,6 +439,7 @@ class JobState:
                     self.closing[r.rank] = t
                 self.mark_exited(r)
         r.phase_start = started
+        r.quiet_since = t - hb.quiet_for if hb.quiet_for > 0 else None
         step = hb.step
         if step is not None and (r.hb_step is None or step > r.hb_step):
             r.hb_step = step

@@ -12,8 +12,9 @@
   for (every rank heard inside the stall, most of them in a collective: the ranks send a
   heartbeat as soon as a step runs long) on ranks it can name, else ``unclear_hang_floor``
   (5 s: too few steps learned, a rank not heard since, every rank busy in its own phase or
-  waiting alike, the holder in an irregular phase, in its phase for less than the floor (it
-  moved inside the stall), on its first step or briefly in D/t;
+  waiting alike, the holder in an irregular phase (unless its process and loader workers
+  did no work there for ``quiet_floor``: stuck, not refilling), in its phase for less than
+  the floor (it moved inside the stall), on its first step or briefly in D/t;
   :meth:`Liveness.unclear`). A learned limit
   applies when most ranks are in a phase that is long by nature (checkpoint, eval), and a
   start-up grace before the first step. The
@@ -248,9 +249,10 @@ class Liveness:
         """Why the job does not show what it waits for ("" when it does): then the
         ``unclear_hang_floor`` applies. It shows it when the step intervals are learned,
         every live rank was heard inside the stall, most of them wait in a collective on
-        ranks it can name, and these are neither in an irregular phase, nor in their phase
-        for less than ``hang_floor``, nor on their first step as this process (a replacement
-        warming up, a first step compiling), nor briefly in D or t."""
+        ranks it can name, and these are neither in an irregular phase (unless stuck there,
+        :meth:`stuck_in`), nor in their phase for less than ``hang_floor``, nor on their
+        first step as this process (a replacement warming up, a first step compiling), nor
+        briefly in D or t."""
         learned, need = len(job.intervals), job.th.hang_learn_steps
         if learned < need:
             return f"{learned} of {need} step intervals learned"
@@ -263,7 +265,7 @@ class Liveness:
         if not culprits:  # all wait alike (every collective in flight): on whom is unclear
             return "no rank holds the others up"
         irregular = sorted(self.held_in(job, census, culprits) & job.irregular_phases)
-        if irregular:
+        if irregular and not self.stuck_in(job, census, culprits):
             return f"held in {irregular[0]}"
         moved = self.moved_within(job, census, culprits)
         if moved is not None:
@@ -295,6 +297,19 @@ class Liveness:
                     and census.time - r.phase_start < job.th.hang_floor:
                 return r
         return None
+
+    @staticmethod
+    def stuck_in(job: JobState, census: Census, culprits: list[int]) -> bool:
+        """Every rank holding the job up in an irregular phase did no work there for
+        ``quiet_floor`` (its heartbeat says): a loader stuck, not refilling."""
+        live = {r.rank for r in census.live}
+        for i in culprits:
+            r = job.ranks.get(i)
+            if i not in live or r is None or (r.phase or "idle") not in job.irregular_phases:
+                continue
+            if r.quiet_since is None or r.last_hb - r.quiet_since < job.th.quiet_floor:
+                return False
+        return True
 
     @staticmethod
     def held_in(job: JobState, census: Census, culprits: list[int]) -> set[str]:
@@ -381,7 +396,8 @@ class Liveness:
             phase=r.phase or "idle",
             elapsed=round(now - r.phase_start, 3) if r.phase_start is not None else None,
             host=r.host, step=r.hb_step, coll_seq=r.coll_seq, state=state,
-            process_state=r.proc_state)
+            process_state=r.proc_state,
+            quiet_for=round(r.last_hb - r.quiet_since, 3) if r.quiet_since is not None else None)
 
     @staticmethod
     def culprits(job: JobState, census: Census) -> tuple[list[int], str]:

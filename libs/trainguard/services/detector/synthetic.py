@@ -31,7 +31,13 @@ from trainguard.contract.schemas import (
     StepReport,
     TelemetryMessage,
 )
-from trainguard.core.rankstate import STALL_BEAT_FACTOR, STALL_BEAT_MIN_S, usual_after
+from trainguard.core.rankstate import (
+    QUIET_BEAT_S,
+    QUIET_LOOK_AFTER_S,
+    STALL_BEAT_FACTOR,
+    STALL_BEAT_MIN_S,
+    usual_after,
+)
 
 from .engine import Detector
 from .job import JobState
@@ -147,10 +153,13 @@ class SimJob:
         self.now = until
 
     def _heartbeats(self, start: float, until: float, phase_of: Callable[[int, float], str],
-                    events: list[tuple[float, int, TelemetryMessage]]) -> None:
+                    events: list[tuple[float, int, TelemetryMessage]],
+                    quiet: frozenset[int] = frozenset()) -> None:
         """Every rank's beats in ``[start, until)``: its regular ones, and the client's early
         one once the step has run past ``STALL_BEAT_FACTOR`` x the rank's usual step
-        (:meth:`RankState.stalled`)."""
+        (:meth:`RankState.stalled`). A rank in ``quiet`` does no work in its phase (a loader
+        stuck): its beats say so from ``QUIET_LOOK_AFTER_S`` into the phase on, and it beats
+        once more when that has lasted ``QUIET_BEAT_S``, as the client does."""
         cfg = self.cfg
         for r in range(cfg.ranks):
             t = self.next_hb[r]
@@ -166,6 +175,10 @@ class SimJob:
                     times = sorted([*times, early])
             if r in self.silent:
                 continue
+            if r in quiet:
+                told = start + QUIET_LOOK_AFTER_S + QUIET_BEAT_S
+                if told < until:
+                    times = sorted([*times, told])
             for t in times:
                 phase = phase_of(r, t)
                 if phase != self.phase[r]:
@@ -173,11 +186,13 @@ class SimJob:
                     self.phase_start[r] = t
                 self.seq[r] += 1
                 lag = self.coll_lag.get(r, 0)
+                looked = t - start - QUIET_LOOK_AFTER_S  # stuck since the stall began
                 events.append((t, len(events), Heartbeat(
                     job=cfg.job, time=t, seq=self.seq[r], rank=r, attempt=self.attempt,
                     host=self.host(r), pid=1000 + r, step=self.step, phase=phase,
                     phase_elapsed=t - self.phase_start[r], coll_seq=self.step * 2 - lag,
-                    coll_done=self.step * 2 - lag)))
+                    coll_done=self.step * 2 - lag,
+                    quiet_for=max(0.0, looked) if r in quiet else 0.0)))
 
     # -- time ---------------------------------------------------------------------------
     def steps(self, n: int) -> None:
@@ -270,15 +285,18 @@ class SimJob:
         for r in range(cfg.ranks):
             self.usual[r] = usual_after(self.usual[r], duration)
 
-    def stall(self, seconds: float, phase_of: Callable[[int], str]) -> None:
-        """No step completes for ``seconds``; heartbeats go on with each rank's phase."""
-        self.stall_at(seconds, lambda r, t: phase_of(r))
+    def stall(self, seconds: float, phase_of: Callable[[int], str],
+              quiet: frozenset[int] = frozenset()) -> None:
+        """No step completes for ``seconds``; heartbeats go on with each rank's phase (the
+        ranks in ``quiet`` doing no work in theirs)."""
+        self.stall_at(seconds, lambda r, t: phase_of(r), quiet)
 
-    def stall_at(self, seconds: float, phase_of: Callable[[int, float], str]) -> None:
+    def stall_at(self, seconds: float, phase_of: Callable[[int, float], str],
+                 quiet: frozenset[int] = frozenset()) -> None:
         """:meth:`stall` where a rank's phase may change with the time ``t`` of its beat."""
         events: list[tuple[float, int, TelemetryMessage]] = []
         start, until = self.now, self.now + seconds
-        self._heartbeats(start, until, phase_of, events)
+        self._heartbeats(start, until, phase_of, events, quiet)
         self._emit(events, until)
 
 

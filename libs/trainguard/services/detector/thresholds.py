@@ -58,6 +58,11 @@ class Thresholds:
     """Phases whose length varies by nature (a loader refilling, a remote read): a rank
     holding the job up in one is judged by the ``unclear_hang_floor``, not the
     ``hang_floor``, so a slow batch is not taken for a hang."""
+    quiet_floor: float = 1.0
+    """A rank held in an irregular phase whose process and its children (the loader's
+    workers) did no work (no CPU, no I/O) for this long is stuck, not refilling: the
+    ``hang_floor`` applies. Raise it for a loader that waits on storage whose first byte
+    can take longer."""
     dstate_grace: float = 5.0
     """A rank must stay in D or t (traced) this long to be a hang; T counts at once."""
     restart_timeout: float = 60.0

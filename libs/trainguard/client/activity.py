@@ -1,0 +1,147 @@
+"""Whether a rank's process is doing anything: what tells a stuck data loader from a
+refilling one.
+
+A rank held in ``data`` looks the same to its peers whether its loader is refilling
+(workers decoding, bytes arriving from storage) or stuck (a worker deadlocked, a mount
+gone): the heartbeat only says where it is. What differs is work. While a phase lasts,
+the transport thread looks at the process's CPU time and bytes read and written, less
+trainguard's own threads (they beat, send and snapshot whatever the trainer does), and at
+each child process's (the loader's workers). A refill shows CPU or I/O, also one that
+trickles from remote storage; a stuck loader shows neither, and the heartbeat says for
+how long (``Heartbeat.quiet_for``), so the detector can judge it by the fast floor.
+
+Linux only (``/proc``); elsewhere nothing is ever reported quiet, which keeps the slow
+floor.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import threading
+import time
+from collections.abc import Callable
+
+from trainguard.core.rankstate import QUIET_LOOK_AFTER_S
+
+OWN_THREADS = "trainguard"
+"""Threads whose names start with this are trainguard's, never the trainer's work."""
+LOOK_EVERY_S = 0.25
+"""At most one look per this long: a look reads a few files per thread and child."""
+BUSY_CPU_SHARE = 0.05
+"""CPU time above this share of the time between two looks is work (a blocked thread's
+wake-ups and the clock's 10 ms ticks stay well below it)."""
+
+Reading = dict[str, tuple[float, int]]
+"""CPU seconds and bytes read and written so far, by source: ``self`` (the process less
+trainguard's threads) and each child's pid."""
+
+
+def _io_bytes(path: str) -> int:
+    with open(path, "rb") as f:
+        fields = dict(line.split(b":", 1) for line in f.read().splitlines() if b":" in line)
+    return int(fields[b"rchar"]) + int(fields[b"wchar"])
+
+
+def _child_cpu(pid: str) -> float:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        stat = f.read()
+    fields = stat[stat.rindex(b")") + 2:].split()  # the name may hold spaces
+    return (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime (whole process)
+
+
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _children() -> set[str]:
+    pids: set[str] = set()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/children", "rb") as f:
+                pids.update(p.decode() for p in f.read().split())
+        except OSError:
+            continue  # the thread ended
+    return pids
+
+
+def read() -> Reading | None:
+    """This process's and its children's work so far; None where it cannot be read."""
+    try:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        cpu = usage.ru_utime + usage.ru_stime
+        io = _io_bytes("/proc/self/io")
+        for t in threading.enumerate():
+            if not t.name.startswith(OWN_THREADS) or t.ident is None:
+                continue
+            try:
+                cpu -= time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+                io -= _io_bytes(f"/proc/self/task/{t.native_id}/io")
+            except (OSError, ProcessLookupError):
+                continue  # it ended between the listing and the read
+        out: Reading = {"self": (cpu, io)}
+        for pid in _children():
+            try:
+                out[pid] = (_child_cpu(pid), _io_bytes(f"/proc/{pid}/io"))
+            except (OSError, ValueError, IndexError):
+                continue  # it ended, or is not ours to read
+        return out
+    except (OSError, AttributeError, ValueError):
+        return None
+
+
+def busy(before: Reading, after: Reading, seconds: float) -> bool:
+    """Did anything work between the two readings? A new child is work (a loader starting
+    its workers); a child gone is not (its absence says nothing of the rest)."""
+    cpu = 0.0
+    for source, (c, b) in after.items():
+        if source not in before:
+            return True
+        c0, b0 = before[source]
+        if b > b0:
+            return True
+        cpu += max(0.0, c - c0)
+    return cpu > BUSY_CPU_SHARE * seconds
+
+
+class Activity:
+    """How long the current phase has shown no work, from looks on the transport thread.
+
+    ``phase_key`` names one phase instance (its start time): a new one starts over. The
+    first look only takes a reading, so a phase counts as quiet from its first look, never
+    from before it."""
+
+    __slots__ = ("_key", "_last", "_quiet_since", "_read", "beat_sent", "quiet")
+
+    def __init__(self, reader: Callable[[], Reading | None] = read) -> None:
+        self._read = reader
+        self._key: float | None = None
+        self._last: tuple[float, Reading] | None = None
+        self._quiet_since: float | None = None
+        self.beat_sent = False
+        """The quiet heartbeat of this phase instance went already."""
+        self.quiet = 0.0
+        """Seconds quiet as of the last look: what a heartbeat says."""
+
+    def look(self, phase_key: float | None, now: float) -> float:
+        """Seconds the phase has been quiet as of ``now`` (0: working, or not known)."""
+        if phase_key is None or now - phase_key < QUIET_LOOK_AFTER_S:
+            self._reset(None)
+            return 0.0
+        if phase_key != self._key:
+            self._reset(phase_key)
+        if self._last is not None and now - self._last[0] < LOOK_EVERY_S:
+            return self.quiet
+        reading = self._read()
+        if reading is None:
+            self._reset(phase_key)
+            return 0.0
+        if self._last is None or busy(self._last[1], reading, now - self._last[0]):
+            self._quiet_since = now
+        self._last = (now, reading)
+        self.quiet = now - self._quiet_since if self._quiet_since is not None else 0.0
+        return self.quiet
+
+    def _reset(self, key: float | None) -> None:
+        self._key, self._last, self._quiet_since = key, None, None
+        self.beat_sent = False
+        self.quiet = 0.0

@@ -1,0 +1,171 @@
+"""A rank's work, read from /proc: what tells a stuck loader from a refilling one."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from trainguard.client import activity
+from trainguard.client.activity import Activity, Reading, busy
+from trainguard.core.rankstate import RankState
+
+
+def test_work_is_cpu_above_its_share_or_any_byte_or_a_new_child() -> None:
+    before: Reading = {"self": (1.0, 100), "42": (2.0, 5)}
+    assert not busy(before, {"self": (1.01, 100), "42": (2.0, 5)}, 1.0)
+    assert busy(before, {"self": (1.2, 100), "42": (2.0, 5)}, 1.0)
+    assert busy(before, {"self": (1.0, 100), "42": (2.0, 6)}, 1.0)
+    assert busy(before, {**before, "43": (0.0, 0)}, 1.0)  # a worker started
+    assert not busy(before, {"self": (1.0, 100)}, 1.0)  # a worker ended
+
+
+class Script:
+    """Readings handed out in order (the last one repeated)."""
+
+    def __init__(self, *readings: Reading | None) -> None:
+        self.readings = list(readings)
+
+    def __call__(self) -> Reading | None:
+        return self.readings.pop(0) if len(self.readings) > 1 else self.readings[0]
+
+
+def test_quiet_counts_from_the_first_look_and_a_new_phase_starts_over() -> None:
+    same: Reading = {"self": (1.0, 0)}
+    watch = Activity(Script(same))
+    t0 = 100.0
+    assert watch.look(t0, t0 + 0.1) == 0.0  # too young to look at
+    assert watch.look(t0, t0 + 0.3) == 0.0  # the first look only reads
+    assert watch.look(t0, t0 + 0.6) == pytest.approx(0.3)
+    assert watch.look(t0, t0 + 1.3) == pytest.approx(1.0)
+    assert watch.quiet == pytest.approx(1.0)
+    assert watch.look(t0 + 1.4, t0 + 1.5) == 0.0  # the next phase
+    assert watch.look(None, t0 + 1.6) == 0.0  # between steps
+
+
+def test_work_resets_the_quiet_and_an_unreadable_process_is_never_quiet() -> None:
+    t0 = 0.0
+    watch = Activity(Script({"self": (1.0, 0)}, {"self": (1.0, 0)}, {"self": (1.0, 10)},
+                            {"self": (1.0, 10)}))
+    watch.look(t0, 0.3)
+    assert watch.look(t0, 0.6) == pytest.approx(0.3)
+    assert watch.look(t0, 0.9) == 0.0  # bytes moved
+    assert watch.look(t0, 1.2) == pytest.approx(0.3)
+    blind = Activity(Script(None))
+    assert [blind.look(t0, t) for t in (0.3, 0.6, 2.0)] == [0.0, 0.0, 0.0]
+
+
+def test_the_watched_phase_is_none_between_steps_and_while_in_a_collective() -> None:
+    state = RankState()
+    assert state.looked_at() is None
+    state.begin_step(1)
+    state.enter("data")
+    assert state.looked_at() == state.phase_t0
+    with state.collective():
+        assert state.looked_at() is None
+
+
+# -- real readings ------------------------------------------------------------------------
+
+def looked_from_own_thread(fn: Callable[[], bool]) -> bool:
+    """Runs ``fn`` on a trainguard-named thread, as the transport thread reads."""
+    out: list[bool] = []
+    t = threading.Thread(target=lambda: out.append(fn()), name="trainguard-test-look")
+    t.start()
+    t.join(30)
+    return out[0]
+
+
+def window(seconds: float = 0.4) -> bool:
+    """Two readings ``seconds`` apart: did anything work between them?"""
+    before = activity.read()
+    assert before is not None
+    time.sleep(seconds)  # the window looked at, not a wait for anything
+    after = activity.read()
+    assert after is not None
+    return busy(before, after, seconds)
+
+
+def busy_within(timeout: float = 20.0) -> bool:
+    """Work seen between two readings, looked for until ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if window(0.3):
+            return True
+    return False
+
+
+@pytest.fixture
+def child() -> Iterator[Callable[[str], subprocess.Popen[bytes]]]:
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(code: str) -> subprocess.Popen[bytes]:
+        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+        assert p.stdout is not None and p.stdout.readline() == b"up\n"
+        started.append(p)
+        return p
+
+    yield start
+    for p in started:
+        p.kill()
+        p.wait(10)
+        assert p.stdout is not None
+        p.stdout.close()
+
+
+UP = "import sys; sys.stdout.write('up\\n'); sys.stdout.flush()\n"
+
+
+def test_a_process_waiting_on_nothing_is_quiet(
+        child: Callable[[str], subprocess.Popen[bytes]]) -> None:
+    child(UP + "import time\nwhile True: time.sleep(5)")
+    # Quiet is the rare outcome to see on a busy machine: a few windows, one quiet is proof.
+    assert any(not looked_from_own_thread(window) for _ in range(5))
+
+
+def test_a_loader_worker_burning_cpu_is_work(
+        child: Callable[[str], subprocess.Popen[bytes]]) -> None:
+    child(UP + "while True: pass")
+    assert looked_from_own_thread(busy_within)
+
+
+def test_a_loader_worker_reading_is_work(
+        child: Callable[[str], subprocess.Popen[bytes]]) -> None:
+    child(UP + "import time\nwhile True:\n    open('/proc/self/stat').read(); time.sleep(0.05)")
+    assert looked_from_own_thread(busy_within)
+
+
+def test_the_trainers_own_thread_working_is_work() -> None:
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            sum(range(1000))
+
+    t = threading.Thread(target=spin, name="loader-prefetch")
+    t.start()
+    try:
+        assert looked_from_own_thread(busy_within)
+    finally:
+        stop.set()
+        t.join(10)
+
+
+def test_trainguards_own_threads_working_is_not_the_trainers_work() -> None:
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            sum(range(1000))
+
+    t = threading.Thread(target=spin, name="trainguard-busy")
+    t.start()
+    try:
+        assert any(not looked_from_own_thread(window) for _ in range(5))
+    finally:
+        stop.set()
+        t.join(10)
