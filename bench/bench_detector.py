@@ -151,9 +151,10 @@ def latency_crash(ranks: int) -> dict[str, Any]:
             "handler_ms": round(1000 * wall, 3), "note": "at receipt of the WorkerExit"}
 
 
-def latency_hang(ranks: int, phase: str) -> dict[str, Any]:
+def latency_hang(ranks: int, phase: str, quiet: bool = False) -> dict[str, Any]:
     """One rank stops in ``phase`` (compute: judged by ``hang_floor``; data, an irregular
-    phase: by ``unclear_hang_floor``), the others wait in ``comm``."""
+    phase: by ``unclear_hang_floor``, or by ``hang_floor`` once its beats say it does no
+    work there, ``quiet``), the others wait in ``comm``."""
     h = sim(ranks)
     h.sim.steps(60)
     onset = h.job.last_progress
@@ -168,7 +169,8 @@ def latency_hang(ranks: int, phase: str) -> dict[str, Any]:
     h.sim.tick = timed_tick
     culprit = ranks // 2
     while not h.opened("hang"):
-        h.sim.stall(0.25, lambda r: phase if r == culprit else "comm")
+        h.sim.stall(0.25, lambda r: phase if r == culprit else "comm",
+                    frozenset({culprit}) if quiet else frozenset())
     [hang] = h.opened("hang")
     assert hang.ranks == [culprit], hang.ranks
     return {"sim_s": round(hang.detected_at - onset, 3), "limit_s": hang.evidence.limit,
@@ -202,7 +204,9 @@ def main() -> int:
               for m in (False, True)]
     profiled = bench_ingest(1000, 5 if args.quick else 10, profile=True)
     latency = {n: {"crash": latency_crash(n), "hang": latency_hang(n, "compute"),
-                   "hang_data": latency_hang(n, "data"), "straggler": latency_straggler(n)}
+                   "hang_data": latency_hang(n, "data"),
+                   "hang_data_stuck": latency_hang(n, "data", quiet=True),
+                   "straggler": latency_straggler(n)}
                for n in (1000, 10_000)}
 
     print(f"Detector benchmark ({pinned}, Python {sys.version.split()[0]})\n")
@@ -214,13 +218,14 @@ def main() -> int:
         print(f"| {r['ranks']:,} | {path} | {r['messages']:,} | {r['wall_s']} "
               f"| {r['msgs_per_s']:,} | {r['realtime_factor']} | {r['tick_ms']} "
               f"| {r['progress_ms']} |")
-    print("\n| ranks | crash (sim s) | hang in compute (sim s, limit) | hang in data "
-          "| hang tick ms (max) | straggler (sim s, steps) |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("\n| ranks | crash (sim s) | hang in compute (sim s, limit) | hang in data, working "
+          "| hang in data, no work | hang tick ms (max) | straggler (sim s, steps) |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for n, lat in latency.items():
         print(f"| {n:,} | {lat['crash']['sim_s']} | {lat['hang']['sim_s']} "
               f"(limit {lat['hang']['limit_s']}) | {lat['hang_data']['sim_s']} "
-              f"(limit {lat['hang_data']['limit_s']}) | {lat['hang']['tick_ms_max']} "
+              f"(limit {lat['hang_data']['limit_s']}) | {lat['hang_data_stuck']['sim_s']} "
+              f"(limit {lat['hang_data_stuck']['limit_s']}) | {lat['hang']['tick_ms_max']} "
               f"| {lat['straggler']['sim_s']} ({lat['straggler']['steps']} steps) |")
     print("\ncProfile, ingest of 1,000 ranks (top 10 by own time):\n")
     print("```")

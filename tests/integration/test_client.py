@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from trainguard.client import DrillCrash
 from trainguard.contract.schemas import Command, Heartbeat, StepReport
 from trainguard.contract.subjects import Subjects
 from trainguard.core.identity import resolve_identity
+from trainguard.core.rankstate import QUIET_BEAT_S
 from trainguard.runtime.embedded import NatsServer, free_port
 
 
@@ -300,3 +302,52 @@ def test_bad_identity_is_a_clear_value_error() -> None:
     assert (ident.job, ident.rank, ident.world_size, ident.local_rank, ident.host) == (
         "llama", 3, 8, 1, "node-b")
     assert ident.attempt.restart_count == 2
+
+
+
+RANK_IN_DATA = """
+import hashlib, sys, time
+from trainguard import Guard
+
+job, url, prefix, loader = sys.argv[1:5]
+guard = Guard(job=job, rank=0, world_size=1, host="node-t", nats_url=url, prefix=prefix,
+              heartbeat_interval=3600.0 if loader == "stuck" else 0.5)
+for i in range(20):
+    with guard.step(i) as s, s.phase("compute"):
+        time.sleep(0.01)
+with guard.step(20) as s, s.phase("data"):
+    if loader == "stuck":
+        sys.stdin.read()  # a loader waiting on a worker that never answers
+    with open(sys.executable, "rb") as f:
+        while True:  # a loader refilling: reading and decoding
+            f.seek(0)
+            hashlib.sha256(f.read(1 << 20)).digest()
+"""
+
+
+@pytest.mark.parametrize("loader", ["stuck", "refilling"])
+async def test_a_loader_that_does_no_work_says_so_at_once_and_one_that_works_never_does(
+        nats_url: str, prefix: str, job: str, loader: str) -> None:
+    """A rank's own process in ``data``: stuck, its heartbeat says it did no work for a
+    second, sent at once (the regular beats are an hour apart); refilling, its beats over
+    2.5 s never say so."""
+    async with tapped(nats_url, prefix, job) as (tap, _):
+        rank = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", RANK_IN_DATA, job, nats_url, prefix, loader,
+            stdin=asyncio.subprocess.PIPE)
+        try:
+            def in_data() -> list[Heartbeat]:
+                return [h for h in tap.of(Heartbeat) if h.step == 20 and h.phase == "data"]
+
+            if loader == "stuck":
+                quiet = await wait_until(
+                    lambda: [h for h in in_data() if h.quiet_for >= QUIET_BEAT_S],
+                    timeout=30, what="a beat saying the loader did no work for a second")
+                assert quiet[0].quiet_for <= quiet[0].phase_elapsed
+            else:
+                await wait_until(lambda: [h for h in in_data() if h.phase_elapsed >= 2.5],
+                                 timeout=30, what="beats from 2.5 s into the refill")
+                assert {h.quiet_for for h in in_data()} == {0.0}
+        finally:
+            rank.kill()
+            await rank.wait()

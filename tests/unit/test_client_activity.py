@@ -15,13 +15,15 @@ from trainguard.client.activity import Activity, Reading, busy
 from trainguard.core.rankstate import RankState
 
 
-def test_work_is_cpu_above_its_share_or_any_byte_or_a_new_child() -> None:
-    before: Reading = {"self": (1.0, 100), "42": (2.0, 5)}
-    assert not busy(before, {"self": (1.01, 100), "42": (2.0, 5)}, 1.0)
-    assert busy(before, {"self": (1.2, 100), "42": (2.0, 5)}, 1.0)
-    assert busy(before, {"self": (1.0, 100), "42": (2.0, 6)}, 1.0)
-    assert busy(before, {**before, "43": (0.0, 0)}, 1.0)  # a worker started
-    assert not busy(before, {"self": (1.0, 100)}, 1.0)  # a worker ended
+def test_work_is_cpu_above_its_share_or_any_byte_or_a_new_child_or_a_read_in_flight(
+        ) -> None:
+    before = Reading({"self": (1.0, 100), "42": (2.0, 5)})
+    assert not busy(before, Reading({"self": (1.01, 100), "42": (2.0, 5)}), 1.0)
+    assert busy(before, Reading({"self": (1.2, 100), "42": (2.0, 5)}), 1.0)
+    assert busy(before, Reading({"self": (1.0, 100), "42": (2.0, 6)}), 1.0)
+    assert busy(before, Reading({**before.work, "43": (0.0, 0)}), 1.0)  # a worker started
+    assert not busy(before, Reading({"self": (1.0, 100)}), 1.0)  # a worker ended
+    assert busy(before, Reading(before.work, in_io=True), 1.0)  # a slow read, still waiting
 
 
 class Script:
@@ -35,7 +37,7 @@ class Script:
 
 
 def test_quiet_counts_from_the_first_look_and_a_new_phase_starts_over() -> None:
-    same: Reading = {"self": (1.0, 0)}
+    same = Reading({"self": (1.0, 0)})
     watch = Activity(Script(same))
     t0 = 100.0
     assert watch.look(t0, t0 + 0.1) == 0.0  # too young to look at
@@ -49,8 +51,7 @@ def test_quiet_counts_from_the_first_look_and_a_new_phase_starts_over() -> None:
 
 def test_work_resets_the_quiet_and_an_unreadable_process_is_never_quiet() -> None:
     t0 = 0.0
-    watch = Activity(Script({"self": (1.0, 0)}, {"self": (1.0, 0)}, {"self": (1.0, 10)},
-                            {"self": (1.0, 10)}))
+    watch = Activity(Script(*(Reading({"self": (1.0, b)}) for b in (0, 0, 10, 10))))
     watch.look(t0, 0.3)
     assert watch.look(t0, 0.6) == pytest.approx(0.3)
     assert watch.look(t0, 0.9) == 0.0  # bytes moved

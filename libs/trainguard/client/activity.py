@@ -21,6 +21,7 @@ import resource
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from trainguard.core.rankstate import QUIET_LOOK_AFTER_S
 
@@ -32,9 +33,14 @@ BUSY_CPU_SHARE = 0.05
 """CPU time above this share of the time between two looks is work (a blocked thread's
 wake-ups and the clock's 10 ms ticks stay well below it)."""
 
-Reading = dict[str, tuple[float, int]]
-"""CPU seconds and bytes read and written so far, by source: ``self`` (the process less
-trainguard's threads) and each child's pid."""
+@dataclass(frozen=True)
+class Reading:
+    work: dict[str, tuple[float, int]]
+    """CPU seconds and bytes read and written so far, by source: ``self`` (the process less
+    trainguard's threads) and each child's pid."""
+    in_io: bool = False
+    """A thread of the trainer's or a child is in uninterruptible sleep (``D``): a read in
+    flight, whose bytes count only once it returns. Slow storage, not known to be stuck."""
 
 
 def _io_bytes(path: str) -> int:
@@ -43,25 +49,31 @@ def _io_bytes(path: str) -> int:
     return int(fields[b"rchar"]) + int(fields[b"wchar"])
 
 
-def _child_cpu(pid: str) -> float:
-    with open(f"/proc/{pid}/stat", "rb") as f:
+def _stat(path: str) -> tuple[bytes, float]:
+    """State letter and CPU seconds (utime + stime) of ``/proc/.../stat``."""
+    with open(path, "rb") as f:
         stat = f.read()
     fields = stat[stat.rindex(b")") + 2:].split()  # the name may hold spaces
-    return (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime (whole process)
+    return fields[0], (int(fields[11]) + int(fields[12])) / _TICKS
 
 
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def _children() -> set[str]:
+def _tasks(own: set[int]) -> tuple[set[str], bool]:
+    """The children of every thread of this process, and whether one of the trainer's
+    threads (not in ``own``) is in ``D``."""
     pids: set[str] = set()
+    in_io = False
     for tid in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{tid}/children", "rb") as f:
                 pids.update(p.decode() for p in f.read().split())
+            if int(tid) not in own:
+                in_io = in_io or _stat(f"/proc/self/task/{tid}/stat")[0] == b"D"
         except OSError:
             continue  # the thread ended
-    return pids
+    return pids, in_io
 
 
 def read() -> Reading | None:
@@ -70,33 +82,41 @@ def read() -> Reading | None:
         usage = resource.getrusage(resource.RUSAGE_SELF)
         cpu = usage.ru_utime + usage.ru_stime
         io = _io_bytes("/proc/self/io")
+        own: set[int] = set()
         for t in threading.enumerate():
-            if not t.name.startswith(OWN_THREADS) or t.ident is None:
+            if not t.name.startswith(OWN_THREADS) or t.ident is None or t.native_id is None:
                 continue
             try:
                 cpu -= time.clock_gettime(time.pthread_getcpuclockid(t.ident))
                 io -= _io_bytes(f"/proc/self/task/{t.native_id}/io")
+                own.add(t.native_id)
             except (OSError, ProcessLookupError):
                 continue  # it ended between the listing and the read
-        out: Reading = {"self": (cpu, io)}
-        for pid in _children():
+        work = {"self": (cpu, io)}
+        children, in_io = _tasks(own)
+        for pid in children:
             try:
-                out[pid] = (_child_cpu(pid), _io_bytes(f"/proc/{pid}/io"))
+                state, child_cpu = _stat(f"/proc/{pid}/stat")
+                work[pid] = (child_cpu, _io_bytes(f"/proc/{pid}/io"))
+                in_io = in_io or state == b"D"
             except (OSError, ValueError, IndexError):
                 continue  # it ended, or is not ours to read
-        return out
+        return Reading(work, in_io)
     except (OSError, AttributeError, ValueError):
         return None
 
 
 def busy(before: Reading, after: Reading, seconds: float) -> bool:
     """Did anything work between the two readings? A new child is work (a loader starting
-    its workers); a child gone is not (its absence says nothing of the rest)."""
+    its workers); a child gone is not (its absence says nothing of the rest); a read in
+    flight is."""
+    if after.in_io:
+        return True
     cpu = 0.0
-    for source, (c, b) in after.items():
-        if source not in before:
+    for source, (c, b) in after.work.items():
+        if source not in before.work:
             return True
-        c0, b0 = before[source]
+        c0, b0 = before.work[source]
         if b > b0:
             return True
         cpu += max(0.0, c - c0)

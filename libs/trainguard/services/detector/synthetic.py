@@ -106,6 +106,9 @@ class SimJob:
         self.slow: dict[int, float] = {}
         """rank -> compute factor (a straggler)."""
         self.silent: set[int] = set()
+        self.stuck: dict[int, float] = {}
+        """Ranks doing no work in their phase (a loader stuck), since when: a completed step
+        ends it."""
         self.nan_ranks: dict[int, set[int]] = {}
         """step -> ranks whose loss is NaN at that step."""
         self.grad_scale: dict[int, float] = {}
@@ -176,8 +179,9 @@ class SimJob:
             if r in self.silent:
                 continue
             if r in quiet:
-                told = start + QUIET_LOOK_AFTER_S + QUIET_BEAT_S
-                if told < until:
+                since = self.stuck.setdefault(r, start)
+                told = since + QUIET_LOOK_AFTER_S + QUIET_BEAT_S
+                if start <= told < until:
                     times = sorted([*times, told])
             for t in times:
                 phase = phase_of(r, t)
@@ -186,13 +190,13 @@ class SimJob:
                     self.phase_start[r] = t
                 self.seq[r] += 1
                 lag = self.coll_lag.get(r, 0)
-                looked = t - start - QUIET_LOOK_AFTER_S  # stuck since the stall began
+                looked = t - self.stuck.get(r, t) - QUIET_LOOK_AFTER_S
                 events.append((t, len(events), Heartbeat(
                     job=cfg.job, time=t, seq=self.seq[r], rank=r, attempt=self.attempt,
                     host=self.host(r), pid=1000 + r, step=self.step, phase=phase,
                     phase_elapsed=t - self.phase_start[r], coll_seq=self.step * 2 - lag,
                     coll_done=self.step * 2 - lag,
-                    quiet_for=max(0.0, looked) if r in quiet else 0.0)))
+                    quiet_for=max(0.0, looked))))
 
     # -- time ---------------------------------------------------------------------------
     def steps(self, n: int) -> None:
@@ -281,6 +285,7 @@ class SimJob:
                     job=cfg.job, time=t, rank=r, step=s, checksum=123456789 + s + flip,
                     attempt=self.attempt)))
         self._emit(events, end)
+        self.stuck.clear()
         self.step += 1
         for r in range(cfg.ranks):
             self.usual[r] = usual_after(self.usual[r], duration)
