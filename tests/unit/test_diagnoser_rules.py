@@ -134,6 +134,17 @@ def test_causes(name: str, a: Anomaly, samples: list[GpuSample], cause: str, ran
     assert diag.summary and diag.evidence
 
 
+def test_a_rank_that_did_no_work_where_it_stopped_is_said_to_be_stuck_not_slow() -> None:
+    quiet = {**STUCK_IN_DATA, "phases": {"2": RankPhase(phase="data", host="node-b",
+                                                        quiet_for=1.25)}}
+    (diag,) = Diagnoser().on_anomaly(hang([2], ["node-b"], **quiet), NOW).publish
+    assert diag.cause == "rank_hang" and diag.ranks == [2]
+    [fact] = [e for e in diag.evidence if "did no work" in e.fact]
+    assert fact.value == {"2": 1.25}
+    (plain,) = Diagnoser().on_anomaly(hang([2], ["node-b"], **STUCK_IN_DATA), NOW).publish
+    assert not [e for e in plain.evidence if "did no work" in e.fact]
+
+
 def test_crash_then_hangs_is_one_diagnosis_naming_the_crashed_host() -> None:
     d = Diagnoser()
     d.observe_exit(exit_of(3, "node-b", ECC_TEXT, NOW - 3))

@@ -387,6 +387,13 @@ class Diagnoser:
             facts.append(EvidenceItem(fact=f"ranks {culprits} stuck outside the "
                                       f"collective ({ev.culprit_basis})", source="detector",
                                       value=where))
+            quiet = {r: p.quiet_for for r in culprits
+                     if (p := ev.phases.get(str(r))) is not None and p.quiet_for}
+            if quiet:
+                facts.append(EvidenceItem(
+                    fact=f"ranks {sorted(quiet)} did no work where they stopped (no CPU, no "
+                         "I/O in the process or its loader workers): stuck, not slow",
+                    source="rank", value={str(r): s for r, s in quiet.items()}))
             conf = 0.9 if ev.culprit_basis == "process_state" else 0.8
             return Conclusion("rank_hang", conf, culprits, _hosts_of(a, ev, culprits), facts)
         if ev.majority_phase == "comm":
