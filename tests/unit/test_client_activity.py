@@ -44,7 +44,8 @@ def test_quiet_counts_from_the_first_look_and_a_new_phase_starts_over() -> None:
     assert watch.look(t0, t0 + 0.3) == 0.0  # the first look only reads
     assert watch.look(t0, t0 + 0.6) == pytest.approx(0.3)
     assert watch.look(t0, t0 + 1.3) == pytest.approx(1.0)
-    assert watch.quiet == pytest.approx(1.0)
+    assert watch.said(t0) == pytest.approx(1.0)
+    assert watch.said(t0 + 1.25) == 0.0  # a beat of the next phase, before its first look
     assert watch.look(t0 + 1.4, t0 + 1.5) == 0.0  # the next phase
     assert watch.look(None, t0 + 1.6) == 0.0  # between steps
 

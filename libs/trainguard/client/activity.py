@@ -140,7 +140,7 @@ class Activity:
         self.beat_sent = False
         """The quiet heartbeat of this phase instance went already."""
         self.quiet = 0.0
-        """Seconds quiet as of the last look: what a heartbeat says."""
+        """Seconds quiet as of the last look."""
 
     def look(self, phase_key: float | None, now: float) -> float:
         """Seconds the phase has been quiet as of ``now`` (0: working, or not known)."""
@@ -160,6 +160,11 @@ class Activity:
         self._last = (now, reading)
         self.quiet = now - self._quiet_since if self._quiet_since is not None else 0.0
         return self.quiet
+
+    def said(self, phase_key: float | None) -> float:
+        """What a heartbeat says now: the last look's quiet, if it was of this phase (a
+        beat between a phase's start and the next look must not carry the last one's)."""
+        return self.quiet if phase_key is not None and phase_key == self._key else 0.0
 
     def _reset(self, key: float | None) -> None:
         self._key, self._last, self._quiet_since = key, None, None

@@ -609,7 +609,7 @@ class Guard:
     def _beat(self) -> None:
         identity = self.identity  # one read: a resize on the training thread may be midway
         hb = self.state.heartbeat(identity, self.transport.stats.dropped,
-                                  self._activity.quiet)
+                                  self._activity.said(self.state.looked_at()))
         self.transport.publish(self.subjects.hb(self.job, identity.rank), hb)
 
     def _beat_if_stalled(self) -> None:
