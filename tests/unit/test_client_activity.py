@@ -12,7 +12,7 @@ import pytest
 
 from trainguard.client import activity
 from trainguard.client.activity import Activity, Reading, busy
-from trainguard.core.rankstate import RankState
+from trainguard.core.rankstate import QUIET_LOOK_AFTER_S, RankState
 
 
 def test_work_is_cpu_above_its_share_or_any_byte_or_a_new_child_or_a_read_in_flight(
@@ -40,14 +40,13 @@ def test_quiet_counts_from_the_first_look_and_a_new_phase_starts_over() -> None:
     same = Reading({"self": (1.0, 0)})
     watch = Activity(Script(same))
     t0 = 100.0
-    assert watch.look(t0, t0 + 0.1) == 0.0  # too young to look at
     assert watch.look(t0, t0 + 0.3) == 0.0  # the first look only reads
     assert watch.look(t0, t0 + 0.6) == pytest.approx(0.3)
     assert watch.look(t0, t0 + 1.3) == pytest.approx(1.0)
     assert watch.said(t0) == pytest.approx(1.0)
     assert watch.said(t0 + 1.25) == 0.0  # a beat of the next phase, before its first look
-    assert watch.look(t0 + 1.4, t0 + 1.5) == 0.0  # the next phase
-    assert watch.look(None, t0 + 1.6) == 0.0  # between steps
+    assert watch.look(t0 + 1.4, t0 + 1.7) == 0.0  # the next phase
+    assert watch.look(None, t0 + 1.8) == 0.0  # between steps
 
 
 def test_work_resets_the_quiet_and_an_unreadable_process_is_never_quiet() -> None:
@@ -61,14 +60,18 @@ def test_work_resets_the_quiet_and_an_unreadable_process_is_never_quiet() -> Non
     assert [blind.look(t0, t) for t in (0.3, 0.6, 2.0)] == [0.0, 0.0, 0.0]
 
 
-def test_the_watched_phase_is_none_between_steps_and_while_in_a_collective() -> None:
+def test_a_phase_is_looked_at_once_older_than_a_quarter_second_and_the_usual_step() -> None:
     state = RankState()
-    assert state.looked_at() is None
+    assert state.looked_at(time.monotonic() + 10) is None  # between steps
     state.begin_step(1)
     state.enter("data")
-    assert state.looked_at() == state.phase_t0
+    t0 = state.phase_t0
+    assert state.looked_at(t0 + QUIET_LOOK_AFTER_S / 2) is None
+    assert state.looked_at(t0 + QUIET_LOOK_AFTER_S) == t0
+    state.usual_step = 2.0  # a job of 2 s steps: a phase is long past a whole step
+    assert state.looked_at(t0 + 1.0) is None and state.looked_at(t0 + 2.0) == t0
     with state.collective():
-        assert state.looked_at() is None
+        assert state.looked_at(t0 + 10) is None
 
 
 # -- real readings ------------------------------------------------------------------------

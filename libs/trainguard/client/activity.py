@@ -23,8 +23,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from trainguard.core.rankstate import QUIET_LOOK_AFTER_S
-
 OWN_THREADS = "trainguard"
 """Threads whose names start with this are trainguard's, never the trainer's work."""
 LOOK_EVERY_S = 0.25
@@ -144,7 +142,7 @@ class Activity:
 
     def look(self, phase_key: float | None, now: float) -> float:
         """Seconds the phase has been quiet as of ``now`` (0: working, or not known)."""
-        if phase_key is None or now - phase_key < QUIET_LOOK_AFTER_S:
+        if phase_key is None:
             self._reset(None)
             return 0.0
         if phase_key != self._key:

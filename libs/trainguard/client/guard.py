@@ -608,8 +608,8 @@ class Guard:
     # -- background thread ------------------------------------------------------------
     def _beat(self) -> None:
         identity = self.identity  # one read: a resize on the training thread may be midway
-        hb = self.state.heartbeat(identity, self.transport.stats.dropped,
-                                  self._activity.said(self.state.looked_at()))
+        said = self._activity.said(self.state.looked_at(time.monotonic()))
+        hb = self.state.heartbeat(identity, self.transport.stats.dropped, said)
         self.transport.publish(self.subjects.hb(self.job, identity.rank), hb)
 
     def _beat_if_stalled(self) -> None:
@@ -617,7 +617,7 @@ class Guard:
         ``QUIET_BEAT_S`` (once per phase): a stuck loader is told the moment it is one."""
         now = time.monotonic()
         activity = self._activity
-        quiet = activity.look(self.state.looked_at(), now)
+        quiet = activity.look(self.state.looked_at(now), now)
         if self.state.stalled(now):
             self._beat()
         elif quiet >= QUIET_BEAT_S and not activity.beat_sent:

@@ -24,10 +24,16 @@ heartbeat (:meth:`RankState.stalled`)."""
 STALL_CHECK_S = 0.1
 """How often the transport thread asks :meth:`RankState.stalled`."""
 QUIET_LOOK_AFTER_S = 0.25
-"""A phase younger than this is not looked at for work (most phases of most steps);
-from its first look on it counts as quiet while it shows none."""
+"""A phase younger than this, or than the rank's usual step, is not looked at for work
+(:func:`looks_after`); from its first look on it counts as quiet while it shows none."""
 QUIET_BEAT_S = 1.0
 """A phase quiet this long sends a heartbeat at once (the detector's ``quiet_floor``)."""
+
+
+def looks_after(usual: float | None) -> float:
+    """How old a phase is when its work is first looked at: older than a whole usual step
+    is rare, so a job with long steps pays for looks only where a phase runs long."""
+    return max(QUIET_LOOK_AFTER_S, usual or 0.0)
 
 
 def usual_after(usual: float | None, seconds: float) -> float:
@@ -102,10 +108,12 @@ class RankState:
             self.comm_outstanding -= 1
             self.coll_done += 1
 
-    def looked_at(self) -> float | None:
+    def looked_at(self, now: float) -> float | None:
         """The start of the phase whose work :class:`~trainguard.client.activity.Activity`
-        watches, None outside one (between steps, or waiting in a collective)."""
-        if self.phase is None or self.comm_outstanding > 0:
+        watches: one that has run past :func:`looks_after`; None outside one (young,
+        between steps, or waiting in a collective)."""
+        if self.phase is None or self.comm_outstanding > 0 \
+                or now - self.phase_t0 < looks_after(self.usual_step):
             return None
         return self.phase_t0
 

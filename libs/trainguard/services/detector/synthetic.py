@@ -33,9 +33,9 @@ from trainguard.contract.schemas import (
 )
 from trainguard.core.rankstate import (
     QUIET_BEAT_S,
-    QUIET_LOOK_AFTER_S,
     STALL_BEAT_FACTOR,
     STALL_BEAT_MIN_S,
+    looks_after,
     usual_after,
 )
 
@@ -161,7 +161,7 @@ class SimJob:
         """Every rank's beats in ``[start, until)``: its regular ones, and the client's early
         one once the step has run past ``STALL_BEAT_FACTOR`` x the rank's usual step
         (:meth:`RankState.stalled`). A rank in ``quiet`` does no work in its phase (a loader
-        stuck): its beats say so from ``QUIET_LOOK_AFTER_S`` into the phase on, and it beats
+        stuck): its beats say so from its first look on (:func:`looks_after`), and it beats
         once more when that has lasted ``QUIET_BEAT_S``, as the client does."""
         cfg = self.cfg
         for r in range(cfg.ranks):
@@ -178,9 +178,10 @@ class SimJob:
                     times = sorted([*times, early])
             if r in self.silent:
                 continue
+            first_look = looks_after(usual)
             if r in quiet:
                 since = self.stuck.setdefault(r, start)
-                told = since + QUIET_LOOK_AFTER_S + QUIET_BEAT_S
+                told = since + first_look + QUIET_BEAT_S
                 if start <= told < until:
                     times = sorted([*times, told])
             for t in times:
@@ -190,7 +191,7 @@ class SimJob:
                     self.phase_start[r] = t
                 self.seq[r] += 1
                 lag = self.coll_lag.get(r, 0)
-                looked = t - self.stuck.get(r, t) - QUIET_LOOK_AFTER_S
+                looked = t - self.stuck.get(r, t) - first_look
                 events.append((t, len(events), Heartbeat(
                     job=cfg.job, time=t, seq=self.seq[r], rank=r, attempt=self.attempt,
                     host=self.host(r), pid=1000 + r, step=self.step, phase=phase,
