@@ -111,8 +111,13 @@ class Diagnoser:
     def __init__(self, *, window: float = 60.0, gpu_window: float = 120.0,
                  same_cause_window: float = 10.0, symptom_window: float = 20.0,
                  steal_pct: float = 10.0, load_ratio: float = 1.5,
-                 domain_window: float = 0.0, topology: Topology | None = None) -> None:
+                 domain_window: float = 0.0, topology: Topology | None = None,
+                 burst_window: float = 0.0) -> None:
         self.window = window
+        self.burst_window = burst_window
+        """Crashes of one job and cause this close in onset crashed together (a storm, a
+        bug every rank hits at one step): one failure whatever their hosts, unless the
+        cause isolates hosts (each host's own). 0: together only on the same host."""
         self.lost = HostLosses(domain_window, topology)
         """Silences held for the domain window, then diagnosed as one loss per domain."""
         self.steal_pct = steal_pct
@@ -179,6 +184,9 @@ class Diagnoser:
         root = self._absorbing(a, opened)
         if root is not None:
             return Decision([self._join(root, a, v, now, collateral=True)])
+        for o in opened:
+            if self._crashed_with(v, a, o):
+                return Decision([self._join(o, a, v, now, collateral=False, hosts=True)])
         for o in opened:
             if self._joins(v, a, o, now):
                 # A domain's loss names its ranks already: what follows adds none.
@@ -249,8 +257,10 @@ class Diagnoser:
         return d
 
     @staticmethod
-    def _join(o: Open, a: Anomaly, v: Conclusion, now: float, *, collateral: bool) -> Diagnosis:
-        """``a`` is a symptom of ``o``'s failure: a new revision of its diagnosis."""
+    def _join(o: Open, a: Anomaly, v: Conclusion, now: float, *, collateral: bool,
+              hosts: bool = False) -> Diagnosis:
+        """``a`` is a symptom of ``o``'s failure, or (``hosts``) another part of it: a new
+        revision of its diagnosis."""
         d = o.diagnosis
         o.last = now
         d.anomaly_ids.append(a.id)
@@ -259,10 +269,25 @@ class Diagnoser:
             d.collateral.append(a.id)
         else:
             d.ranks = sorted(set(d.ranks) | set(v.ranks))
-        d.evidence.append(EvidenceItem(fact=f"{a.kind} on ranks {a.ranks} follows from "
-                                       "this failure", source=f"anomaly:{a.id}"))
+        if hosts:
+            d.hosts = sorted(set(d.hosts) | set(v.hosts))
+            late = round(a.onset_at - (d.onset_at or a.onset_at), 3)
+            fact = f"{a.kind} on ranks {a.ranks} ({', '.join(a.hosts)}) {late:+.1f} s after " \
+                   "the first: crashed together"
+        else:
+            fact = f"{a.kind} on ranks {a.ranks} follows from this failure"
+        d.evidence.append(EvidenceItem(fact=fact, source=f"anomaly:{a.id}"))
         d.rev += 1
         return d
+
+    def _crashed_with(self, v: Conclusion, a: Anomaly, o: Open) -> bool:
+        """``a``, a crash, is one more rank of ``o``'s crash: the same cause, onsets within
+        ``burst_window``, and a cause whose action is the job's, not each host's."""
+        d = o.diagnosis
+        return self.burst_window > 0 and a.kind == "crash" and d.worker_exited \
+            and d.status == "open" and v.cause == d.cause and not v.collateral \
+            and "isolate" not in RECOMMENDED[v.cause] and d.onset_at is not None \
+            and abs(a.onset_at - d.onset_at) <= self.burst_window
 
     def _joins(self, v: Conclusion, a: Anomaly, o: Open, now: float) -> bool:
         d = o.diagnosis

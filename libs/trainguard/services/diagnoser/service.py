@@ -36,6 +36,7 @@ class DiagnoserService(Service[DiagnoserSettings]):
                                steal_pct=settings.straggler_steal_pct,
                                load_ratio=settings.straggler_load_ratio,
                                domain_window=settings.domain_window,
+                               burst_window=settings.burst_window,
                                topology=load_topology(settings.topology, settings.label_keys))
         self.keys = Keys(settings.prefix)
         self.flight_recorder = FlightRecorder(settings.correlation_window)

@@ -31,6 +31,11 @@ class DiagnoserSettings(Settings):
     domain, are one loss (``hosts_lost``: one incident, one page); a host's silence waits
     this long for the others before it is diagnosed. 0: every host on its own. Keep it above
     the ranks' heartbeat period (1 s), whose phase spreads the onsets of one loss."""
+    burst_window: float = 2.0
+    """Crashes of one job with the same cause whose exits lie within this many seconds of
+    each other crashed together (a storm; a bug every rank hits at one step): one failure,
+    one incident, one page, whatever their hosts, unless the cause isolates hosts (each
+    host then has its own). 0: crashes on other hosts are each their own failure."""
     topology: str = ""
     """The failure domains: a TOML/JSON ``[[domains]]`` file, ``kubectl get nodes -o json``
     saved to a file, or Slurm's ``topology.conf``; empty: none (hosts lost together are
@@ -44,6 +49,9 @@ class DiagnoserSettings(Settings):
         if self.domain_window < 0:
             raise ConfigError(f"setting domain_window={self.domain_window}: must be >= 0 "
                               "(0 turns the grouping of hosts lost together off)")
+        if self.burst_window < 0:
+            raise ConfigError(f"setting burst_window={self.burst_window}: must be >= 0 "
+                              "(0 turns the grouping of ranks that crash together off)")
 
     @property
     def label_keys(self) -> LabelKeys:
