@@ -1,7 +1,8 @@
 """A switch lost, on real NATS and Redis with the real detector, diagnoser, remediator and
 bridge: 16 hosts x 4 ranks, the 8 hosts of switch sw-1 go silent at once (their agents
 too). One incident names the switch, pages once, isolates the 8 hosts in one step and
-restarts the job once; it resolves when the survivors train on in the next attempt."""
+restarts the job once; it resolves when the survivors train on in the next attempt. The
+same 8 hosts' ranks all crashing at once (a storm) are one incident, one page, one restart."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from trainguard.contract.schemas import (
     NodeHello,
     RankHello,
     StepReport,
+    WorkerExit,
 )
 from trainguard.contract.subjects import Subjects
 from trainguard.runtime.bus import Bus
@@ -254,5 +256,78 @@ async def test_a_lost_switch_is_one_incident_one_page_one_isolation(
             first = pages[0].json()
             assert (first["cause"], first["domain"], first["id"]) == ("hosts_lost",
                                                                      domain, inc.id)
+    finally:
+        receiver.stop()
+
+
+TRACE = 'Traceback (most recent call last):\n  File "train.py", line 3\nKeyError: 17'
+
+
+async def test_ranks_that_crash_together_on_many_hosts_are_one_incident_one_page_one_restart(
+        nats_url: str, redis_url: str, prefix: str, job: str, nc: Any) -> None:
+    """A storm: every rank of 8 hosts exits with the same error within half a second (their
+    agents report each exit). One incident names them all, pages once and restarts the
+    job once; the restart budget counts one failure."""
+    base = {"nats_url": nats_url, "redis_url": redis_url, "prefix": prefix}
+    await provision(nc.jetstream(), streams(prefix))
+    receiver = Receiver().start()
+    bus = Bus(nc, Subjects(prefix), source="test")
+    ranks = Job(bus, job)
+    agents = Agents(nc, bus, job, ranks.alive)
+    incidents = await events(nc, prefix, job, "incident", Incident)
+    diagnoses = await events(nc, prefix, job, "diagnosis", Diagnosis)
+    services = [
+        DetectorService(load_settings(DetectorSettings, env={}, overrides={
+            **base, "tick_interval": 0.1, "progress_interval": 0.2, "lease_interval": 0.2,
+            "lease_ttl": 1.5})),
+        DiagnoserService(load_settings(DiagnoserSettings, env={}, overrides=base)),
+        RemediatorService(load_settings(RemediatorSettings, env={},
+                                        overrides={**base, "lease_ttl": 1.0})),
+    ]
+    bridge = load_settings(BridgeSettings, env={}, overrides={
+        **base, "webhook_url": f"{receiver.url}/ce"})
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            for svc in services:
+                await stack.enter_async_context(running(svc))
+            await stack.enter_async_context(bridging(bridge))
+            await agents.start()
+            await ranks.hello()
+            detector = services[0]
+            assert isinstance(detector, DetectorService)
+            await wait_until(lambda: job in detector.owned, timeout=WAIT, what="job owned")
+            async with ranks.running():
+                await wait_until(lambda: ranks.step >= 20, timeout=WAIT, what="20 steps")
+                crashed = [r for r, h in ranks.layout.items() if h in LOST]
+                ranks.alive -= set(LOST)
+                ranks.stepping = False
+                t0 = time.time()
+                for i, r in enumerate(crashed):
+                    host = ranks.layout[r]
+                    await bus.publish_durable(bus.subjects.exit(job, host), WorkerExit(
+                        id=f"x{r}", job=job, host=host, rank=r, local_rank=r % PER_HOST,
+                        pid=ranks.pid(r), exit_code=1, stderr_tail=TRACE, generation=1,
+                        time=t0 + 0.015 * i))
+                await wait_until(lambda: any(
+                    s.action == "restart" and s.status == "done"
+                    for i in latest(incidents).values() for s in i.actions),
+                    timeout=WAIT, what="the incident's restart done")
+                ranks.alive |= set(LOST)
+                ranks.restart()
+                await ranks.hello()
+                ranks.stepping = True
+                await wait_until(lambda: any(i.status == "resolved"
+                                             for i in latest(incidents).values()),
+                                 timeout=WAIT, what="the incident resolved")
+            await wait_until(lambda: len(receiver.at("/ce")) >= 2, timeout=WAIT,
+                             what="the page and its all-clear")
+            (inc,) = latest(incidents).values()
+            assert inc.cause == "process_crash" and inc.hosts == LOST
+            assert set(crashed) <= set(inc.ranks)
+            opened = {d.id for d in diagnoses if d.status == "open"}
+            assert len(opened) == 1, [(d.cause, d.hosts) for d in diagnoses]
+            assert [c.target for c in agents.commands if c.kind == "restart"] == ["all"]
+            pages = receiver.at("/ce")
+            assert [p.headers["ce-tgstate"] for p in pages] == ["firing", "resolved"]
     finally:
         receiver.stop()
