@@ -73,6 +73,12 @@ def test_a_creds_file_signs_each_nonce_with_the_key_of_the_jwt_it_then_presents(
         user = nkeys.from_seed(seed.encode())
         assert user.public_key.decode() == claims_of(token)["sub"]
         assert user.verify(b"a-nonce", sig)
+    # A user's public key where its seed should be is refused, not signed with.
+    text = path.read_text()
+    seed = text.split("NKEY SEED-----\n")[1].split("\n")[0]
+    path.write_text(text.replace(seed, claims_of(jwt_of_creds(text))["sub"]))
+    with pytest.raises(ValueError, match="not an nkey seed"):
+        options["signature_cb"]("a-nonce")
 
 
 def test_an_agent_may_use_only_its_own_durable() -> None:
