@@ -21,6 +21,9 @@ account (:class:`Trust`), with permissions naming its own subjects only:
 * a service role: the same permissions as in the static mode;
 * the issuer: it answers ``rpc.creds.<host>`` and ``rpc.consumer.<host>``, and creates
   agents' command consumers.
+
+Any of them is revoked through the account's revocation list (:class:`Revocations`), which
+:func:`revoke` hands to the running server as the system account's user.
 """
 
 from __future__ import annotations
