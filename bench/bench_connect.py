@@ -163,7 +163,8 @@ def main() -> int:
                             auth=nats_authorization(creds, PREFIX) + "max_connections: 65536\n")
         trust = Trust.new()
         operator = NatsServer(free_port(), root / "jwt",
-                              auth=trust.server_config() + "max_connections: 65536\n")
+                              auth=trust.server_config(root / "jwt" / "jwt")
+                              + "max_connections: 65536\n")
         static.start()
         operator.start()
         try:

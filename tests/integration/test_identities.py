@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -44,8 +45,10 @@ from trainguard.core.identities import (
     Minter,
     Trust,
     agent_durable,
+    ensure_system_creds,
     expiry_of,
     issuer_permissions,
+    revoke,
 )
 from trainguard.core.natsjwt import Key, Permissions, claims_of, jwt_of_creds
 from trainguard.runtime.config import load_settings
@@ -64,7 +67,8 @@ def trust(tmp_path: Path) -> Trust:
 
 @pytest.fixture
 def operator_nats(tmp_path: Path, trust: Trust) -> Iterator[NatsServer]:
-    server = NatsServer(free_port(), tmp_path / "nats", auth=trust.server_config())
+    server = NatsServer(free_port(), tmp_path / "nats",
+                        auth=trust.server_config(tmp_path / "nats" / "jwt"))
     server.start()
     try:
         yield server
@@ -292,6 +296,46 @@ async def test_credentials_cli_mints_a_deployment_the_server_enforces(
                                    prefix=PREFIX))
 
 
+async def test_an_operator_revokes_one_identity_with_the_credentials_cli(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``trainguard credentials --jwt --revoke FILE``: the running server ends that
+    identity's connection and refuses it again, also once restarted with the config the
+    command rewrote; another rank's credential is untouched."""
+    out = tmp_path / "creds"
+    assert cli_main(["credentials", "--jwt", "--out", str(out), "--rank", "j:0",
+                     "--rank", "j:1"]) == 0
+    server = NatsServer(free_port(), tmp_path / "nats",
+                        auth=(out / "nats-operator.conf").read_text())
+    server.start()
+    revoked, kept = (out / "rank-j-0.creds").read_text(), (out / "rank-j-1.creds").read_text()
+    try:
+        async with connected(server, revoked, tmp_path) as r0, \
+                connected(server, kept, tmp_path) as r1:
+            assert await asyncio.to_thread(  # it runs its own event loop
+                cli_main, ["credentials", "--jwt", "--out", str(out), "--revoke",
+                           str(out / "rank-j-0.creds"), "--nats", server.url]) == 0
+            key = claims_of(jwt_of_creds(revoked))["sub"]
+            assert f"revoked {key}" in capsys.readouterr().out
+            await wait_until(lambda: r0.nc.is_closed, what="the revoked rank's connection ended")
+            await r1.nc.publish(S.hb("j", 1), b"x")
+            await r1.nc.flush(timeout=5)
+            assert r1.nc.is_connected
+        for restarted in (False, True):
+            if restarted:  # on the config the command rewrote
+                server.stop()
+                server.auth = (out / "nats-operator.conf").read_text()
+                server.start()
+            with pytest.raises(nats.errors.Error, match=r"(?i)authorization|revoked"):
+                async with connected(server, revoked, tmp_path):
+                    pass
+            async with connected(server, kept, tmp_path):
+                pass
+    finally:
+        server.stop()
+    assert cli_main(["credentials", "--jwt", "--out", str(out), "--revoke", "rank-9"]) == 2
+    assert "give a user public key (U...) or a .creds file" in capsys.readouterr().err
+
+
 async def test_a_rank_renewed_before_expiry_loses_no_telemetry(
         operator_nats: NatsServer, trust: Trust, tmp_path: Path) -> None:
     """A rank's credential is rewritten before it expires (as its renewal does): the
@@ -417,21 +461,34 @@ async def test_an_agent_obtains_rank_credentials_for_its_own_host_only(
         assert names == {"rank-j-0@h1", "rank-j-1@h1"}
 
 
+@contextlib.asynccontextmanager
+async def issuing(server: NatsServer, trust: Trust, tmp_path: Path) -> AsyncIterator[None]:
+    """The issuer as ``trainguard up`` runs it: revoking what it replaces, as the system
+    account."""
+    minter = trust.minter
+    system = ensure_system_creds(tmp_path, trust).read_text()
+    async with connected(server, minter.mint("issuer", issuer_permissions(PREFIX)),
+                         tmp_path) as issuer, connected(server, system, tmp_path) as sys_nc:
+        await serve_issuer(issuer.nc, minter, PREFIX, ttl=600,
+                           revoke=functools.partial(revoke, sys_nc.nc, trust))
+        yield
+
+
 async def test_a_rank_renumbered_in_place_reports_on_its_new_numbers_credential(
         operator_nats: NatsServer, trust: Trust, tmp_path: Path) -> None:
     """Processes renumbered in place (ranks 2 and 3 of host h1 become 0 and 1 when the
     host of 0 and 1 leaves) keep their credential files: their agent writes the new
-    numbers' credentials over them, the Guard switches, its reports under the new number
-    go through, and the agent renews the new numbers only."""
+    numbers' credentials over them, the Guard moves to it, its reports under the new number
+    go through, and the agent renews the new numbers only. The old numbers' credentials are
+    revoked as the new ones are issued: their connections are ended, they connect no more."""
     minter = trust.minter
-    issuer_creds = minter.mint("issuer", issuer_permissions(PREFIX))
-    async with connected(operator_nats, issuer_creds, tmp_path) as issuer, \
+    async with issuing(operator_nats, trust, tmp_path), \
             connected(operator_nats, minter.mint_agent(PREFIX, "j", "h1"), tmp_path) as agent, \
             connected(operator_nats, minter.mint_role("detector", PREFIX), tmp_path) as svc:
-        await serve_issuer(issuer.nc, minter, PREFIX, ttl=600)
         seen = await received(svc.nc, "tg.j.step.*")
         rc = RankCredentials(tmp_path / "ranks", S, "j", "h1")
         await rc.obtain(agent.nc, {0: 2, 1: 3})
+        old = rc.path(0).read_text()  # rank 2's, as a process that read it keeps it
         guard = Guard(job="j", rank=3, world_size=4, host="h1", nats_url=operator_nats.url,
                       prefix=PREFIX, heartbeat_interval=0.2, credentials=str(rc.path(1)))
         try:
@@ -439,19 +496,45 @@ async def test_a_rank_renumbered_in_place_reports_on_its_new_numbers_credential(
 
             await wait_until(lambda: take_step() or S.step("j", 3) in seen,
                              what="rank 3's step report")
-            guard.resize(2, rank=1)  # the host of ranks 0 and 1 left
-            assert await rc.renumber(agent.nc, {2: 0, 3: 1}) is not None
-            assert rc.held == {0: 0, 1: 1}
-            await wait_until(lambda: guard.transport.stats.renewals == 1,
-                             what="the switch to the new number's credential")
+            async with connected(operator_nats, old, tmp_path) as holder:
+                guard.resize(2, rank=1)  # the host of ranks 0 and 1 left
+                assert await rc.renumber(agent.nc, {2: 0, 3: 1}) is not None
+                assert rc.held == {0: 0, 1: 1}
+                await wait_until(lambda: holder.nc.is_closed,
+                                 what="the old number's live connection ended")
+            with pytest.raises(nats.errors.Error, match=r"(?i)authorization|revoked"):
+                async with connected(operator_nats, old, tmp_path):
+                    pass
             await wait_until(lambda: take_step() or S.step("j", 1) in seen, timeout=15,
                              what="the renumbered rank's report as rank 1")
             name = claims_of(jwt_of_creds(rc.path(1).read_text()))["name"]
             assert name == "rank-j-1@h1" and rc.ranks == {0, 1}
             assert await rc.renew(agent.nc) is not None  # renews the new numbers only
             assert claims_of(jwt_of_creds(rc.path(1).read_text()))["name"] == "rank-j-1@h1"
+            async with connected(operator_nats, rc.path(0).read_text(), tmp_path):
+                pass  # a renewal revokes nothing: the new number's connects
         finally:
             guard.close()
+
+
+async def test_the_issuer_revokes_no_credential_of_another_host(
+        operator_nats: NatsServer, trust: Trust, tmp_path: Path) -> None:
+    """An agent cannot have another host's ranks' credentials revoked by naming them as
+    replaced: the issuer refuses the request whole, and the credential still connects."""
+    minter = trust.minter
+    async with issuing(operator_nats, trust, tmp_path), \
+            connected(operator_nats, minter.mint_agent(PREFIX, "j", "h1"), tmp_path) as h1, \
+            connected(operator_nats, minter.mint_agent(PREFIX, "j", "h2"), tmp_path) as h2:
+        theirs = RankCredentials(tmp_path / "h2", S, "j", "h2")
+        await theirs.obtain(h2.nc, {0: 5})
+        token = jwt_of_creds(theirs.path(0).read_text())
+        req = RankCredentialsRequest(host="h1", keys={1: Key.new("user").public},
+                                     replaces=[token])
+        msg = await h1.nc.request(S.rpc_creds("j", "h1"), CREDS.encode_request(req), timeout=5)
+        reply = CREDS.decode_reply(msg.data)
+        assert not reply.ok and "rank-j-5@h2" in reply.reason
+        async with connected(operator_nats, theirs.path(0).read_text(), tmp_path):
+            pass
 
 
 async def test_an_agent_in_jwt_mode_hands_each_rank_its_own_credential(

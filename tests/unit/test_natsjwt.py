@@ -6,9 +6,12 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import time
 
 import nkeys
+import pytest
 
+from trainguard.contract.rpc import RankCredentialsRequest
 from trainguard.core.auth import access_from
 from trainguard.core.credsfile import CredsFile
 from trainguard.core.identities import (
@@ -70,6 +73,12 @@ def test_a_creds_file_signs_each_nonce_with_the_key_of_the_jwt_it_then_presents(
         user = nkeys.from_seed(seed.encode())
         assert user.public_key.decode() == claims_of(token)["sub"]
         assert user.verify(b"a-nonce", sig)
+    # A user's public key where its seed should be is refused, not signed with.
+    text = path.read_text()
+    seed = text.split("NKEY SEED-----\n")[1].split("\n")[0]
+    path.write_text(text.replace(seed, claims_of(jwt_of_creds(text))["sub"]))
+    with pytest.raises(ValueError, match="not an nkey seed"):
+        options["signature_cb"]("a-nonce")
 
 
 def test_an_agent_may_use_only_its_own_durable() -> None:
@@ -103,3 +112,36 @@ def test_the_issuers_credential_is_reminted_when_its_permissions_changed(tmp_pat
     assert allowed["sub"]["allow"] == list(issuer_permissions("tg").subscribe)
     kept = path.read_text()
     assert ensure_issuer_creds(tmp_path, trust, "tg").read_text() == kept
+
+
+def test_revocations_are_kept_beside_the_trust_until_their_credentials_expire(
+        tmp_path) -> None:
+    trust = Trust.ensure(tmp_path / "trust")
+    gone, never = Key.new("user").public, Key.new("user").public
+    assert trust.revocations.add({gone: 1_000.0, never: None}, now=500.0) == {
+        gone: 500, never: 500}
+    nats = claims_of(trust.account_jwt(now=600.0))["nats"]
+    assert nats["revocations"] == {gone: 500, never: 500}
+    assert nats["signing_keys"] == [trust.signer.public]
+    # Past its credential's expiry an entry is dropped (the server refuses it anyway).
+    assert Trust.ensure(tmp_path / "trust").revocations.current(now=2_000.0) == {never: 500}
+
+
+def _rank_jwt(trust: Trust, key: str) -> str:
+    req = RankCredentialsRequest(host="h1", keys={3: key})
+    return trust.minter.issue("tg", "j", "h1", req, ttl=60, limit=8).jwts[3]
+
+
+def test_a_replaced_credential_must_be_this_hosts_rank_and_signed_here() -> None:
+    trust, other = Trust.new(), Trust.new()
+    key = Key.new("user").public
+    mine = _rank_jwt(trust, key)
+    assert trust.minter.replaced("j", "h1", RankCredentialsRequest(
+        host="h1", keys={}, replaces=[mine])) == {key: pytest.approx(time.time() + 60, abs=5)}
+    for job, host, token in (("j", "h2", mine), ("k", "h1", mine),
+                             ("j", "h1", _rank_jwt(other, key))):
+        req = RankCredentialsRequest(host=host, keys={0: Key.new("user").public},
+                                     replaces=[token])
+        reply = trust.minter.issue("tg", job, host, req, ttl=60, limit=8)
+        assert not reply.ok and ("not a rank credential" in reply.reason
+                                 or "not a JWT signed by" in reply.reason)

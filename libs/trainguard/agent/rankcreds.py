@@ -10,8 +10,8 @@ rewritten file (:mod:`trainguard.client.transport`). The file is the process's, 
 number's: when an in-place re-form renumbers a process (:meth:`RankCredentials.renumber`),
 or a restart gives its local rank another number, the agent obtains the new number's
 credential and rewrites the same file, the Guard switches to it, and the old number's is
-renewed no more (it expires at its end of life). The agent's own credential and its secret
-never reach a rank.
+revoked by the issuer as it issues the new one (the server ends its connections). The
+agent's own credential and its secret never reach a rank.
 """
 
 from __future__ import annotations
@@ -51,6 +51,8 @@ class RankCredentials:
         """Local rank -> the global rank number its file's credential is for."""
         self.due: dict[int, float] = {}
         """Local rank -> when its file should be renewed (Unix time)."""
+        self.tokens: dict[int, str] = {}
+        """Local rank -> the JWT its file holds (what a new number's credential replaces)."""
         self._lock = asyncio.Lock()  # a renewal's numbers are those held when it asks
 
     @property
@@ -83,7 +85,12 @@ class RankCredentials:
         if len(numbers) != len(ranks):
             raise CredentialsRefused(f"two local ranks of {dict(ranks)} share a number")
         keys = {r: Key.new("user") for r in numbers}
-        req = RankCredentialsRequest(host=self.host, keys={r: k.public for r, k in keys.items()})
+        # A file given another number, or a number taken from another file: the old
+        # credential is revoked once the new one is issued.
+        replaces = sorted({self.tokens[lo] for lo, r in self.held.items()
+                           if ranks.get(lo, r) != r or (lo not in ranks and r in keys)})
+        req = RankCredentialsRequest(host=self.host, keys={r: k.public for r, k in keys.items()},
+                                     replaces=replaces)
         try:  # on its own host's subject, the only one its credential may ask on
             msg = await nc.request(self.subjects.rpc_creds(self.job, self.host),
                                    CREDS.encode_request(req), timeout=self.timeout)
@@ -99,9 +106,10 @@ class RankCredentials:
         self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         now = time.time()
         for local in [lo for lo, r in self.held.items() if r in keys and lo not in ranks]:
-            del self.held[local], self.due[local]  # a number is one process's: the newest
+            del self.held[local], self.due[local], self.tokens[local]  # one process's: the newest
         for local, rank in ranks.items():
             write_private(self.path(local), creds(reply.jwts[rank], keys[rank].seed))
+            self.tokens[local] = reply.jwts[rank]
             self.due[local] = now + (reply.expires - now) * RENEW_AT
         self.held.update(ranks)
         return reply.expires
@@ -109,7 +117,7 @@ class RankCredentials:
     async def renumber(self, nc: Any, renumbered: Mapping[int, int]) -> float | None:
         """Processes renumbered in place (old global rank -> new): the new numbers'
         credentials, written over the same processes' files (their Guards switch to them);
-        the old numbers' are renewed no more. None if none of them is held here. Raises
+        the old numbers' are revoked. None if none of them is held here. Raises
         :class:`CredentialsRefused`."""
         async with self._lock:
             moved = {local: renumbered[rank] for local, rank in self.held.items()

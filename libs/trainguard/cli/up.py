@@ -23,17 +23,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from trainguard.contract.envnames import setting
 from trainguard.contract.errors import ConfigError
 from trainguard.core.auth import ensure_credentials, role_of_service
-from trainguard.core.identities import Trust, ensure_issuer_creds, ensure_role_creds
+from trainguard.core.identities import (
+    Trust,
+    ensure_issuer_creds,
+    ensure_role_creds,
+    ensure_system_creds,
+    revoke,
+)
 from trainguard.dashboard import DEFAULT_PORT as DASHBOARD_PORT
 from trainguard.dashboard import run_dashboard
 from trainguard.runtime import registry, telemetry
@@ -132,7 +139,8 @@ def run(args: argparse.Namespace) -> int:
     jwt = secure and base.auth_mode == "jwt"
     if secure:
         creds = ensure_credentials(creds_dir)
-        nats_auth, redis_auth = embedded_auth(creds_dir, creds, base.prefix, base.auth_mode)
+        nats_auth, redis_auth = embedded_auth(creds_dir, creds, base.prefix, base.auth_mode,
+                                              data / "nats")
         if jwt:
             ensure_role_creds(creds_dir, Trust.ensure(creds_dir / "trust"), base.prefix)
     plan: tuple[tuple[str | None, str, ServerProcess], ...] = (
@@ -251,24 +259,30 @@ async def _dashboard(base: Settings, creds_dir: Path | None, port: int,
 async def _issuer(base: Settings, creds_dir: Path, stop: asyncio.Event) -> None:
     """The credential issuer (``jwt`` mode): agents obtain their ranks' credentials from it.
     One that cannot start stops nothing else (ranks then get none: said here)."""
-    from trainguard.runtime.bus import connect_nats
+    from trainguard.runtime.bus import connect_as
     from trainguard.runtime.issuer import serve_issuer
 
     trust = Trust.ensure(creds_dir / "trust")
-    creds = ensure_issuer_creds(creds_dir, trust, base.prefix)
+    conns: list[Any] = []
+
+    async def connect(name: str, creds: Path) -> Any:
+        conns.append(await connect_as(base, creds, name))
+        return conns[-1]
+
     try:
-        nc = await connect_nats(base.nats_url, name="trainguard-issuer",
-                                timeout=base.connect_timeout,
-                                access=base.replace(nats_creds=str(creds), credentials="")
-                                .access.nats_options())
-        await serve_issuer(nc, trust.minter, base.prefix, ttl=base.rank_creds_ttl)
+        nc = await connect("trainguard-issuer", ensure_issuer_creds(creds_dir, trust,
+                                                                    base.prefix))
+        system = await connect("trainguard-revoker", ensure_system_creds(creds_dir, trust))
+        await serve_issuer(nc, trust.minter, base.prefix, ttl=base.rank_creds_ttl,
+                           revoke=functools.partial(revoke, system, trust))
     except Exception as exc:
         _say(f"issuer: not started ({exc}); ranks get no credentials")
-        return
-    _say(f"issuer: ready (rank credentials for {base.rank_creds_ttl:.0f} s)")
-    await stop.wait()
-    with contextlib.suppress(Exception):
-        await nc.close()
+    else:
+        _say(f"issuer: ready (rank credentials for {base.rank_creds_ttl:.0f} s)")
+        await stop.wait()
+    for conn in conns:
+        with contextlib.suppress(Exception):
+            await conn.close()
 
 
 async def _supervise(service: Service, stop: asyncio.Event) -> None:

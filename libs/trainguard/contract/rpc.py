@@ -134,6 +134,9 @@ class RankCredentialsRequest(msgspec.Struct, kw_only=True):
     host: str
     keys: dict[int, str]
     """Rank -> the public key its credential is for."""
+    replaces: list[str] = []
+    """The JWTs of this host's credentials the new ones replace (a process renumbered in
+    place, a local rank restarted under another number): revoked once these are issued."""
 
 
 class RankCredentialsReply(msgspec.Struct, kw_only=True):

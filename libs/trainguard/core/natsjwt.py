@@ -19,12 +19,17 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
 import nkeys
+from nacl.exceptions import BadSignatureError
+from nacl.signing import VerifyKey
 
 HEADER: Final = {"typ": "JWT", "alg": "ed25519-nkey"}
+CLAIMS_UPDATE: Final = "$SYS.REQ.CLAIMS.UPDATE"
+"""nats-server's system-account subject taking an account's updated JWT (full resolver)."""
 UNLIMITED: Final = -1
 
 _PREFIXES: Final = {"operator": nkeys.PREFIX_BYTE_OPERATOR,
@@ -71,6 +76,21 @@ def encode(claims: dict[str, Any], issuer: Key) -> str:
     return f"{head}.{payload}.{_b64(issuer.sign(signing_input))}"
 
 
+def verified_claims(token: str, issuer: str) -> dict[str, Any]:
+    """The claims of ``token`` if ``issuer`` (a public key) signed it and is its ``iss``;
+    raises ValueError otherwise."""
+    head, _, signature = token.rpartition(".")
+    claims = claims_of(token)
+    try:  # a public key is base32 of its prefix byte, the Ed25519 key and a CRC16
+        raw = base64.b32decode(issuer + "=" * (-len(issuer) % 8))[1:-2]
+        if claims.get("iss") != issuer:
+            raise ValueError("another issuer")
+        VerifyKey(raw).verify(head.encode(), _unb64(signature))
+    except (BadSignatureError, ValueError, TypeError):
+        raise ValueError(f"not a JWT signed by {issuer}") from None
+    return claims
+
+
 def claims_of(token: str) -> dict[str, Any]:
     """The claims of ``token``, unverified (the server verifies; this reads the expiry)."""
     try:
@@ -89,20 +109,24 @@ def operator_jwt(operator: Key, name: str) -> str:
 
 
 def account_jwt(operator: Key, account: str, name: str, signing_keys: tuple[str, ...] = (),
-                *, jetstream: bool = True) -> str:
+                *, jetstream: bool = True, revocations: Mapping[str, int] | None = None) -> str:
     """Account ``account`` (public key) signed by ``operator``, with the ``signing_keys``
     that may sign its users (the account's own key stays offline); ``jetstream``: it may
-    keep streams (the server's system account may not)."""
+    keep streams (the server's system account may not); ``revocations``: user public key
+    -> a Unix time at or before which every JWT issued to that key is refused (and its
+    connections ended)."""
     limits: dict[str, Any] = {"subs": UNLIMITED, "data": UNLIMITED, "payload": UNLIMITED,
                               "imports": UNLIMITED, "exports": UNLIMITED, "wildcards": True,
                               "conn": UNLIMITED, "leaf": UNLIMITED}
     if jetstream:
         limits.update(mem_storage=UNLIMITED, disk_storage=UNLIMITED, streams=UNLIMITED,
                       consumer=UNLIMITED)
-    return encode({"sub": account, "name": name,
-                   "nats": {"limits": limits, "signing_keys": list(signing_keys),
+    nats: dict[str, Any] = {"limits": limits, "signing_keys": list(signing_keys),
                             "default_permissions": {"pub": {}, "sub": {}},
-                            "type": "account", "version": 2}}, operator)
+                            "type": "account", "version": 2}
+    if revocations:
+        nats["revocations"] = dict(sorted(revocations.items()))
+    return encode({"sub": account, "name": name, "nats": nats}, operator)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +153,9 @@ def user_jwt(signer: Key, account: str, user: str, name: str, permissions: Permi
     nats: dict[str, Any] = {"pub": {"allow": list(permissions.publish)},
                             "sub": {"allow": list(permissions.subscribe)},
                             "subs": UNLIMITED, "data": UNLIMITED, "payload": UNLIMITED,
-                            "issuer_account": account, "type": "user", "version": 2}
+                            "type": "user", "version": 2}
+    if signer.public != account:  # signed by a signing key the account lists
+        nats["issuer_account"] = account
     if permissions.responses:
         nats["resp"] = {"max": 1, "ttl": 0}
     claims: dict[str, Any] = {"sub": user, "name": name, "nats": nats}

@@ -10,9 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import nats
 from nats.aio.client import Client as NATS
@@ -37,6 +38,9 @@ from trainguard.core.connection import ErrorCallback, EventCallback, connect_opt
 
 from .deadletter import bounded_letter
 
+if TYPE_CHECKING:
+    from .config import Settings
+
 log = logging.getLogger("trainguard.runtime.bus")
 
 
@@ -51,6 +55,14 @@ lost) or the client is reconnecting. Worth a retry with the same message id."""
 
 class BusUnavailable(TrainguardError, ConnectionError):
     """The first connect to NATS did not succeed within its bound."""
+
+
+async def connect_as(settings: Settings, creds: str | os.PathLike[str], name: str) -> NATS:
+    """A connection to ``settings``' server (its TLS too) as the control-plane identity
+    whose ``.creds`` file is ``creds`` (jwt mode: the issuer, the system account's user)."""
+    access = settings.replace(nats_creds=str(creds), credentials="").access.nats_options()
+    return await connect_nats(settings.nats_url, name=name, timeout=settings.connect_timeout,
+                              access=access)
 
 
 async def connect_nats(

@@ -222,11 +222,12 @@ class RedisServer(ServerProcess):
 
 
 def embedded_auth(creds_dir: Path, creds: dict[Role, Credentials], prefix: str,
-                  auth_mode: str) -> tuple[str, str]:
+                  auth_mode: str, nats_dir: Path) -> tuple[str, str]:
     """The embedded servers' access rules: nats-server's (static users, or operator mode
-    with the trust kept under ``creds_dir/trust``) and Redis's ACL file."""
+    with the trust kept under ``creds_dir/trust``, its account JWTs under
+    ``nats_dir/jwt``) and Redis's ACL file."""
     if auth_mode == "jwt":
-        nats_auth = Trust.ensure(creds_dir / "trust").server_config()
+        nats_auth = Trust.ensure(creds_dir / "trust").server_config(nats_dir / "jwt")
     else:
         nats_auth = nats_authorization(creds, prefix)
     return nats_auth, redis_acl_file(creds, prefix)
@@ -249,7 +250,8 @@ class EmbeddedControlPlane:
         if secure:
             creds = ensure_credentials(root / "creds")
             self.credentials = {role: root / "creds" / f"{role}.json" for role in creds}
-            nats_auth, redis_auth = embedded_auth(root / "creds", creds, prefix, auth_mode)
+            nats_auth, redis_auth = embedded_auth(root / "creds", creds, prefix, auth_mode,
+                                                  root / "nats")
             if auth_mode == "jwt":
                 self.trust = Trust.ensure(root / "creds" / "trust")
                 self.nats_creds = ensure_role_creds(root / "creds", self.trust, prefix)

@@ -10,6 +10,8 @@ the host whose agent asked for it (logged here too). Which global rank numbers a
 is torch's rendezvous's, which the control plane does not take part in: an agent may still
 ask for any rank number of its own job (docs/security.md). The issuer holds the account's
 signing key; agents and ranks never do. A thin shell: the rule is :meth:`Minter.issue`.
+The credentials an agent's ask replaces (a rank renumbered in place) are revoked before the
+answer goes out (:meth:`Minter.replaced`, :func:`~trainguard.core.identities.revoke`).
 
 It also creates an agent's durable command consumer when the agent asks on
 ``<prefix>.<job>.rpc.consumer.<H>``: the consumer of that job and host
@@ -19,12 +21,14 @@ It also creates an agent's durable command consumer when the agent asks on
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable, Mapping
+
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 
-from trainguard.contract.errors import DecodeError, InvalidToken
+from trainguard.contract.errors import DecodeError, InvalidToken, TrainguardError
 from trainguard.contract.rpc import (
     CONSUMER,
     CREDS,
@@ -42,11 +46,17 @@ from .topology import agent_consumer, ensure_consumer
 log = get_logger("trainguard.runtime.issuer")
 
 
+Revoke = Callable[[Mapping[str, float | None]], Awaitable[None]]
+"""Revokes user public keys (-> their credentials' expiry): :func:`identities.revoke`
+on a system account connection."""
+
+
 async def serve_issuer(nc: NATS, minter: Minter, prefix: str, *, ttl: float,
-                       limit: int = 4096) -> Subscription:
+                       limit: int = 4096, revoke: Revoke | None = None) -> Subscription:
     """Answer ``rpc.creds.<host>`` and ``rpc.consumer.<host>`` of every job on ``nc`` (a
     queue group: replicas share the work); the server knows the subscriptions once this
-    returns."""
+    returns. The credentials a request replaces are revoked with ``revoke`` before the
+    answer goes out (None: they live until they expire, which is logged)."""
     subjects = Subjects(prefix)
 
     async def on_request(msg: Msg) -> None:
@@ -55,6 +65,8 @@ async def serve_issuer(nc: NATS, minter: Minter, prefix: str, *, ttl: float,
         try:
             req = CREDS.decode_request(msg.data)
             reply = minter.issue(prefix, job, host, req, ttl, limit)
+            if reply.ok and req.replaces:
+                await _revoke_replaced(minter.replaced(job, host, req), job, host, revoke)
         except DecodeError as exc:
             reply = RankCredentialsReply(ok=False, reason=exc.reason)
         except Exception as exc:  # one bad request must not end the endpoint
@@ -92,6 +104,23 @@ async def serve_issuer(nc: NATS, minter: Minter, prefix: str, *, ttl: float,
                        cb=on_consumer)
     await flush(nc)
     return sub
+
+
+async def _revoke_replaced(keys: Mapping[str, float | None], job: str, host: str,
+                          revoke: Revoke | None) -> None:
+    """Revoke the credentials new ones replaced; one that cannot be revoked is logged
+    (the new ones stand: it expires at its end of life)."""
+    if revoke is None:
+        log.warning("credentials of job %s on host %s replaced but not revoked (no system "
+                    "account connection): they live until they expire", job, host)
+        return
+    try:
+        await revoke(keys)
+    except TrainguardError as exc:
+        log.warning("revoking replaced credentials of job %s on host %s failed: %s", job,
+                    host, exc)
+        return
+    log.info("revoked %d replaced credential(s) of job %s on host %s", len(keys), job, host)
 
 
 async def create_agent_consumer(js: JetStreamContext, prefix: str, job: str, host: str,
