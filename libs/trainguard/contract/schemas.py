@@ -241,6 +241,14 @@ class SnapshotReport(Telemetry, tag="snap.v1"):
     """Host memory the kept snapshots hold on this rank."""
     world_size: int = 0
     """The job's size this rank runs in (0: not told)."""
+    buddy: int = -1
+    """The rank on another host this rank's snapshots are copied to (-1: none)."""
+    buddy_sent: list[int] = []
+    """The steps of the last copies the buddy acknowledged, oldest first."""
+    buddy_held: dict[int, list[int]] = {}
+    """rank -> the steps of the copies of its snapshots this rank holds, oldest first."""
+    buddy_bytes: int = 0
+    """Host memory those copies take on this rank (besides ``host_bytes``)."""
 
 
 TelemetryMessage = Heartbeat | StepReport | Fingerprint | GpuSample | NodeHeartbeat | \

@@ -72,6 +72,11 @@ class Snapshot:
     """What its copy cost the training thread."""
     check_seconds: float = 0.0
     """Its checksum and finiteness check, in CPU seconds off the training thread."""
+    busy: threading.Lock = field(default_factory=threading.Lock)
+    """Held while another thread reads the buffers (a buddy copy being sent): a new
+    snapshot reusing them waits for it."""
+    kept: bool = True
+    """Still in the ring (False: its buffers may be overwritten)."""
 
     def verdict(self, timeout: float | None = None) -> tuple[int, str]:
         return self.check.result(timeout)
@@ -112,7 +117,8 @@ def _values(optimizer: Any) -> dict[str, Any]:
     return {"groups": groups, "scalars": scalars}
 
 
-def _bytes(t: torch.Tensor) -> Any:
+def tensor_bytes(t: torch.Tensor) -> Any:
+    """A CPU tensor's bytes, as a numpy view (no copy)."""
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
@@ -234,6 +240,9 @@ class MemorySnapshots:
         reuse = self._reusable(live)
         if reuse is not None:
             reuse.verdict()  # its check must not read what is overwritten now
+            with reuse.busy, self._lock:  # nor a buddy copy being sent
+                reuse.kept = False
+                self.ring.remove(reuse)
             tensors = reuse.tensors
         else:
             pin = torch.cuda.is_available()
@@ -253,8 +262,6 @@ class MemorySnapshots:
                         taken=time.time(), nbytes=sum(t.numel() * t.element_size()
                                                       for t in tensors), anchor=anchor)
         with self._lock:
-            if reuse is not None:
-                self.ring.remove(reuse)
             self.ring.append(snap)
         snap.copy_seconds = self.copy_seconds = time.perf_counter() - t0
         self._checker.submit(self._check, snap, event)  # in the ring first: on_checked sees it
@@ -271,6 +278,7 @@ class MemorySnapshots:
             for b, (_, t) in zip(victim.tensors, live, strict=True))
         if not fits:
             with self._lock:
+                victim.kept = False
                 self.ring.remove(victim)
         return victim if fits else None
 
@@ -345,6 +353,13 @@ class MemorySnapshots:
         self._next = None
         self._last_done = None
 
+    def adopt(self, snap: Snapshot) -> None:
+        """Hold ``snap`` (another rank's, from its buddy: a replacement's state) so that
+        :meth:`restore` verifies and restores it; it replaces any of the same step."""
+        with self._lock:
+            self.ring = sorted([s for s in self.ring if s.step != snap.step] + [snap],
+                               key=lambda s: s.step)
+
     def clear(self) -> None:
         """Forget every snapshot (the group re-formed: shards may have moved)."""
         with self._lock:
@@ -407,5 +422,5 @@ def _crc(tensors: list[torch.Tensor]) -> int:
     crc = 0
     for t in tensors:
         if t.numel():
-            crc = zlib.crc32(_bytes(t), crc)
+            crc = zlib.crc32(tensor_bytes(t), crc)
     return crc
