@@ -33,6 +33,9 @@ SHARDED = ["--parallel", "fsdp", "--optimizer", "adamw", "--sync-every", "1000",
            "--pg-timeout", "30"]
 
 
+BUDDY_K = 5
+BUDDY = [*SHARDED, "--buddy", "--memory-snapshots", str(BUDDY_K)]
+"""FSDP2 with a memory snapshot every K steps, copied to a buddy rank on the other host."""
 HYBRID = ["--parallel", "hsdp", *SHARDED[2:]]
 HYBRID_OFTEN_SYNC = [*HYBRID[:4], "--sync-every", "5", "--pg-timeout", "30"]
 """A host taken back joins at the running ranks' next command agreement."""
@@ -42,7 +45,8 @@ HYBRID_OFTEN_SYNC = [*HYBRID[:4], "--sync-every", "5", "--pg-timeout", "30"]
 async def cluster(tmp_path: Path, job: str, request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
     name = request.node.name
     back = "comes_back" in name  # long enough for a host to leave and come back
-    trainer = (HYBRID_OFTEN_SYNC if back else HYBRID) if "hsdp" in name else SHARDED
+    trainer = (HYBRID_OFTEN_SYNC if back else HYBRID) if "hsdp" in name else \
+        BUDDY if "buddy" in name else SHARDED
     c = InPlaceCluster(tmp_path, job, trainer, steps=100_000 if back else STEPS)
     try:
         await c.start(timeout=180)
@@ -97,6 +101,62 @@ async def test_a_crashed_fsdp_rank_restarts_the_group_from_the_checkpoint_at_onc
     final: dict[str, torch.Tensor] = torch.load(c.final, weights_only=True)
     baseline = uninterrupted(tmp_path, nats_url, prefix)
     assert final.keys() == baseline.keys()
+    assert [k for k, v in baseline.items() if not torch.equal(final[k], v)] == []
+
+
+@pytest.mark.timeout(420)  # the cluster, the recovery, then the uninterrupted run
+async def test_a_crashed_fsdp_rank_takes_its_shard_from_its_buddy_in_place(
+        cluster: InPlaceCluster, tmp_path: Path, nats_url: str, prefix: str) -> None:
+    c = cluster
+    await wait_until(lambda: c.observer.max_step >= 20, timeout=120, what="step 20")
+    await c.drill("kill", 2)  # its buddy is rank 0, on the other host
+    await wait_until(lambda: c.incident(lambda i: i.status == "resolved") is not None,
+                     timeout=180, interval=0.5, what="the incident resolved")
+    await c.finished(timeout=240)
+    inc = c.incident(lambda i: i.status == "resolved")
+    assert inc is not None and inc.cause == "process_crash", inc
+    assert inc.recovery is not None and inc.recovery.path == "in_place", inc.recovery
+    survivors_kept(c, {2})
+    [done] = [r for r in c.recoveries if r.path == "in_place" and r.kind == "replace"
+              and r.source_rank is not None]
+    # Every rank went back in memory to the newest step whose every shard is held, the
+    # replacement's from its buddy: no disk read, at most K steps lost.
+    assert done.joined == [2] and done.tier == "memory", done
+    assert "shards from memory" in done.reason, done.reason
+    assert 0 <= done.steps_lost <= BUDDY_K, done
+    assert not [r for r in c.recoveries if r.path == "restart"], c.recoveries
+    final: dict[str, torch.Tensor] = torch.load(c.final, weights_only=True)
+    baseline = uninterrupted(tmp_path, nats_url, prefix)
+    assert final.keys() == baseline.keys()
+    assert [k for k, v in baseline.items() if not torch.equal(final[k], v)] == []
+
+
+@pytest.mark.timeout(420)
+async def test_a_corrupted_buddy_copy_sends_the_fsdp_group_to_the_disk_in_place(
+        cluster: InPlaceCluster, tmp_path: Path, nats_url: str, prefix: str) -> None:
+    c = cluster
+    await wait_until(lambda: any(k.status == "committed" and k.step >= 9
+                                 for k in c.observer.checkpoints),
+                     timeout=120, what="a committed checkpoint")
+    await c.drill("corrupt_copies", 0)  # rank 0 holds rank 2's copies: its memory goes bad
+    await wait_until(lambda: any(a.kind == "corrupt_copies" and a.outcome == "done"
+                                 for a in c.acks), timeout=60, what="the copies corrupted")
+    await c.drill("kill", 2)
+    await wait_until(lambda: c.incident(lambda i: i.status == "resolved") is not None,
+                     timeout=180, interval=0.5, what="the incident resolved")
+    await c.finished(timeout=240)
+    inc = c.incident(lambda i: i.status == "resolved")
+    assert inc is not None and inc.recovery is not None and inc.recovery.path == "in_place"
+    survivors_kept(c, {2})
+    [done] = [r for r in c.recoveries if r.path == "in_place" and r.kind == "replace"
+              and r.source_rank is not None]
+    # The copy failed its check on the replacement: every rank took the committed
+    # checkpoint instead, in place, and the incident says why.
+    assert done.tier == "disk", done
+    assert "rank 0's copy" in done.reason and "failed its checksum" in done.reason, done
+    assert "failed its checksum" in inc.recovery.reason, inc.recovery
+    final: dict[str, torch.Tensor] = torch.load(c.final, weights_only=True)
+    baseline = uninterrupted(tmp_path, nats_url, prefix)
     assert [k for k, v in baseline.items() if not torch.equal(final[k], v)] == []
 
 

@@ -66,14 +66,15 @@ def test_each_snapshot_reaches_the_buddy_which_keeps_the_last_two(
         assert a.wait_sent(step, WAIT), (step, a.sent, a.failures)
     assert b.held() == {0: [2, 3]} and a.held() == {}
     assert b.nbytes == 2 * mem.ring[-1].nbytes
-    # A replacement of rank 0 (fresh model and optimizer, one step so AdamW has its
-    # state) asks rank 1 for the copy of step 2 and restores it: rank 0's exact state.
+    # A replacement of rank 0 (a fresh model, and an optimizer with no state yet) asks
+    # rank 1 for the copy of step 2 and restores it: rank 0's exact state.
     fresh, fresh_opt = trainer(seed=5)
-    train(fresh, fresh_opt, 0)
     copy = a.fetch(b.address, rank=0, step=2)
     assert copy is not None and copy.check() == ""
     mine = snapshots()
     mine.adopt(copy.snapshot())
+    assert "changed since the snapshot" in mine.verify(2, fresh, fresh_opt)
+    mine.prime(2, fresh_opt)
     mine.restore(2, fresh, fresh_opt)
     assert same(expected[2], state_of(fresh, fresh_opt)) == []
     assert a.fetch(b.address, rank=0, step=0) is None  # no longer kept
@@ -119,4 +120,20 @@ def test_a_snapshot_being_sent_is_not_overwritten_by_the_next(
         held = b.copy(0, step)
         assert held is not None and held.check() == ""
     assert torch.equal(b.copy(0, 5).tensors()[0], mem.ring[-1].tensors[0])  # type: ignore[union-attr]
+    mem.close()
+
+
+def test_the_corrupt_copies_drill_spoils_what_is_held_and_what_comes(
+        pair: tuple[Buddies, Buddies]) -> None:
+    a, b = pair
+    model, opt = trainer()
+    mem = snapshots(on_checked=a.send)
+    train(model, opt, 0)
+    mem.step_done(0, model, opt)
+    assert a.wait_sent(0, WAIT)
+    assert "a byte flipped in 1 copies" in b.corrupt()
+    train(model, opt, 1)
+    mem.step_done(1, model, opt)
+    assert a.wait_sent(1, WAIT)  # acknowledged: it arrived whole, then went bad here
+    assert [bool(b.copy(0, s).check()) for s in (0, 1)] == [True, True]  # type: ignore[union-attr]
     mem.close()

@@ -318,8 +318,10 @@ Severity = Literal["info", "warning", "critical"]
 AgentDrill = Literal["kill", "freeze", "thaw", "ecc", "xid", "throttle"]
 """Faults the agent plays on its ranks' processes and (scripted) GPUs."""
 AgentKind = Literal["restart", "isolate", "stop", "hold", "dump", "preflight", AgentDrill]
-RankDrill = Literal["hang", "slow", "nan", "sdc", "crash"]
-"""Faults a rank plays on itself (:mod:`trainguard.client.drills`)."""
+RankDrill = Literal["hang", "slow", "nan", "sdc", "crash", "corrupt_copies"]
+"""Faults a rank plays on itself (:mod:`trainguard.client.drills`). ``corrupt_copies``: a
+byte flips in every buddy copy of a snapshot the rank holds and receives from then on (its
+memory goes bad)."""
 CollectiveKind = Literal["save_now", "set_interval", "reload"]
 """Kinds every rank must run at the same step (``at_step`` or the side-group agreement).
 ``reload``: load the committed checkpoint ``params.step`` in-process and go on from the

@@ -102,12 +102,13 @@ class BuddyCopy:
                     "its checksum")
         return ""
 
-    def snapshot(self) -> Snapshot:
+    def snapshot(self, origin: str = "") -> Snapshot:
         """This copy as a snapshot of its owner's state (its check the owner's checksum):
         :meth:`.MemorySnapshots.adopt` and ``restore`` verify and restore it like an own
-        one."""
+        one. ``origin`` names where it came from in a refusal."""
         snap = Snapshot(step=self.step, names=list(self.names), tensors=self.tensors(),
-                        values=self.values, taken=self.received, nbytes=len(self.data))
+                        values=self.values, taken=self.received, nbytes=len(self.data),
+                        origin=origin)
         snap.check.set_result((self.crc, ""))
         return snap
 
@@ -147,11 +148,14 @@ class Buddies:
         self.target: Address | None = None
         """Where this rank's snapshots go (None: no buddy on another host)."""
         self.target_rank: int | None = None
+        self.peers: dict[int, Address] = {}
+        """Every rank's listener, by rank."""
         self.held_for: list[int] = []
         """The ranks whose copies this one holds, as the pairing says."""
         self.sent: list[int] = []
         """Steps sent and acknowledged, newest last (the last few)."""
         self.failures = 0
+        self._corrupting = False
         self._copies: dict[int, list[BuddyCopy]] = {}
         self._lock = threading.Condition()
         """Guards the copies and :attr:`sent`; notified at each change."""
@@ -178,6 +182,7 @@ class Buddies:
         """Every member's rank, listener address and host (in group order) and the job's
         buddy key (the same on every rank; :meth:`new_key` on one): choose the buddy."""
         self._key = key
+        self.peers = {r: (a[0], a[1]) for r, a in zip(ranks, addresses, strict=True)}
         targets = buddy_targets(hosts, domains)
         me = targets[list(ranks).index(self.rank)]
         self.target_rank = ranks[me] if me is not None else None
@@ -270,6 +275,8 @@ class Buddies:
             log.warning("dropped: %s (damaged in transit)", why)
             self._write(conn, BuddyHeader(kind="none", rank=header.rank, step=header.step))
             return
+        if self._corrupting:
+            _flip(copy)
         with self._lock:
             ring = [c for c in self._copies.get(header.rank, []) if c.step != copy.step]
             self._copies[header.rank] = [*ring, copy][-self.keep:]
@@ -347,6 +354,26 @@ class Buddies:
         with self._lock:
             return sum(len(c.data) for ring in self._copies.values() for c in ring)
 
+    def corrupt(self) -> str:
+        """The drill ``corrupt_copies``: a byte flips in every copy held here and in every
+        one received from now on (this host's memory went bad)."""
+        self._corrupting = True
+        with self._lock:
+            copies = [c for ring in self._copies.values() for c in ring]
+        for c in copies:
+            _flip(c)
+        return (f"a byte flipped in {len(copies)} copies held here, and in every copy "
+                "received from now on")
+
+    def restored(self, step: int) -> None:
+        """The job went back to ``step``: copies of later steps are of the abandoned
+        timeline."""
+        with self._lock:
+            self._copies = {r: [c for c in ring if c.step <= step]
+                            for r, ring in self._copies.items()}
+        with self._lock:
+            self.sent = [s for s in self.sent if s <= step]
+
     def forget(self, rank: int | None = None) -> None:
         """Drop the copies held for ``rank`` (None: all)."""
         with self._lock:
@@ -362,6 +389,11 @@ class Buddies:
         self._server.close()
         for t in self._threads:
             t.join(timeout=self.timeout)
+
+
+def _flip(copy: BuddyCopy) -> None:
+    if copy.data:
+        copy.data[len(copy.data) // 2] ^= 0xFF
 
 
 def _exactly(conn: socket.socket, n: int) -> bytes:

@@ -25,6 +25,7 @@ whose files hold the tensors it did not write.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -315,6 +316,10 @@ class Checkpointer:
                     and self.distributed:
                 self.buddies = Buddies(guard.rank, bind=_buddy_address(guard.identity.host))
                 self._pair_buddies()
+                if guard.recovery is not None:
+                    guard.recovery.on_shards(self)
+                buddies = self.buddies
+                guard.drill_target("corrupt_copies", lambda params: buddies.corrupt())
         guard.checkpoint_root = str(self.root)
         guard.on("save_now", self._on_save_now)
         guard.on("reload", self._on_reload)
@@ -331,8 +336,7 @@ class Checkpointer:
         except _save_errors() as exc:
             log.warning("the save in flight at the re-form failed: %s", _describe(exc))
             self._pending = None
-        if self.memory is not None:
-            self.memory.clear()  # ranks and shards may have moved
+        world = self.world_size
         self.chain.forget()  # so may the shards the base's digests were taken of
         if not self._own_group:
             self._broken = "the process group passed to the Checkpointer did not survive " \
@@ -343,6 +347,8 @@ class Checkpointer:
         self.group_rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self.group_token = self._agree_group_token()
+        if self.memory is not None and self.world_size != world:
+            self.memory.clear()  # ranks and shards moved
         if self.buddies is not None:
             self._pair_buddies()
 
@@ -974,6 +980,51 @@ class Checkpointer:
         self._last_step = step  # a later save of a step past it is the replayed one's
         return step
 
+    def restore_shards(self, completed: int, joined: bool) -> tuple[int, str, str]:
+        """After an in-place re-form of a state sharded with no replica (collective on the
+        side group, :class:`~trainguard.recovery.loop.ShardKeeper`): a replacement takes
+        the copies of its shard from the rank holding them; then every rank restores the
+        newest snapshot at or below ``completed`` that every rank holds and verifies
+        (:meth:`_agree_snapshot`, the rollback's), else the committed checkpoint."""
+        model = self.guard.model if self.guard.model is not None else self._model
+        optimizer = self.guard.optimizer if self.guard.optimizer is not None else self._optimizer
+        assert self.memory is not None and self.buddies is not None
+        self.wait()
+        held = self._gather((self.guard.rank, self.buddies.held()))
+        if joined:
+            self._take_copies(held)
+            for step in self.memory.held(completed + 1):
+                self.memory.prime(step, optimizer)
+        point = self._gather(self.guard.resume_point(str(self.root)))[0]
+        chosen, why_not = self._agree_snapshot(completed + 1, point.step if point else -1,
+                                               model, optimizer)
+        if chosen is not None:
+            loaded, tier = self._restore_snapshot(chosen, model, optimizer), "memory"
+        elif point is not None:
+            log.warning("shards from the committed checkpoint of step %d: %s", point.step,
+                        why_not)
+            loaded, tier = self.load(point, model, optimizer), "disk"
+        else:
+            raise RuntimeError(f"no committed checkpoint and {why_not}")
+        self.memory.restored(loaded)
+        self.buddies.restored(loaded)
+        return loaded, tier, why_not
+
+    def _take_copies(self, held: list[tuple[int, dict[int, list[int]]]]) -> None:
+        """A replacement: the copies of its shard, from the rank that holds them, as its own
+        snapshots (verified again before use)."""
+        assert self.memory is not None and self.buddies is not None
+        me = self.guard.rank
+        for holder, copies in held:
+            for step in copies.get(me, []):
+                try:
+                    copy = self.buddies.fetch(self.buddies.peers[holder], me, step)
+                except (OSError, ValueError) as exc:
+                    log.warning("rank %d's copy of step %d not fetched: %s", holder, step, exc)
+                    continue
+                if copy is not None:
+                    self.memory.adopt(copy.snapshot(f"rank {holder}'s copy"))
+
     def _pair_buddies(self) -> None:
         """Collective on the side group: every rank's listener, host and domain; the key
         is group rank 0's."""
@@ -1032,15 +1083,24 @@ class Checkpointer:
 
 
 def _buddy_address(host: str) -> str:
-    """Where this rank's buddy listener binds: ``TRAINGUARD_SNAPSHOT_BUDDY_ADDR``, else
-    the address ``host`` resolves to."""
+    """Where this rank's buddy listener binds: ``TRAINGUARD_SNAPSHOT_BUDDY_ADDR``, else the
+    local address that routes to the rendezvous (``MASTER_ADDR``: the interface the job's
+    ranks reach each other on), else the address ``host`` resolves to."""
     raw = os.environ.get(envnames.SNAPSHOT_BUDDY_ADDR, "").strip()
+    if raw:
+        return raw
+    master = os.environ.get("MASTER_ADDR", "").strip()
+    if master:
+        with contextlib.suppress(OSError), \
+                socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((master, 9))  # UDP: no packet is sent, the route is chosen
+            return str(probe.getsockname()[0])
     try:
-        return raw or socket.gethostbyname(host)
+        return socket.gethostbyname(host)
     except OSError:
-        raise ConfigError(f"{envnames.SNAPSHOT_BUDDY_ADDR} is unset and host {host!r} does "
-                          "not resolve: set it to the address other hosts reach this "
-                          "one at") from None
+        raise ConfigError(f"{envnames.SNAPSHOT_BUDDY_ADDR} is unset and neither MASTER_ADDR "
+                          f"nor host {host!r} resolves: set it to the address the other "
+                          "hosts reach this one at") from None
 
 
 def _env_incremental() -> int:

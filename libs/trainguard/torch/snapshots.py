@@ -77,6 +77,8 @@ class Snapshot:
     snapshot reusing them waits for it."""
     kept: bool = True
     """Still in the ring (False: its buffers may be overwritten)."""
+    origin: str = ""
+    """Where it came from when not this rank's own ("rank 3's copy"), for a refusal."""
 
     def verdict(self, timeout: float | None = None) -> tuple[int, str]:
         return self.check.result(timeout)
@@ -108,13 +110,16 @@ def _params(optimizer: Any) -> list[Any]:
 
 
 def _values(optimizer: Any) -> dict[str, Any]:
-    """The optimizer's hyperparameters and non-tensor state (a scheduler changes ``lr``)."""
+    """The optimizer's hyperparameters and non-tensor state (a scheduler changes ``lr``),
+    and which of its state tensors are DTensors (:meth:`MemorySnapshots.prime`)."""
     if optimizer is None:
         return {}
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    scalars = {f"optim.{i}.{k}": v for i, p in enumerate(_params(optimizer))
-               for k, v in optimizer.state.get(p, {}).items() if not isinstance(v, torch.Tensor)}
-    return {"groups": groups, "scalars": scalars}
+    state = [(f"optim.{i}.{k}", v) for i, p in enumerate(_params(optimizer))
+             for k, v in optimizer.state.get(p, {}).items()]
+    scalars = {n: v for n, v in state if not isinstance(v, torch.Tensor)}
+    dtensors = [n for n, v in state if isinstance(v, torch.Tensor) and _local(v) is not v]
+    return {"groups": groups, "scalars": scalars, "dtensors": dtensors}
 
 
 def tensor_bytes(t: torch.Tensor) -> Any:
@@ -308,7 +313,8 @@ class MemorySnapshots:
         if poisoned:
             return poisoned
         if _crc(snap.tensors) != crc:
-            return f"the snapshot of step {step} failed its checksum (memory corrupted)"
+            whose = f" ({snap.origin})" if snap.origin else ""
+            return f"the snapshot of step {step}{whose} failed its checksum (memory corrupted)"
         live = list(live_state(model, optimizer))
         if [n for n, _ in live] != snap.names:
             return (f"the state's tensors changed since the snapshot of step {step} "
@@ -344,6 +350,27 @@ class MemorySnapshots:
         self.restored(step)
         extra: dict[str, Any] | None = snap.values["extra"]
         return extra
+
+    def prime(self, step: int, optimizer: Any) -> None:
+        """A fresh optimizer (a replacement's) has no state entries yet: create those
+        snapshot ``step`` holds, DTensors placed like their parameters, so that
+        :meth:`verify` and :meth:`restore` find the state the snapshot was taken of."""
+        snap = self._find(step)
+        if snap is None or optimizer is None:
+            return
+        from trainguard.recovery.sharding import placed_like
+
+        params = _params(optimizer)
+        dtensors = set(snap.values.get("dtensors", []))
+        for name, t in zip(snap.names, snap.tensors, strict=True):
+            if not name.startswith("optim."):
+                continue
+            _, i, key = name.split(".", 2)
+            param = params[int(i)]
+            if key not in optimizer.state.get(param, {}):
+                fresh = torch.zeros(t.shape, dtype=t.dtype, device=_local(param).device)
+                optimizer.state.setdefault(param, {})[key] = \
+                    placed_like(fresh, param) if name in dtensors else fresh
 
     def restored(self, step: int) -> None:
         """The state is now that after ``step`` (from memory or disk): snapshots of later
