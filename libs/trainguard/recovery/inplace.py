@@ -190,6 +190,7 @@ class InPlace:
         self.rebuilds_model = False
         """A regroup hook builds the sharded model again (``trainguard.torch.fsdp``)."""
         self._rebuildable = False
+        self._kept = False
         self._keeper: ShardKeeper | None = None
         """Keeps every rank's shard on another host too (:meth:`on_shards`)."""
         self._holds: str | None = None
@@ -258,12 +259,14 @@ class InPlace:
         self.kind = layout.topology.kind
         self._holds = holding(layout)
         # HSDP down to one replica declares "sharded": still rebuilt, so it may grow again.
-        # FSDP over the world with its shards kept on buddies is rebuilt too.
-        self._rebuildable = self.rebuilds_model and self.kind != "replicated" and (
-            self._keeper is not None or _hands_over_along_one_dim(self.guard.model))
+        self._rebuildable = self.rebuilds_model and self.kind != "replicated" and \
+            _hands_over_along_one_dim(self.guard.model)
+        # FSDP over the world, rebuilt, its shards on buddies: replaced in place, never
+        # resized (that would reshard every parameter).
+        self._kept = self.rebuilds_model and self.kind == "sharded" and \
+            self._keeper is not None
         self.job_store.set(groupstore.in_place_key(self._generation, self.guard.rank),
-                           declaration(layout, rebuilds=self._rebuildable,
-                                       kept=self._keeper is not None))
+                           declaration(layout, rebuilds=self._rebuildable, kept=self._kept))
 
     # -- Recovery ---------------------------------------------------------------------
     def on_regroup(self, fn: Callable[[], None], *, after_sync: bool = False,
@@ -282,8 +285,9 @@ class InPlace:
     @property
     def hands_over(self) -> bool:
         """Whether a replacement can take this rank's state from a peer: replicated state,
-        or a hybrid one (HSDP) whose model is rebuilt on the re-formed group."""
-        return self.kind == "replicated" or self._rebuildable
+        a hybrid one (HSDP) whose model is rebuilt on the re-formed group, or a sharded one
+        rebuilt and kept on buddies."""
+        return self.kind == "replicated" or self._rebuildable or self._kept
 
     def on_teardown(self, fn: Callable[[], None]) -> None:
         self._release.append(fn)

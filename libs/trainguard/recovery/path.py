@@ -92,7 +92,7 @@ def decide(*, enabled: bool, failed: Sequence[int], initiated: Collection[int],
                 f"no other rank holds rank {lost}'s state ({state.kind}, shard {state.group}):"
                 " a replacement cannot get it from a peer, so the group restarts from the "
                 "committed checkpoint at once"))
-        unbuilt = sorted(r for r, d in keys.declared.items() if not d.rebuilds)
+        unbuilt = sorted(r for r, d in keys.declared.items() if not (d.rebuilds or d.kept))
         if unbuilt:
             held = f"also held by rank(s) {_ranks(others)}" if others else \
                 "kept in memory on another host"

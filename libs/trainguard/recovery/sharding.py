@@ -111,8 +111,9 @@ group (``trainguard.torch.fsdp``): only then can it take a shard from a replica 
 
 
 KEPT = "kept"
-"""The declaration's word when the rank's shard is also kept in memory on another host
-(buddy copies): a sharded state with no replica recovers in place from it."""
+"""The declaration's word when the rank's sharded model (no replica) is built again on a
+re-formed group and its shard is also kept in memory on another host (buddy copies): a
+lost rank is replaced in place from it (a resize is not: it would reshard)."""
 
 
 def declaration(layout: Layout, *, rebuilds: bool = False, kept: bool = False) -> str:
