@@ -74,6 +74,12 @@ def uninterrupted(tmp_path: Path, nats_url: str, prefix: str,
     return state
 
 
+async def committed(c: InPlaceCluster, step: int = 0) -> None:
+    await wait_until(lambda: any(k.status == "committed" and k.step >= step
+                                 for k in c.observer.checkpoints),
+                     timeout=120, what=f"a committed checkpoint at step {step} or later")
+
+
 async def replaced_in_place(c: InPlaceCluster, rank: int) -> tuple[Incident, RecoveryReport]:
     """Kill ``rank``; once the job finished, the incident and the re-formed group's report
     of a replacement in place, the survivors' processes kept."""
@@ -107,9 +113,7 @@ def no_false_sdc(c: InPlaceCluster) -> None:
 async def test_a_crashed_fsdp_rank_restarts_the_group_from_the_checkpoint_at_once(
         cluster: InPlaceCluster, tmp_path: Path, nats_url: str, prefix: str) -> None:
     c = cluster
-    await wait_until(lambda: any(k.status == "committed" and k.step >= 19
-                                 for k in c.observer.checkpoints),
-                     timeout=120, what="a committed checkpoint at step 19 or later")
+    await committed(c, 19)
     await c.drill("kill", 2)
     await wait_until(lambda: c.incident(lambda i: i.status == "resolved") is not None,
                      timeout=180, interval=0.5, what="the incident resolved")
@@ -151,9 +155,7 @@ async def test_a_crashed_fsdp_rank_takes_its_shard_from_its_buddy_in_place(
 async def test_a_corrupted_buddy_copy_sends_the_fsdp_group_to_the_disk_in_place(
         cluster: InPlaceCluster, tmp_path: Path, nats_url: str, prefix: str) -> None:
     c = cluster
-    await wait_until(lambda: any(k.status == "committed" and k.step >= 9
-                                 for k in c.observer.checkpoints),
-                     timeout=120, what="a committed checkpoint")
+    await committed(c, 9)
     await c.drill("corrupt_copies", 0)  # rank 0 holds rank 2's copies: its memory goes bad
     await wait_until(lambda: any(a.kind == "corrupt_copies" and a.outcome == "done"
                                  for a in c.acks), timeout=60, what="the copies corrupted")
@@ -168,8 +170,7 @@ async def test_a_corrupted_buddy_copy_sends_the_fsdp_group_to_the_disk_in_place(
 
 async def test_a_hung_fsdp_rank_is_acted_on(cluster: InPlaceCluster) -> None:
     c = cluster
-    await wait_until(lambda: any(k.status == "committed" for k in c.observer.checkpoints),
-                     timeout=120, what="a committed checkpoint")
+    await committed(c)
     await c.drill("hang", 1, phase="data", seconds=3600)
     await wait_until(lambda: c.incident(lambda i: i.status == "resolved") is not None,
                      timeout=180, interval=0.5, what="the hang's incident resolved")
