@@ -11,6 +11,12 @@ teardown, generation wait, forming; ``sync``: agreement and state; ``total``: fa
 to ready). Cold: 4 fresh processes start and load the checkpoint of the same model with
 ``trainguard.torch.Checkpointer`` (DCP); the clock runs from their start to ready (the
 slowest rank).
+
+``--fsdp-buddy``: the same, for the model sharded with FSDP2 over the 4 ranks (built by
+``trainguard.torch.fsdp``, no replica), ranks 0-1 and 2-3 on two hosts, memory snapshots
+every ``--every`` steps copied to a buddy on the other host (``Checkpointer(buddy=True)``):
+in place, every rank goes back in memory to the newest step whose every shard is held and
+the replacement takes its shard from its buddy; cold, the FSDP2 model loads the checkpoint.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from typing import Any
 WORLD = 4
 PG_TIMEOUT = 10.0
 RUN_ID = "bench-inplace"
+MODE: list[str] = []
+"""The workers' mode flags (``--fsdp-buddy --every K``)."""
 SIZES = {"small": (1, 64), "50MB": (12, 1024)}
 """Model: ``layers`` x Linear(width, width). 12 x 1024^2 floats ~ 50 MB."""
 
@@ -55,13 +63,30 @@ def worker(args: argparse.Namespace) -> int:
     import trainguard
     import trainguard.torch as tgt
 
-    guard = trainguard.Guard(job="bench-inplace", enabled=False)
+    # Two ranks a host: a buddy is on the other one.
+    guard = trainguard.Guard(job="bench-inplace", enabled=False,
+                             host=f"host{int(os.environ['RANK']) // 2}")
     rec = tgt.init_process_group(guard, "gloo", timeout=args.pg_timeout, rejoin_timeout=120)
     torch.manual_seed(0)
-    model = model_for(args.size)
+    if args.fsdp_buddy:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        def build(mesh: Any) -> Any:
+            torch.manual_seed(0)
+            built = model_for(args.size)
+            for layer in built:
+                fully_shard(layer, mesh=mesh)
+            return fully_shard(built, mesh=mesh)
+
+        model = tgt.fsdp(build, guard, mesh=lambda: init_device_mesh(
+            "cpu", (dist.get_world_size(),)))
+    else:
+        model = model_for(args.size)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     guard.attach(model, optimizer)
-    ckpt = tgt.Checkpointer(guard, args.root)
+    buddy = args.fsdp_buddy and not args.cold
+    ckpt = tgt.Checkpointer(guard, args.root, memory=args.every if buddy else None, buddy=buddy)
     width = SIZES[args.size][1]
     if args.cold:
         ckpt.load(ckpt.path_for(args.ckpt_step), model, optimizer)
@@ -71,16 +96,27 @@ def worker(args: argparse.Namespace) -> int:
         dist.destroy_process_group()
         return 0
     rank = dist.get_rank()
-    for step in guard.steps(0, args.steps):
-        with guard.step(step):
-            x = torch.randn(8, width, generator=torch.Generator().manual_seed(step))
-            loss = model(x).square().mean()
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()  # type: ignore[no-untyped-call]
+
+    def train_step(step: int) -> None:
+        """In a function of its own: a failed step's graph (and FSDP2's old mesh with it)
+        goes with its frame, so an in-place rebuild can close the old groups."""
+        x = torch.randn(8, width, generator=torch.Generator().manual_seed(step))
+        loss = model(x).square().mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # type: ignore[no-untyped-call]
+        if not args.fsdp_buddy:  # FSDP2 reduce-scatters in backward
             for p in model.parameters():
                 dist.all_reduce(p.grad)
-            optimizer.step()
-            time.sleep(0.02)
+        optimizer.step()
+        time.sleep(0.02)
+
+    lost, last = 0, -1
+    for step in guard.steps(0, args.steps):
+        if step <= last:
+            lost = max(lost, last - step + 1)  # gone back: steps run again
+        last = step
+        with guard.step(step):
+            train_step(step)
         if guard.abandoned == step:
             continue
         if step == args.ckpt_step:
@@ -88,7 +124,7 @@ def worker(args: argparse.Namespace) -> int:
         if rank == 0:
             with open(args.progress, "a") as f:
                 f.write(f"{step}\n")
-    Path(args.out).write_text(json.dumps(rec.recoveries))
+    Path(args.out).write_text(json.dumps([{**r, "lost": lost} for r in rec.recoveries]))
     ckpt.close()
     dist.destroy_process_group()
     return 0
@@ -119,7 +155,7 @@ class Harness:
 
     def spawn(self, rank: int, *extra: str, env: dict[str, str] | None = None
               ) -> subprocess.Popen[bytes]:
-        argv = [sys.executable, __file__, "--worker", "--size", self.size,
+        argv = [sys.executable, __file__, "--worker", "--size", self.size, *MODE,
                 "--pg-timeout", str(PG_TIMEOUT), "--root",
                 str(self.tmp / "ckpt"), "--progress", str(self.progress),
                 "--out", str(self.tmp / f"rank{rank}.json"), *extra]
@@ -168,7 +204,7 @@ def in_place(tmp: Path, size: str, steps: int) -> dict[str, float]:
     # Every survivor is ready at about the same moment (the group forms once all are in);
     # the slowest to *see* the failure has the smallest total, the first to see it the
     # largest: that one is the job's time from failure to back at work.
-    return {k: max(s[k] for s in survivors) for k in ("rejoin", "sync", "total")} | \
+    return {k: max(s[k] for s in survivors) for k in ("rejoin", "sync", "total", "lost")} | \
         {"first_seen_lag": max(s["total"] for s in survivors)
          - min(s["total"] for s in survivors)}
 
@@ -192,6 +228,10 @@ def main() -> int:
     p.add_argument("--pg-timeout", type=float, default=10.0,
                    help="the ranks' collective timeout: what a survivor that is not a direct "
                         "peer of the lost rank waits before it sees the failure (gloo)")
+    p.add_argument("--fsdp-buddy", action="store_true",
+                   help="FSDP2 over the 4 ranks, recovered in place from buddy copies")
+    p.add_argument("--every", type=int, default=5,
+                   help="with --fsdp-buddy: steps between memory snapshots (K)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--cold", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--go", help=argparse.SUPPRESS)
@@ -204,10 +244,12 @@ def main() -> int:
         return worker(args)
     global PG_TIMEOUT
     PG_TIMEOUT = args.pg_timeout
+    if args.fsdp_buddy:
+        MODE.extend(["--fsdp-buddy", "--every", str(args.every)])
     results: dict[str, Any] = {}
     print("| model | in place: failure seen -> ready (rejoin + sync) | of which the last "
-          "survivor's detection lag | cold: start + checkpoint load | ratio |\n"
-          "| --- | --- | --- | --- | --- |")
+          "survivor's detection lag | steps lost | cold: start + checkpoint load | ratio |\n"
+          "| --- | --- | --- | --- | --- | --- |")
     for size in SIZES:
         rows = []
         for _ in range(args.trials):
@@ -221,11 +263,13 @@ def main() -> int:
         sync = statistics.median(w["sync"] for w, _ in rows)
         restart = statistics.median(c for _, c in rows)
         lag = statistics.median(w["first_seen_lag"] for w, _ in rows)
+        lost = max(w["lost"] for w, _ in rows)
         results[size] = {"in_place_total_s": total, "in_place_rejoin_s": rejoin,
+                         "steps_lost": lost, "fsdp_buddy": args.fsdp_buddy,
                          "in_place_sync_s": sync, "detection_lag_s": lag,
                          "cold_start_and_load_s": restart, "pg_timeout_s": PG_TIMEOUT,
                          "ratio": total / restart, "trials": args.trials}
-        print(f"| {size} | {total:.2f} s ({rejoin:.2f} + {sync:.2f}) | {lag:.2f} s | "
+        print(f"| {size} | {total:.2f} s ({rejoin:.2f} + {sync:.2f}) | {lag:.2f} s | {lost} | "
               f"{restart:.2f} s | {total / restart:.2f}x |", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))

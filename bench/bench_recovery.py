@@ -584,11 +584,14 @@ def _trainguard_faults() -> dict[str, Any]:
 
 
 TRAINGUARD_VARIANTS = {"in-place": "trainguard, in place", "restart": "trainguard, group restart",
-                       "in-place-disk": "trainguard, in place, no memory snapshots"}
+                       "in-place-disk": "trainguard, in place, no memory snapshots",
+                       "in-place-buddy": "trainguard, in place, buddy copies"}
 """The trainer recovering in place (``--in-place``: survivors stay, a warm spare takes the
 lost rank's state from them), the same trainer without it (every rank restarts from the
-committed checkpoint, through warm spares), and in place without memory snapshots (a
-rollback goes to the committed checkpoint: what the memory tier is measured against)."""
+committed checkpoint, through warm spares), in place without memory snapshots (a
+rollback goes to the committed checkpoint: what the memory tier is measured against), and
+in place with a memory snapshot every 5 steps copied to a buddy on the other host (a
+sharded state with no replica comes back from memory)."""
 
 
 async def run_trainguard(faults: list[str], windows: dict[str, float], root: Path,
@@ -612,6 +615,8 @@ async def run_trainguard(faults: list[str], windows: dict[str, float], root: Pat
             return [*super().launch_argv(host), "--progress-file", str(self.progress_file),
                     *(["--in-place"] if variant.startswith("in-place") else []),
                     *(["--memory-snapshots", "off"] if variant == "in-place-disk" else []),
+                    *(["--buddy", "--memory-snapshots", "5"] if variant == "in-place-buddy"
+                      else []),
                     *spread.flags]
 
         def env(self) -> dict[str, str]:

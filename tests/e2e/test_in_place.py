@@ -28,7 +28,13 @@ from tests.e2e.conftest import job_env, torchrun
 from trainguard.agent.exitcodes import EXIT_ISOLATED
 from trainguard.contract.codec import decode_any_durable, decode_telemetry, encode_durable
 from trainguard.contract.envelope import make_headers, normalize_headers
-from trainguard.contract.schemas import Heartbeat, Incident, RankHello, RecoveryReport
+from trainguard.contract.schemas import (
+    CommandAck,
+    Heartbeat,
+    Incident,
+    RankHello,
+    RecoveryReport,
+)
 from trainguard.contract.subjects import Subjects
 from trainguard.contract.targets import addressed
 from trainguard.demo.cluster import Cluster
@@ -58,6 +64,7 @@ class InPlaceCluster(Cluster):
         """Each rank's pids, in the order its heartbeats showed them."""
         self.recoveries: list[RecoveryReport] = []
         self.hellos: list[RankHello] = []
+        self.acks: list[CommandAck] = []
 
     def launch_argv(self, host: str) -> list[str]:
         return [*super().launch_argv(host), "--in-place", "--final-params", str(self.final),
@@ -88,6 +95,13 @@ class InPlaceCluster(Cluster):
                 if isinstance(h, RankHello):
                     self.hellos.append(h)
 
+        async def ack(msg: Any) -> None:
+            with contextlib.suppress(Exception):
+                a = decode_any_durable(msg.data, normalize_headers(msg.headers).get("ce-type"))
+                if isinstance(a, CommandAck):
+                    self.acks.append(a)
+
+        await self.nc.subscribe(s.pattern("ack", job=self.job), cb=ack)
         await self.nc.subscribe(s.pattern("hb", job=self.job), cb=beat)
         await self.nc.subscribe(s.pattern("recovery", job=self.job), cb=recovery)
         await self.nc.subscribe(s.pattern("reg", job=self.job), cb=hello)

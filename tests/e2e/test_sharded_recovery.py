@@ -9,6 +9,12 @@ launch`` agents, 4 gloo ranks, fingerprints every 5 steps.
   the incident says why and where it came back, and the job ends with the parameters of
   an uninterrupted run.
 * A hung rank is acted on the same way: the group restarts from the committed checkpoint.
+* FSDP with buddy copies (``--buddy``, a memory snapshot every K steps): a crashed rank is
+  replaced in place, every rank back in memory (at most K steps lost), the replacement's
+  shard from its buddy on the other host; with the buddy's memory gone bad (the
+  ``corrupt_copies`` drill) the copy fails its check and every rank loads the committed
+  checkpoint in place, the incident saying why. Both end with the parameters of an
+  uninterrupted run.
 * HSDP (``--parallel hsdp``: 2 replicas of 2-rank shard groups, the model built by
   ``trainguard.torch.fsdp``): a crashed rank is replaced in place, its shard handed over by
   the rank of the other replica that holds the same; the survivors keep their processes,
@@ -25,6 +31,7 @@ import torch
 from tests.conftest import wait_until
 from tests.e2e.conftest import job_env, torchrun
 from tests.e2e.test_in_place import InPlaceCluster, survivors_kept
+from trainguard.contract.schemas import Incident, RecoveryReport
 from trainguard.contract.timeline import RESTART_PHASES
 
 pytestmark = pytest.mark.timeout(480)
@@ -33,6 +40,9 @@ SHARDED = ["--parallel", "fsdp", "--optimizer", "adamw", "--sync-every", "1000",
            "--pg-timeout", "30"]
 
 
+BUDDY_K = 5
+BUDDY = [*SHARDED, "--buddy", "--memory-snapshots", str(BUDDY_K)]
+"""FSDP2 with a memory snapshot every K steps, copied to a buddy rank on the other host."""
 HYBRID = ["--parallel", "hsdp", *SHARDED[2:]]
 HYBRID_OFTEN_SYNC = [*HYBRID[:4], "--sync-every", "5", "--pg-timeout", "30"]
 """A host taken back joins at the running ranks' next command agreement."""
@@ -42,7 +52,8 @@ HYBRID_OFTEN_SYNC = [*HYBRID[:4], "--sync-every", "5", "--pg-timeout", "30"]
 async def cluster(tmp_path: Path, job: str, request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
     name = request.node.name
     back = "comes_back" in name  # long enough for a host to leave and come back
-    trainer = (HYBRID_OFTEN_SYNC if back else HYBRID) if "hsdp" in name else SHARDED
+    trainer = (HYBRID_OFTEN_SYNC if back else HYBRID) if "hsdp" in name else \
+        BUDDY if "buddy" in name else SHARDED
     c = InPlaceCluster(tmp_path, job, trainer, steps=100_000 if back else STEPS)
     try:
         await c.start(timeout=180)
@@ -63,6 +74,37 @@ def uninterrupted(tmp_path: Path, nats_url: str, prefix: str,
     return state
 
 
+async def committed(c: InPlaceCluster, step: int = 0) -> None:
+    await wait_until(lambda: any(k.status == "committed" and k.step >= step
+                                 for k in c.observer.checkpoints),
+                     timeout=120, what=f"a committed checkpoint at step {step} or later")
+
+
+async def replaced_in_place(c: InPlaceCluster, rank: int) -> tuple[Incident, RecoveryReport]:
+    """Kill ``rank``; once the job finished, the incident and the re-formed group's report
+    of a replacement in place, the survivors' processes kept."""
+    await c.drill("kill", rank)
+    await wait_until(lambda: c.incident(lambda i: i.status == "resolved") is not None,
+                     timeout=180, interval=0.5, what="the incident resolved")
+    await c.finished(timeout=240)
+    inc = c.incident(lambda i: i.status == "resolved")
+    assert inc is not None and inc.cause == "process_crash", inc
+    assert inc.recovery is not None and inc.recovery.path == "in_place", inc.recovery
+    survivors_kept(c, {rank})
+    [done] = [r for r in c.recoveries if r.path == "in_place" and r.kind == "replace"
+              and r.source_rank is not None]
+    assert done.joined == [rank], done
+    return inc, done
+
+
+def same_as_uninterrupted(c: InPlaceCluster, tmp_path: Path, nats_url: str, prefix: str,
+                          trainer: list[str] = SHARDED) -> None:
+    final: dict[str, torch.Tensor] = torch.load(c.final, weights_only=True)
+    baseline = uninterrupted(tmp_path, nats_url, prefix, trainer)
+    assert final.keys() == baseline.keys()
+    assert [k for k, v in baseline.items() if not torch.equal(final[k], v)] == []
+
+
 def no_false_sdc(c: InPlaceCluster) -> None:
     assert [a for a in c.observer.anomalies if a.kind == "sdc_mismatch"] == []
     assert c.observer.fingerprints == {}  # no replicas: nothing sent, nothing to compare
@@ -71,9 +113,7 @@ def no_false_sdc(c: InPlaceCluster) -> None:
 async def test_a_crashed_fsdp_rank_restarts_the_group_from_the_checkpoint_at_once(
         cluster: InPlaceCluster, tmp_path: Path, nats_url: str, prefix: str) -> None:
     c = cluster
-    await wait_until(lambda: any(k.status == "committed" and k.step >= 19
-                                 for k in c.observer.checkpoints),
-                     timeout=120, what="a committed checkpoint at step 19 or later")
+    await committed(c, 19)
     await c.drill("kill", 2)
     await wait_until(lambda: c.incident(lambda i: i.status == "resolved") is not None,
                      timeout=180, interval=0.5, what="the incident resolved")
@@ -94,16 +134,43 @@ async def test_a_crashed_fsdp_rank_restarts_the_group_from_the_checkpoint_at_onc
     await c.finished(timeout=240)
     no_false_sdc(c)
     assert all(len(c.pids[r]) == 2 for r in range(4)), c.pids  # the group restarted once
-    final: dict[str, torch.Tensor] = torch.load(c.final, weights_only=True)
-    baseline = uninterrupted(tmp_path, nats_url, prefix)
-    assert final.keys() == baseline.keys()
-    assert [k for k, v in baseline.items() if not torch.equal(final[k], v)] == []
+    same_as_uninterrupted(c, tmp_path, nats_url, prefix)
+
+
+@pytest.mark.timeout(420)  # the cluster, the recovery, then the uninterrupted run
+async def test_a_crashed_fsdp_rank_takes_its_shard_from_its_buddy_in_place(
+        cluster: InPlaceCluster, tmp_path: Path, nats_url: str, prefix: str) -> None:
+    c = cluster
+    await wait_until(lambda: c.observer.max_step >= 20, timeout=120, what="step 20")
+    _, done = await replaced_in_place(c, 2)  # its buddy is rank 0, on the other host
+    # Every rank went back in memory to the newest step whose every shard is held, the
+    # replacement's from its buddy: no disk read, at most K steps lost.
+    assert done.tier == "memory" and "shards from memory" in done.reason, done
+    assert 0 <= done.steps_lost <= BUDDY_K, done
+    assert not [r for r in c.recoveries if r.path == "restart"], c.recoveries
+    same_as_uninterrupted(c, tmp_path, nats_url, prefix)
+
+
+@pytest.mark.timeout(420)
+async def test_a_corrupted_buddy_copy_sends_the_fsdp_group_to_the_disk_in_place(
+        cluster: InPlaceCluster, tmp_path: Path, nats_url: str, prefix: str) -> None:
+    c = cluster
+    await committed(c, 9)
+    await c.drill("corrupt_copies", 0)  # rank 0 holds rank 2's copies: its memory goes bad
+    await wait_until(lambda: any(a.kind == "corrupt_copies" and a.outcome == "done"
+                                 for a in c.acks), timeout=60, what="the copies corrupted")
+    inc, done = await replaced_in_place(c, 2)
+    # The copy failed its check on the replacement: every rank took the committed
+    # checkpoint instead, in place, and the incident says why.
+    assert done.tier == "disk", done
+    assert "rank 0's copy" in done.reason and "failed its checksum" in done.reason, done
+    assert inc.recovery is not None and "failed its checksum" in inc.recovery.reason
+    same_as_uninterrupted(c, tmp_path, nats_url, prefix)
 
 
 async def test_a_hung_fsdp_rank_is_acted_on(cluster: InPlaceCluster) -> None:
     c = cluster
-    await wait_until(lambda: any(k.status == "committed" for k in c.observer.checkpoints),
-                     timeout=120, what="a committed checkpoint")
+    await committed(c)
     await c.drill("hang", 1, phase="data", seconds=3600)
     await wait_until(lambda: c.incident(lambda i: i.status == "resolved") is not None,
                      timeout=180, interval=0.5, what="the hang's incident resolved")
@@ -121,14 +188,8 @@ async def test_a_crashed_hsdp_rank_takes_its_shard_from_its_replica_in_place(
         cluster: InPlaceCluster, tmp_path: Path, nats_url: str, prefix: str) -> None:
     c = cluster
     await wait_until(lambda: c.observer.max_step >= 20, timeout=120, what="step 20")
-    await c.drill("kill", 2)  # shard 0 of replica 1: rank 0 holds the same
-    await wait_until(lambda: c.incident(lambda i: i.status == "resolved") is not None,
-                     timeout=180, interval=0.5, what="the incident resolved")
-    await c.finished(timeout=240)
-    inc = c.incident(lambda i: i.status == "resolved")
-    assert inc is not None and inc.cause == "process_crash", inc
-    assert inc.recovery is not None and inc.recovery.path == "in_place", inc.recovery
-    assert inc.steps_lost == 0, inc
+    inc, done = await replaced_in_place(c, 2)  # shard 0 of replica 1: rank 0 holds the same
+    assert inc.recovery is not None and inc.steps_lost == 0, inc
     # Where the time went, as rank 0 saw it, in order.
     assert list(inc.recovery.phases) == ["seen", "release", "teardown", "replacement",
                                          "gathered", "formed", "rebuilt", "agreed", "state",
@@ -137,17 +198,11 @@ async def test_a_crashed_hsdp_rank_takes_its_shard_from_its_replica_in_place(
     # Inside "replacement": the failed rank's agent, from its exit found to the spare.
     assert list(inc.recovery.agent_phases) == ["decision", "generation", "spare"], \
         inc.recovery.agent_phases
-    survivors_kept(c, {2})
-    [done] = [r for r in c.recoveries if r.path == "in_place" and r.kind == "replace"
-              and r.source_rank is not None]
-    assert done.joined == [2] and done.source_rank == 0 and done.steps_lost == 0, done
+    assert done.source_rank == 0 and done.steps_lost == 0, done
     assert not [r for r in c.recoveries if r.path == "restart"], c.recoveries
     # Replicas agree, so the fingerprints of each shard's replica group are compared.
     assert [a for a in c.observer.anomalies if a.kind == "sdc_mismatch"] == []
-    final: dict[str, torch.Tensor] = torch.load(c.final, weights_only=True)
-    baseline = uninterrupted(tmp_path, nats_url, prefix, HYBRID)
-    assert final.keys() == baseline.keys()
-    assert [k for k, v in baseline.items() if not torch.equal(final[k], v)] == []
+    same_as_uninterrupted(c, tmp_path, nats_url, prefix, HYBRID)
 
 
 async def test_an_hsdp_replica_host_that_leaves_and_comes_back_stays_in_place(

@@ -82,6 +82,10 @@ HSDP4 = {r: f"hybrid 2 shard={r % 2}" for r in range(4)}
     ({**{r: f"{d} rebuilds" for r, d in HSDP4.items()}, 1: HSDP4[1]}, False,
      "but rank(s) 1 cannot rebuild"),
     ({r: f"sharded 1 shard={r} rebuilds" for r in range(4)}, False, "no other rank holds"),
+    # FSDP with buddy copies: kept in memory on another host, rebuilt in place.
+    ({r: f"sharded 1 shard={r} kept" for r in range(4)}, True, ""),
+    ({**{r: f"sharded 1 shard={r} kept" for r in range(4)}, 0: "sharded 1 shard=0"},
+     False, "shard shard=2, kept in memory on another host), but rank(s) 0 cannot rebuild"),
     ({**{r: "1" for r in range(4)}, 2: "garbage"}, False, "no other rank holds rank 2's"),
 ])
 def test_a_replacement_goes_in_place_only_where_a_peer_holds_its_state(
@@ -110,6 +114,8 @@ HSDP4_REBUILT = {r: f"{d} rebuilds" for r, d in HSDP4.items()}
      "no rank that stays holds the shard(s) shard=1"),  # the host held a whole shard
     # HSDP down to one replica: it may grow again, not lose a host.
     ({r: f"sharded 1 shard={r} rebuilds" for r in range(2)}, [], None),
+    # FSDP kept on buddies is replaced in place, never resized (it would reshard).
+    ({r: f"sharded 1 shard={r} kept" for r in range(4)}, [], "sharded with no replica"),
     ({r: f"sharded 1 shard={r} rebuilds" for r in range(2)}, [1],
      "no rank that stays holds the shard(s) shard=1"),
 ])

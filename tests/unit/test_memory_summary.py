@@ -101,3 +101,17 @@ def test_the_series_follow_the_summary_and_go_with_it() -> None:
     m.show("j", None)
     assert value("trainguard_memory_snapshot_age_seconds") is None
     m.show("j", None)  # nothing left to remove
+
+
+def test_the_buddies_newest_copy_every_rank_has_is_summed_up_and_shown() -> None:
+    ranks = {r: held(r, 30, [29, 30], taken=NOW - 1, world=2) for r in (0, 1)}
+    s = summarize(ranks, NOW)
+    assert s is not None and (s.buddy_step, s.buddy_bytes) == (-1, 0)  # no buddies
+    ranks[0].report.buddy_sent, ranks[0].report.buddy_bytes = [28, 30], 2 << 20
+    s = summarize(ranks, NOW)
+    assert s is not None and s.buddy_step == -1  # rank 1's shard is held nowhere else
+    ranks[1].report.buddy_sent, ranks[1].report.buddy_bytes = [26, 28], 4 << 20
+    s = summarize(ranks, NOW)
+    assert s is not None and (s.buddy_step, s.buddy_bytes) == (28, 4 << 20)
+    row = format_catalogue({"job": "j", "memory": msgspec.to_builtins(s)})
+    assert "buddies hold 28 (4.0MB per rank)" in row

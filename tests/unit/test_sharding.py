@@ -35,6 +35,7 @@ def test_replica_groups(dims: list[MeshDim], world: int, kind: str, group: str,
     (b"1", "replicated", "dp", 0, False),
     (b"hybrid 2 shard=1", "hybrid", "shard=1", 2, False),
     (b"hybrid 2 shard=1 rebuilds", "hybrid", "shard=1", 2, True),
+    (b"sharded 1 shard=1 rebuilds kept", "sharded", "shard=1", 1, True),
     (b"sharded 1 dp=0,tp=1", "sharded", "dp=0,tp=1", 1, False),
     (b"something else", "sharded", "unreadable:something else", 1, False),
     (b"hybrid 2 shard=1 maybe", "sharded", "unreadable:hybrid 2 shard=1 maybe", 1, False),
@@ -45,11 +46,13 @@ def test_declarations_read_back(raw: bytes, kind: str, group: str, size: int,
     assert (d.kind, d.group, d.group_size, d.rebuilds) == (kind, group, size, rebuilds)
 
 
-@pytest.mark.parametrize("rebuilds", [False, True])
-def test_a_declaration_round_trips(rebuilds: bool) -> None:
+@pytest.mark.parametrize(("rebuilds", "kept"), [(False, False), (True, False), (True, True),
+                                               (False, True)])
+def test_a_declaration_round_trips(rebuilds: bool, kept: bool) -> None:
     layout = group_of([D("replicate", 2, 1, False), D("shard", 2, 0, True)], 4)
-    d = read_declaration(declaration(layout, rebuilds=rebuilds))
-    assert (d.kind, d.group, d.group_size, d.rebuilds) == ("hybrid", "shard=0", 2, rebuilds)
+    d = read_declaration(declaration(layout, rebuilds=rebuilds, kept=kept))
+    assert (d.kind, d.group, d.group_size, d.rebuilds, d.kept) == \
+        ("hybrid", "shard=0", 2, rebuilds, kept)
 
 
 @pytest.mark.parametrize(("ranks", "dim", "groups"), [

@@ -167,6 +167,9 @@ def _memory_row(m: dict[str, Any]) -> Row:
     note = (f"newest {_age(m.get('age'))} old; oldest kept {m.get('oldest_step')} "
             f"({_age(m.get('oldest_age'))} old); every {m.get('every')} step(s); size and "
             "blocked per rank")
+    if int(m.get("buddy_step", -1)) >= 0:
+        note += (f"; buddies hold {m.get('buddy_step')} "
+                 f"({_size(m.get('buddy_bytes'))} per rank)")
     return (str(m.get("newest_step")), "held", "memory", f"{len(ranks)}/{world}",
             _size(m.get("host_bytes")), f"{copy:.3f}s", f"{copy + check:.3f}s",
             _when(m.get("taken")), note)

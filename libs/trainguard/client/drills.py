@@ -33,6 +33,9 @@ class Drills:
         self.allowed = allowed
         self.model = model
         self.nan_pending = False
+        self.targets: dict[str, Callable[[dict[str, Any]], str]] = {}
+        """Drills a helper plays on what it holds (``corrupt_copies``: the Checkpointer's
+        buddy copies), by kind."""
         self.on_entry: list[Callable[[], str]] = []
         """Corruptions applied when the next step begins: a fault that happens *during* a
         step, so the checkpoint of the step before it is still clean, as in real life."""
@@ -41,7 +44,12 @@ class Drills:
         if not self.allowed():
             raise PermissionError("drills are disabled for this job: launch it with "
                                   f"--allow-drills ({envnames.ALLOW_DRILLS}=1)")
-        method = getattr(self, f"_{cmd.kind}")
+        target = self.targets.get(cmd.kind)
+        if target is not None:
+            return target(cmd.params)
+        method = getattr(self, f"_{cmd.kind}", None)
+        if method is None:
+            raise RuntimeError(f"nothing on this rank plays the {cmd.kind} drill")
         return str(method(cmd.params))
 
     def _hang(self, params: dict[str, Any]) -> str:

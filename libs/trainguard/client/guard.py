@@ -402,6 +402,11 @@ class Guard:
         step ended by then."""
         self._stepped_hooks.append(fn)
 
+    def drill_target(self, kind: str, fn: Callable[[dict[str, Any]], str]) -> None:
+        """``fn(params)`` plays drill ``kind`` on what a helper holds (allowed only where
+        drills are); it returns what it did."""
+        self._drills.targets[kind] = fn
+
     def each_step(self, fn: Callable[[int], None]) -> None:
         """Run ``fn(step)`` after every step the ``guard.steps`` loop completed and goes on
         from (a memory snapshot's moment: the optimizer stepped, nothing rewound)."""

@@ -59,6 +59,12 @@ BAD_BATCH: Final = setting("bad_batch")
 CHECKPOINT_INCREMENTAL: Final = setting("checkpoint_incremental")
 """Incremental saves between full ones (``trainguard.torch.Checkpointer``; 0: none, the
 default)."""
+SNAPSHOT_BUDDY: Final = setting("snapshot_buddy")
+"""``1``: each rank sends its memory snapshots to a buddy rank on another host and keeps
+its buddy's (``trainguard.torch.buddy``); off by default."""
+SNAPSHOT_BUDDY_ADDR: Final = setting("snapshot_buddy_addr")
+"""The address a rank's buddy listener binds and advertises (default: this host's address
+as the hostname resolves it)."""
 FAST_EXIT: Final = setting("fast_exit")
 """``0`` keeps other libraries' exit handlers on a crash in place (``trainguard.client.
 fastexit``); on by default."""
@@ -84,7 +90,8 @@ judge the job: kept out of
 GUARD_KEYS: Final = frozenset({JOB, HOST, NATS_URL, SUBJECT_PREFIX, ALLOW_DRILLS, CREDENTIALS,
                                NATS_TLS_CA, FR_REQUEST, GENERATION, JOIN, RESTART_STAMPS,
                                DISABLED, CHECKPOINT_ROOT, REDIS_URL, FAST_EXIT,
-                               BATCH_CHECK_EVERY, BAD_BATCH, CHECKPOINT_INCREMENTAL})
+                               BATCH_CHECK_EVERY, BAD_BATCH, CHECKPOINT_INCREMENTAL,
+                               SNAPSHOT_BUDDY, SNAPSHOT_BUDDY_ADDR})
 """The names the Guard reads (above). With every settings field's name they are what
 :func:`trainguard.runtime.config.known_variables` accepts; the per-job keys a job forwards in its
 hello (:func:`job_settings`) are detector settings (``TRAINGUARD_HANG_FLOOR``), known as

@@ -110,6 +110,11 @@ class MemorySummary(msgspec.Struct, kw_only=True):
     """The ranks that reported."""
     world_size: int = 0
     """The job's size as the newest report says (0: not told)."""
+    buddy_step: int = -1
+    """The newest step whose copy every rank's buddy acknowledged (-1: some rank has none:
+    a lost rank's shard is not in memory elsewhere)."""
+    buddy_bytes: int = 0
+    """Host memory the copies held for buddies take, on the rank that holds the most."""
 
 
 class CatalogueReply(msgspec.Struct, kw_only=True):

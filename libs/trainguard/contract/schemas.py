@@ -246,6 +246,14 @@ class SnapshotReport(Telemetry, tag="snap.v1"):
     """Host memory the kept snapshots hold on this rank."""
     world_size: int = 0
     """The job's size this rank runs in (0: not told)."""
+    buddy: int = -1
+    """The rank on another host this rank's snapshots are copied to (-1: none)."""
+    buddy_sent: list[int] = []
+    """The steps of the last copies the buddy acknowledged, oldest first."""
+    buddy_held: dict[int, list[int]] = {}
+    """rank -> the steps of the copies of its snapshots this rank holds, oldest first."""
+    buddy_bytes: int = 0
+    """Host memory those copies take on this rank (besides ``host_bytes``)."""
 
 
 TelemetryMessage = Heartbeat | StepReport | Fingerprint | GpuSample | NodeHeartbeat | \
@@ -315,8 +323,10 @@ Severity = Literal["info", "warning", "critical"]
 AgentDrill = Literal["kill", "freeze", "thaw", "ecc", "xid", "throttle"]
 """Faults the agent plays on its ranks' processes and (scripted) GPUs."""
 AgentKind = Literal["restart", "isolate", "stop", "hold", "dump", "preflight", AgentDrill]
-RankDrill = Literal["hang", "slow", "nan", "sdc", "crash"]
-"""Faults a rank plays on itself (:mod:`trainguard.client.drills`)."""
+RankDrill = Literal["hang", "slow", "nan", "sdc", "crash", "corrupt_copies"]
+"""Faults a rank plays on itself (:mod:`trainguard.client.drills`). ``corrupt_copies``: a
+byte flips in every buddy copy of a snapshot the rank holds and receives from then on (its
+memory goes bad)."""
 CollectiveKind = Literal["save_now", "set_interval", "reload"]
 """Kinds every rank must run at the same step (``at_step`` or the side-group agreement).
 ``reload``: load the committed checkpoint ``params.step`` in-process and go on from the

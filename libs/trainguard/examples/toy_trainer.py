@@ -88,6 +88,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--memory-snapshots", default="auto", type=_memory_every,
                    help="memory snapshots every N steps, 'auto' (from their measured cost) "
                         "or 'off': the tier a rollback in place takes before the disk")
+    p.add_argument("--buddy", action="store_true",
+                   help="copy each memory snapshot to a buddy rank on another host "
+                        "(Checkpointer(buddy=True)): a lost FSDP rank's shard comes back "
+                        "from memory in place")
     p.add_argument("--ckpt-every", type=int, default=20,
                    help="steps between checkpoints until the coordinator sets the interval")
     p.add_argument("--heartbeat", type=float, default=0.25)
@@ -472,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.loader == "stateful" else None
     check = tgt.BatchCheck(guard) if batches is not None else None
     ckpt = tgt.Checkpointer(guard, args.ckpt_root, memory=args.memory_snapshots, data=batches,
-                            manifest=args.manifest,
+                            manifest=args.manifest, buddy=args.buddy or None,
                             run_config={k: v for k, v in vars(args).items()
                                         if isinstance(v, (int, float, str, bool))}) \
         if args.ckpt_root else None

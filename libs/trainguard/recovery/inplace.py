@@ -34,6 +34,7 @@ from trainguard.contract.schemas import RECOVERING_PHASE, StateKind
 
 from . import groupstore
 from .handle import GuardHandle, recovery_report
+from .loop import ShardKeeper
 from .peerloss import is_peer_loss
 from .sharding import declaration, holding, layout_of, replica_dim, replica_groups
 from .statesync import StateAgreement, Stream, agree, share_state, share_streams, source_within
@@ -189,6 +190,9 @@ class InPlace:
         self.rebuilds_model = False
         """A regroup hook builds the sharded model again (``trainguard.torch.fsdp``)."""
         self._rebuildable = False
+        self._kept = False
+        self._keeper: ShardKeeper | None = None
+        """Keeps every rank's shard on another host too (:meth:`on_shards`)."""
         self._holds: str | None = None
         """The part of the state this rank held when it last declared (:func:`holding`)."""
         self.init_kwargs = dict(init_kwargs or {})
@@ -257,14 +261,21 @@ class InPlace:
         # HSDP down to one replica declares "sharded": still rebuilt, so it may grow again.
         self._rebuildable = self.rebuilds_model and self.kind != "replicated" and \
             _hands_over_along_one_dim(self.guard.model)
+        # FSDP over the world, rebuilt, its shards on buddies: replaced in place, never
+        # resized (that would reshard every parameter).
+        self._kept = self.rebuilds_model and self.kind == "sharded" and \
+            self._keeper is not None
         self.job_store.set(groupstore.in_place_key(self._generation, self.guard.rank),
-                           declaration(layout, rebuilds=self._rebuildable))
+                           declaration(layout, rebuilds=self._rebuildable, kept=self._kept))
 
     # -- Recovery ---------------------------------------------------------------------
     def on_regroup(self, fn: Callable[[], None], *, after_sync: bool = False,
                    rebuilds_model: bool = False) -> None:
         (self._after if after_sync else self._before).append(fn)
         self.rebuilds_model |= rebuilds_model
+
+    def on_shards(self, keeper: ShardKeeper) -> None:
+        self._keeper = keeper
 
     def on_stream(self, stream: Stream) -> None:
         """``stream`` goes on at the step the group agrees on, after the state hand-over
@@ -274,8 +285,9 @@ class InPlace:
     @property
     def hands_over(self) -> bool:
         """Whether a replacement can take this rank's state from a peer: replicated state,
-        or a hybrid one (HSDP) whose model is rebuilt on the re-formed group."""
-        return self.kind == "replicated" or self._rebuildable
+        a hybrid one (HSDP) whose model is rebuilt on the re-formed group, or a sharded one
+        rebuilt and kept on buddies."""
+        return self.kind == "replicated" or self._rebuildable or self._kept
 
     def on_teardown(self, fn: Callable[[], None]) -> None:
         self._release.append(fn)
@@ -483,21 +495,31 @@ class InPlace:
         device = comm_device(self.backend)
         agreed = agree(completed, failed_step, failure_time, g.command_state, device)
         self.phases.mark("agreed")
-        source = self._share(agreed, device)
-        share_streams(self._streams, agreed.completed + 1, agreed.source, device,
+        restored, tier, why_not = agreed.completed, "", ""
+        if self._keeper is not None and \
+                layout_of(g.model, g.world_size).topology.kind == "sharded":
+            # No replica holds a lost shard: every rank goes back to the newest step whose
+            # every shard is held (own snapshot, or the buddy's copy), else to the disk.
+            restored, tier, why_not = self._keeper.restore_shards(agreed.completed, joined)
+            source = agreed.source
+        else:
+            source = self._share(agreed, device)
+        share_streams(self._streams, restored + 1, agreed.source, device,
                       bool(agreed.joined))
         self.phases.mark("state")
         g.adopt_command_state(agreed.command_state)
         for fn in self._after:
             fn()
         self.phases.mark("after")
-        step = agreed.completed + 1
+        step = restored + 1
         if dist.get_rank() == 0:
             seconds = time.time() - agreed.failure_time if agreed.failure_time else 0.0
             kind = "replace" if resized is None else "grow" if resized.grows else "resize"
+            reason = resized.reason if resized is not None else "a peer was lost"
+            if tier:
+                reason += f"; shards from {tier}" + (f": {why_not}" if why_not else "")
             g.publish_recovery(recovery_report(
-                g, kind=kind, path="in_place",
-                reason=resized.reason if resized is not None else "a peer was lost",
+                g, kind=kind, path="in_place", reason=reason, tier=tier,
                 generation=self._generation,
                 previous_generation=previous if previous is not None else self._generation - 1,
                 world_size=dist.get_world_size(), joined=agreed.joined,

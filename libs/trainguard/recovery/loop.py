@@ -89,10 +89,26 @@ class Recovery(Protocol):
         a replica."""
         ...
 
+    def on_shards(self, keeper: ShardKeeper) -> None:
+        """``keeper`` holds every rank's shard elsewhere too (buddy copies): a sharded
+        state with no replica then recovers in place from it."""
+        ...
+
     def on_teardown(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on a survivor before its group is torn down: it drops what holds the
         old group (DDP's reducer). A group's sockets close only when its last reference
         goes; until then a peer blocked on this rank waits out its collective timeout."""
+        ...
+
+
+class ShardKeeper(Protocol):
+    """Where a sharded state with no replica comes back from after a re-form."""
+
+    def restore_shards(self, completed: int, joined: bool) -> tuple[int, str, str]:
+        """Collective, after the state agreement: put every rank's shard back to the
+        newest step at or below ``completed`` that every shard is held at (a replacement,
+        ``joined``, takes its own from the rank holding its copies), else to the committed
+        checkpoint. Returns ``(step restored, tier, why not memory)``."""
         ...
 
 

@@ -87,18 +87,20 @@ def decide(*, enabled: bool, failed: Sequence[int], initiated: Collection[int],
     state = keys.declared.get(lost)
     if state is not None and state.kind != "replicated":
         others = holders(keys.declared, lost)
-        if not others:
+        if not others and not state.kept:
             return Decision(False, (
                 f"no other rank holds rank {lost}'s state ({state.kind}, shard {state.group}):"
                 " a replacement cannot get it from a peer, so the group restarts from the "
                 "committed checkpoint at once"))
-        unbuilt = sorted(r for r, d in keys.declared.items() if not d.rebuilds)
+        unbuilt = sorted(r for r, d in keys.declared.items() if not (d.rebuilds or d.kept))
         if unbuilt:
+            held = f"also held by rank(s) {_ranks(others)}" if others else \
+                "kept in memory on another host"
             return Decision(False, (
-                f"rank {lost}'s state is {state.kind} (shard {state.group}, also held by "
-                f"rank(s) {_ranks(others)}), but rank(s) {_ranks(unbuilt)} cannot rebuild "
-                "their sharded model on a re-formed group (build it with "
-                "trainguard.torch.fsdp), so the group restarts from the committed checkpoint"))
+                f"rank {lost}'s state is {state.kind} (shard {state.group}, {held}), but "
+                f"rank(s) {_ranks(unbuilt)} cannot rebuild their sharded model on a "
+                "re-formed group (build it with trainguard.torch.fsdp), so the group "
+                "restarts from the committed checkpoint"))
     return Decision(True, "")
 
 

@@ -110,12 +110,19 @@ REBUILDS = "rebuilds"
 group (``trainguard.torch.fsdp``): only then can it take a shard from a replica in place."""
 
 
-def declaration(layout: Layout, *, rebuilds: bool = False) -> str:
+KEPT = "kept"
+"""The declaration's word when the rank's sharded model (no replica) is built again on a
+re-formed group and its shard is also kept in memory on another host (buddy copies): a
+lost rank is replaced in place from it (a resize is not: it would reshard)."""
+
+
+def declaration(layout: Layout, *, rebuilds: bool = False, kept: bool = False) -> str:
     """What a rank writes as its in-place key: how its state is laid out, which ranks hold
-    the same, and whether its sharded model can be rebuilt in place, so an agent can tell
-    whether a lost rank's state survives elsewhere and can be handed over."""
-    text = f"{layout.topology.kind} {layout.group_size} {layout.group}"
-    return f"{text} {REBUILDS}" if rebuilds else text
+    the same, whether its sharded model can be rebuilt in place and whether its shard is
+    kept elsewhere, so an agent can tell whether a lost rank's state survives elsewhere and
+    can be handed over."""
+    words = [layout.topology.kind, str(layout.group_size), layout.group]
+    return " ".join(words + [REBUILDS] * rebuilds + [KEPT] * kept)
 
 
 @dataclass(frozen=True)
@@ -126,6 +133,8 @@ class Declared:
     group: str
     group_size: int
     rebuilds: bool = False
+    kept: bool = False
+    """The shard is kept in memory on another host too (:data:`KEPT`)."""
 
 
 def read_declaration(raw: bytes | str) -> Declared:
@@ -135,12 +144,14 @@ def read_declaration(raw: bytes | str) -> Declared:
     parts = text.split()
     if parts == ["1"]:
         return Declared(kind="replicated", group=WHOLE_JOB, group_size=0)
-    rebuilds = len(parts) == 4 and parts[3] == REBUILDS
+    flags = parts[3:]
     try:
-        kind, size, group = parts[:3] if rebuilds else parts
+        if set(flags) - {REBUILDS, KEPT}:
+            raise ValueError(f"unknown words {flags}")
+        kind, size, group = parts[:3]
         if kind in get_args(StateKind):
             return Declared(kind=cast(StateKind, kind), group=group, group_size=int(size),
-                            rebuilds=rebuilds)
+                            rebuilds=REBUILDS in flags, kept=KEPT in flags)
     except ValueError:
         pass
     return Declared(kind="sharded", group=f"unreadable:{text[:40]}", group_size=1)

@@ -25,9 +25,11 @@ whose files hold the tensors it did not write.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
+import socket
 import threading
 import time
 import uuid
@@ -47,6 +49,7 @@ from trainguard.contract import envnames, timeline
 from trainguard.contract.checksum import METADATA_FILE, file_digest
 from trainguard.contract.codec import decode_durable, encode_durable
 from trainguard.contract.envelope import uuid7
+from trainguard.contract.envnames import flag
 from trainguard.contract.errors import ConfigError, TrainguardError
 from trainguard.contract.increment import INCREMENT_FILE, Increment, encode_increment
 from trainguard.contract.runrecord import DATA_POLICIES, DatasetManifest, RunRecord
@@ -61,6 +64,7 @@ from trainguard.contract.schemas import (
 from trainguard.core.files import write_atomically
 from trainguard.recovery.handle import RESUME_TIMEOUT, GuardHandle, recovery_report
 
+from .buddy import Buddies
 from .data import Batches
 from .increments import Chain, RankView, decide, digests, graft, only, without
 from .snapshots import Every, MemorySnapshots, Snapshot
@@ -224,6 +228,11 @@ class Checkpointer:
             (:mod:`.increments`); then a full save again. A restore reads the increment and
             its base. Default ``TRAINGUARD_CHECKPOINT_INCREMENTAL``, else 0: every save is
             full.
+        buddy: with memory snapshots, also send each to a buddy rank on another host and
+            keep the last two copies of the buddy's (:mod:`.buddy`). Default
+            ``TRAINGUARD_SNAPSHOT_BUDDY``, else off.
+        failure_domain: this rank's host's failure domain (a switch, a rack): buddies are
+            chosen in another one where every rank names one.
     """
 
     def __init__(self, guard: GuardHandle, root: str | os.PathLike[str], *,
@@ -234,7 +243,8 @@ class Checkpointer:
                  manifest: DatasetManifest | str | os.PathLike[str] | None = None,
                  data_policy: str = "refuse", run_config: Mapping[str, Any] | None = None,
                  saver: Callable[[int], int] | None = None,
-                 incremental: int | None = None) -> None:
+                 incremental: int | None = None, buddy: bool | None = None,
+                 failure_domain: str | None = None) -> None:
         incremental = incremental if incremental is not None else _env_incremental()
         if isinstance(incremental, bool) or not isinstance(incremental, int) or incremental < 0:
             raise ConfigError(f"incremental={incremental!r}: the number of incremental saves "
@@ -297,8 +307,19 @@ class Checkpointer:
             on_checked=self._snapshot_checked) \
             if memory is not None else None
         """This rank's memory snapshots (None: off)."""
+        self.failure_domain = failure_domain
+        self.buddies: Buddies | None = None
+        """This rank's buddy copies (None: off, or no memory snapshots)."""
         if self.memory is not None:
             guard.each_step(self._snapshot)
+            if (buddy if buddy is not None else flag(os.environ, envnames.SNAPSHOT_BUDDY)) \
+                    and self.distributed:
+                self.buddies = Buddies(guard.rank, bind=_buddy_address(guard.identity.host))
+                self._pair_buddies()
+                if guard.recovery is not None:
+                    guard.recovery.on_shards(self)
+                buddies = self.buddies
+                guard.drill_target("corrupt_copies", lambda params: buddies.corrupt())
         guard.checkpoint_root = str(self.root)
         guard.on("save_now", self._on_save_now)
         guard.on("reload", self._on_reload)
@@ -315,8 +336,7 @@ class Checkpointer:
         except _save_errors() as exc:
             log.warning("the save in flight at the re-form failed: %s", _describe(exc))
             self._pending = None
-        if self.memory is not None:
-            self.memory.clear()  # ranks and shards may have moved
+        world = self.world_size
         self.chain.forget()  # so may the shards the base's digests were taken of
         if not self._own_group:
             self._broken = "the process group passed to the Checkpointer did not survive " \
@@ -327,6 +347,10 @@ class Checkpointer:
         self.group_rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self.group_token = self._agree_group_token()
+        if self.memory is not None and self.world_size != world:
+            self.memory.clear()  # ranks and shards moved
+        if self.buddies is not None:
+            self._pair_buddies()
 
     def _agree_group_token(self) -> str:
         """Group rank 0's fresh token, broadcast on the side group (collective)."""
@@ -514,6 +538,8 @@ class Checkpointer:
             self._finisher.shutdown(wait=True)
             if self.memory is not None:
                 self.memory.close()
+            if self.buddies is not None:
+                self.buddies.close()
             if self._stager is not None:
                 self._stager.close()
                 self._stager = None
@@ -954,6 +980,60 @@ class Checkpointer:
         self._last_step = step  # a later save of a step past it is the replayed one's
         return step
 
+    def restore_shards(self, completed: int, joined: bool) -> tuple[int, str, str]:
+        """After an in-place re-form of a state sharded with no replica (collective on the
+        side group, :class:`~trainguard.recovery.loop.ShardKeeper`): a replacement takes
+        the copies of its shard from the rank holding them; then every rank restores the
+        newest snapshot at or below ``completed`` that every rank holds and verifies
+        (:meth:`_agree_snapshot`, the rollback's), else the committed checkpoint."""
+        model = self.guard.model if self.guard.model is not None else self._model
+        optimizer = self.guard.optimizer if self.guard.optimizer is not None else self._optimizer
+        assert self.memory is not None and self.buddies is not None
+        self.wait()
+        held = self._gather((self.guard.rank, self.buddies.held()))
+        if joined:
+            self._take_copies(held)
+            for step in self.memory.held(completed + 1):
+                self.memory.prime(step, optimizer)
+        point = self._gather(self.guard.resume_point(str(self.root)))[0]
+        chosen, why_not = self._agree_snapshot(completed + 1, point.step if point else -1,
+                                               model, optimizer)
+        if chosen is not None:
+            loaded, tier = self._restore_snapshot(chosen, model, optimizer), "memory"
+        elif point is not None:
+            log.warning("shards from the committed checkpoint of step %d: %s", point.step,
+                        why_not)
+            loaded, tier = self.load(point, model, optimizer), "disk"
+        else:
+            raise RuntimeError(f"no committed checkpoint and {why_not}")
+        self.memory.restored(loaded)
+        self.buddies.restored(loaded)
+        return loaded, tier, why_not
+
+    def _take_copies(self, held: list[tuple[int, dict[int, list[int]]]]) -> None:
+        """A replacement: the copies of its shard, from the rank that holds them, as its own
+        snapshots (verified again before use)."""
+        assert self.memory is not None and self.buddies is not None
+        me = self.guard.rank
+        for holder, copies in held:
+            for step in copies.get(me, []):
+                try:
+                    copy = self.buddies.fetch(self.buddies.peers[holder], me, step)
+                except (OSError, ValueError) as exc:
+                    log.warning("rank %d's copy of step %d not fetched: %s", holder, step, exc)
+                    continue
+                if copy is not None:
+                    self.memory.adopt(copy.snapshot(f"rank {holder}'s copy"))
+
+    def _pair_buddies(self) -> None:
+        """Collective on the side group: every rank's listener, host and domain; the key
+        is group rank 0's."""
+        assert self.buddies is not None
+        box = self._gather((self.guard.rank, self.buddies.address, self.guard.identity.host,
+                            self.failure_domain, Buddies.new_key()))
+        self.buddies.pair(box[0][4], [b[0] for b in box], [b[1] for b in box],
+                          [b[2] for b in box], [b[3] for b in box])
+
     def _gather(self, mine: Any) -> list[Any]:
         """Every rank's ``mine`` on the side group, by group rank."""
         if not self.distributed or self.world_size < 2:
@@ -969,13 +1049,21 @@ class Checkpointer:
             return
         self._snapshot_seq += 1
         kept = mem.clean()
+        buddies = self.buddies
+        if buddies is not None:
+            buddies.send(snap)
         guard.publish_snapshot(SnapshotReport(
             job=guard.job, time=time.time(), seq=self._snapshot_seq, rank=guard.rank,
             step=snap.step, attempt=guard.identity.attempt.restart_count, taken=snap.taken,
             bytes=snap.nbytes, copy_seconds=snap.copy_seconds, check_seconds=snap.check_seconds,
             every=mem.interval, kept_steps=[s.step for s in kept],
             oldest_taken=kept[0].taken if kept else snap.taken, host_bytes=mem.nbytes,
-            world_size=guard.world_size))
+            world_size=guard.world_size,
+            buddy=-1 if buddies is None or buddies.target_rank is None
+            else buddies.target_rank,
+            buddy_sent=list(buddies.sent) if buddies else [],
+            buddy_held=buddies.held() if buddies else {},
+            buddy_bytes=buddies.nbytes if buddies else 0))
 
     def _snapshot(self, step: int) -> None:
         """After each completed step of ``guard.steps``: a memory snapshot when due."""
@@ -992,6 +1080,27 @@ class Checkpointer:
     def _completed_step(self) -> int | None:
         # The Guard has no public accessor for the last completed step yet.
         return self.guard.last_completed_step
+
+
+def _buddy_address(host: str) -> str:
+    """Where this rank's buddy listener binds: ``TRAINGUARD_SNAPSHOT_BUDDY_ADDR``, else the
+    local address that routes to the rendezvous (``MASTER_ADDR``: the interface the job's
+    ranks reach each other on), else the address ``host`` resolves to."""
+    raw = os.environ.get(envnames.SNAPSHOT_BUDDY_ADDR, "").strip()
+    if raw:
+        return raw
+    master = os.environ.get("MASTER_ADDR", "").strip()
+    if master:
+        with contextlib.suppress(OSError), \
+                socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((master, 9))  # UDP: no packet is sent, the route is chosen
+            return str(probe.getsockname()[0])
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        raise ConfigError(f"{envnames.SNAPSHOT_BUDDY_ADDR} is unset and neither MASTER_ADDR "
+                          f"nor host {host!r} resolves: set it to the address the other "
+                          "hosts reach this one at") from None
 
 
 def _env_incremental() -> int:

@@ -72,6 +72,13 @@ class Snapshot:
     """What its copy cost the training thread."""
     check_seconds: float = 0.0
     """Its checksum and finiteness check, in CPU seconds off the training thread."""
+    busy: threading.Lock = field(default_factory=threading.Lock)
+    """Held while another thread reads the buffers (a buddy copy being sent): a new
+    snapshot reusing them waits for it."""
+    kept: bool = True
+    """Still in the ring (False: its buffers may be overwritten)."""
+    origin: str = ""
+    """Where it came from when not this rank's own ("rank 3's copy"), for a refusal."""
 
     def verdict(self, timeout: float | None = None) -> tuple[int, str]:
         return self.check.result(timeout)
@@ -103,16 +110,20 @@ def _params(optimizer: Any) -> list[Any]:
 
 
 def _values(optimizer: Any) -> dict[str, Any]:
-    """The optimizer's hyperparameters and non-tensor state (a scheduler changes ``lr``)."""
+    """The optimizer's hyperparameters and non-tensor state (a scheduler changes ``lr``),
+    and which of its state tensors are DTensors (:meth:`MemorySnapshots.prime`)."""
     if optimizer is None:
         return {}
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    scalars = {f"optim.{i}.{k}": v for i, p in enumerate(_params(optimizer))
-               for k, v in optimizer.state.get(p, {}).items() if not isinstance(v, torch.Tensor)}
-    return {"groups": groups, "scalars": scalars}
+    state = [(f"optim.{i}.{k}", v) for i, p in enumerate(_params(optimizer))
+             for k, v in optimizer.state.get(p, {}).items()]
+    scalars = {n: v for n, v in state if not isinstance(v, torch.Tensor)}
+    dtensors = [n for n, v in state if isinstance(v, torch.Tensor) and _local(v) is not v]
+    return {"groups": groups, "scalars": scalars, "dtensors": dtensors}
 
 
-def _bytes(t: torch.Tensor) -> Any:
+def tensor_bytes(t: torch.Tensor) -> Any:
+    """A CPU tensor's bytes, as a numpy view (no copy)."""
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
@@ -234,6 +245,9 @@ class MemorySnapshots:
         reuse = self._reusable(live)
         if reuse is not None:
             reuse.verdict()  # its check must not read what is overwritten now
+            with reuse.busy, self._lock:  # nor a buddy copy being sent
+                reuse.kept = False
+                self.ring.remove(reuse)
             tensors = reuse.tensors
         else:
             pin = torch.cuda.is_available()
@@ -253,8 +267,6 @@ class MemorySnapshots:
                         taken=time.time(), nbytes=sum(t.numel() * t.element_size()
                                                       for t in tensors), anchor=anchor)
         with self._lock:
-            if reuse is not None:
-                self.ring.remove(reuse)
             self.ring.append(snap)
         snap.copy_seconds = self.copy_seconds = time.perf_counter() - t0
         self._checker.submit(self._check, snap, event)  # in the ring first: on_checked sees it
@@ -271,6 +283,7 @@ class MemorySnapshots:
             for b, (_, t) in zip(victim.tensors, live, strict=True))
         if not fits:
             with self._lock:
+                victim.kept = False
                 self.ring.remove(victim)
         return victim if fits else None
 
@@ -300,7 +313,8 @@ class MemorySnapshots:
         if poisoned:
             return poisoned
         if _crc(snap.tensors) != crc:
-            return f"the snapshot of step {step} failed its checksum (memory corrupted)"
+            whose = f" ({snap.origin})" if snap.origin else ""
+            return f"the snapshot of step {step}{whose} failed its checksum (memory corrupted)"
         live = list(live_state(model, optimizer))
         if [n for n, _ in live] != snap.names:
             return (f"the state's tensors changed since the snapshot of step {step} "
@@ -337,6 +351,27 @@ class MemorySnapshots:
         extra: dict[str, Any] | None = snap.values["extra"]
         return extra
 
+    def prime(self, step: int, optimizer: Any) -> None:
+        """A fresh optimizer (a replacement's) has no state entries yet: create those
+        snapshot ``step`` holds, DTensors placed like their parameters, so that
+        :meth:`verify` and :meth:`restore` find the state the snapshot was taken of."""
+        snap = self._find(step)
+        if snap is None or optimizer is None:
+            return
+        from trainguard.recovery.sharding import placed_like
+
+        params = _params(optimizer)
+        dtensors = set(snap.values.get("dtensors", []))
+        for name, t in zip(snap.names, snap.tensors, strict=True):
+            if not name.startswith("optim."):
+                continue
+            _, i, key = name.split(".", 2)
+            param = params[int(i)]
+            if key not in optimizer.state.get(param, {}):
+                fresh = torch.zeros(t.shape, dtype=t.dtype, device=_local(param).device)
+                optimizer.state.setdefault(param, {})[key] = \
+                    placed_like(fresh, param) if name in dtensors else fresh
+
     def restored(self, step: int) -> None:
         """The state is now that after ``step`` (from memory or disk): snapshots of later
         steps belong to the abandoned timeline."""
@@ -344,6 +379,13 @@ class MemorySnapshots:
             self.ring = [s for s in self.ring if s.step <= step]
         self._next = None
         self._last_done = None
+
+    def adopt(self, snap: Snapshot) -> None:
+        """Hold ``snap`` (another rank's, from its buddy: a replacement's state) so that
+        :meth:`restore` verifies and restores it; it replaces any of the same step."""
+        with self._lock:
+            self.ring = sorted([s for s in self.ring if s.step != snap.step] + [snap],
+                               key=lambda s: s.step)
 
     def clear(self) -> None:
         """Forget every snapshot (the group re-formed: shards may have moved)."""
@@ -407,5 +449,5 @@ def _crc(tensors: list[torch.Tensor]) -> int:
     crc = 0
     for t in tensors:
         if t.numel():
-            crc = zlib.crc32(_bytes(t), crc)
+            crc = zlib.crc32(tensor_bytes(t), crc)
     return crc

@@ -5,7 +5,8 @@ Each rank reports its newest verified memory snapshot (``SnapshotReport`` on
 per rank in Redis (``<p>:ckpt:<job>:memory``, a hash rank -> :class:`Held`), forgets a
 rank's ``ttl`` seconds after its last report (its process is gone, or it stopped taking
 them) and sums them up per job (:func:`summarize`): the newest step every rank holds,
-the oldest kept, their age, the host memory and copy cost of the heaviest rank.
+the oldest kept, their age, the host memory and copy cost of the heaviest rank, and the
+newest step every rank's buddy holds a copy of.
 
 Writes are batched: the telemetry handler only notes the newest report per rank in
 process memory (:class:`Pending`), and the coordinator's timer writes them in one pipeline
@@ -67,7 +68,9 @@ def summarize(held: Mapping[int, Held], now: float, ttl: float = DEFAULT_TTL
         host_bytes=max(r.host_bytes for r in reports), bytes=max(r.bytes for r in reports),
         copy_seconds=max(r.copy_seconds for r in reports),
         check_seconds=max(r.check_seconds for r in reports),
-        every=max(r.every for r in reports), ranks=sorted(fresh), world_size=world)
+        every=max(r.every for r in reports), ranks=sorted(fresh), world_size=world,
+        buddy_step=min((max(r.buddy_sent, default=-1) for r in reports), default=-1),
+        buddy_bytes=max(r.buddy_bytes for r in reports))
 
 
 class Pending:
