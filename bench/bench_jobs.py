@@ -52,6 +52,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -90,34 +91,53 @@ def cpu_s(pid: int) -> float:
 
 
 class Services:
-    """The services as subprocesses (``python -m trainguard service NAME``), logs in ``tmp``."""
+    """The services as subprocesses (``python -m trainguard service NAME``), logs in ``tmp``.
 
-    def __init__(self, plane: EmbeddedControlPlane, tmp: Path, webhook: str) -> None:
+    ``services`` maps each process's name to its service (a detector's name is its
+    ``instance_id``); ``env`` adds settings to every process. A process killed
+    (:meth:`kill`) can be started again (:meth:`spawn`), its log going on in the same file.
+    """
+
+    def __init__(self, plane: EmbeddedControlPlane, tmp: Path, webhook: str,
+                 services: dict[str, str] | None = None, prefix: str = PREFIX,
+                 env: dict[str, str] | None = None) -> None:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.logs: dict[str, Path] = {}
-        root = Path(__file__).resolve().parents[1]
-        base = {**os.environ, "TRAINGUARD_NATS_URL": plane.nats.url,
-                "TRAINGUARD_REDIS_URL": plane.redis.url, "TRAINGUARD_PREFIX": PREFIX,
-                "PYTHONPATH": os.pathsep.join([str(root / "libs"),
-                                               os.environ.get("PYTHONPATH", "")])}
-        for name, service in SERVICES.items():
-            env = dict(base)
-            if service == "detector":
-                env["TRAINGUARD_INSTANCE_ID"] = name
-            if service == "bridge":
-                env["TRAINGUARD_WEBHOOK_URL"] = webhook
-            self.logs[name] = tmp / f"{name}.log"
-            with self.logs[name].open("wb") as log:
-                self.procs[name] = subprocess.Popen(
-                    [sys.executable, "-m", "trainguard", "service", service], env=env,
-                    stdout=log, stderr=subprocess.STDOUT, cwd=str(root))
+        self.services = SERVICES if services is None else services
+        self.tmp, self.webhook = tmp, webhook
+        self.root = Path(__file__).resolve().parents[1]
+        self.base = {**os.environ, "TRAINGUARD_NATS_URL": plane.nats.url,
+                     "TRAINGUARD_REDIS_URL": plane.redis.url, "TRAINGUARD_PREFIX": prefix,
+                     "PYTHONPATH": os.pathsep.join([str(self.root / "libs"),
+                                                    os.environ.get("PYTHONPATH", "")]),
+                     **(env or {})}
+        for name in self.services:
+            self.spawn(name)
+
+    def spawn(self, name: str) -> None:
+        service = self.services[name]
+        env = dict(self.base)
+        if service == "detector":
+            env["TRAINGUARD_INSTANCE_ID"] = name
+        if service == "bridge":
+            env["TRAINGUARD_WEBHOOK_URL"] = self.webhook
+        self.logs[name] = self.tmp / f"{name}.log"
+        with self.logs[name].open("ab") as log:
+            self.procs[name] = subprocess.Popen(
+                [sys.executable, "-m", "trainguard", "service", service], env=env,
+                stdout=log, stderr=subprocess.STDOUT, cwd=str(self.root))
+
+    def kill(self, name: str) -> None:
+        """SIGKILL ``name``: no clean stop, its leases stay until they expire."""
+        self.procs[name].kill()
+        self.procs[name].wait()
 
     def pids(self) -> dict[str, int]:
         return {name: p.pid for name, p in self.procs.items()}
 
     def check(self) -> None:
         for name, p in self.procs.items():
-            if p.poll() is not None:
+            if p.poll() is not None and p.returncode != -signal.SIGKILL:
                 raise RuntimeError(f"{name} exited ({p.returncode}):\n"
                                    + self.logs[name].read_text()[-3000:])
 

@@ -41,6 +41,7 @@ from trainguard.contract.schemas import (
 )
 from trainguard.runtime.config import Settings, load_settings
 from trainguard.runtime.jobmetrics import JobMetrics
+from trainguard.runtime.presence import Presence
 from trainguard.runtime.service import Consumer, Delivery, Runtime, Service
 from trainguard.runtime.state import Keys, encode_progress
 from trainguard.runtime.store import TRANSIENT_REDIS_ERRORS
@@ -93,6 +94,7 @@ class DetectorService(Service[DetectorSettings]):
         self.redis_outage = Outage("Redis")
         self.bus_view = BusView(settings.bus_stale_after, time.time())
         self._probe: BusProbe | None = None
+        self._presence: Presence | None = None
         self._stalls: Any = None
         self._jobs: JobMetrics | None = None
 
@@ -131,6 +133,8 @@ class DetectorService(Service[DetectorSettings]):
         self.instance = await self._identity.claim()
         self._leases = self._new_leases()
         nc = rt.bus.nc
+        self._presence = Presence(nc, self.settings.subjects, ROLE)
+        await self._presence.serve(self.instance)  # before any lease names us
         self.bus_view = BusView(self.cfg.bus_stale_after, time.time(), nc.stats["reconnects"])
         self._probe = BusProbe(nc, self.bus_view)
         self._probe.poke()
@@ -144,6 +148,8 @@ class DetectorService(Service[DetectorSettings]):
         rt.every(self.cfg.progress_interval, self._write_progress, "progress")
         rt.every(self.cfg.lease_interval, self._lease_round, "leases")
         rt.every(self.cfg.bus_probe_interval, self._poke_bus, "bus-probe")
+        if self.cfg.peer_probe_interval > 0:
+            rt.every(self.cfg.peer_probe_interval, self._probe_peers, "peers")
         self._started.set()
         log.info("detector %s started, owning %d jobs", self.instance, len(self.owned))
 
@@ -180,6 +186,8 @@ class DetectorService(Service[DetectorSettings]):
             return
         if self._probe is not None:
             await self._probe.close()
+        if self._presence is not None:
+            await self._presence.close()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._write_progress(), 2.0)
         await self.outbox.close(3.0, self.detector.drain())
@@ -277,13 +285,15 @@ class DetectorService(Service[DetectorSettings]):
 
     async def _adopt(self, job: str) -> None:
         """Take a job over: what is open and what was pending, then its telemetry."""
-        open_, progress = await self.outbox.load(job, self.cfg.lease_ttl)
-        self.detector.restore(job, open_, progress, time.time())
+        state = await self.outbox.load(job, self.cfg.lease_ttl)
+        self.detector.restore(job, state.open, state.progress, time.time())
         self.owned.add(job)
         self._free_since.pop(job, None)
         self.elsewhere.pop(job, None)
         await self._subscribe(job)
-        log.info("detector %s owns job %s (%d open anomalies)", self.instance, job, len(open_))
+        log.info("detector %s owns job %s (%d open anomalies; its state read in %.0f ms: "
+                 "%d values, %d bytes)", self.instance, job, len(state.open),
+                 state.seconds * 1000, state.fields, state.bytes)
 
     def _drop(self, job: str) -> None:
         self.owned.discard(job)
@@ -392,9 +402,32 @@ class DetectorService(Service[DetectorSettings]):
                 if job not in self.owned and await self.leases.acquire(job):
                     await self._adopt(job)
 
+    async def _probe_peers(self) -> None:
+        """Take over at once the jobs of a detector whose NATS connection is gone: its
+        leases would keep them unwatched until they expire (``lease_ttl``)."""
+        assert self._presence is not None
+        for owner in sorted(set(self.elsewhere.values()) - {self.instance}):
+            if not await self._presence.absent(owner):
+                continue
+            self._presence.forget(owner)
+            await self.leases.deregister(owner)
+            live = await self.leases.heartbeat()
+            self.live = frozenset(live)
+            jobs = sorted(j for j, o in self.elsewhere.items() if o == owner)
+            log.warning("detector %s: detector %s is gone from the bus; taking over the "
+                        "jobs hashing gives us of its %d", self.instance, owner, len(jobs))
+            for job in jobs:
+                if preferred(job, live) not in (self.instance, None):
+                    continue  # another survivor's (or the lease's expiry's)
+                async with self._own_lock:
+                    if job not in self.owned and await self.leases.take_from(job, owner):
+                        await self._adopt(job)
+
     async def _step_aside(self, identity: Identity) -> None:
         """Another live process took our name: its jobs are its own; we go on as another."""
         for job in list(self.owned):
             self._drop(job)
         self.instance = await identity.step_aside()
         self._leases = self._new_leases()
+        if self._presence is not None:
+            await self._presence.serve(self.instance)
