@@ -35,11 +35,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import re
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -50,7 +48,7 @@ import redis.asyncio as aioredis
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_fleet import Fleet, Seen, Shape, connect, drive, table, watch
-from bench_jobs import Services, crash, pct
+from bench_jobs import Services, crash, on_a_plane, pct
 
 from trainguard.runtime.embedded import EmbeddedControlPlane
 from trainguard.runtime.state import Keys
@@ -248,10 +246,7 @@ async def bench(args: argparse.Namespace, plane_: EmbeddedControlPlane,
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(sim, 10)
         services.stop()
-        if args.logs:
-            Path(args.logs).mkdir(parents=True, exist_ok=True)
-            for name, log in services.logs.items():
-                Path(args.logs, f"{name}.log").write_bytes(log.read_bytes())
+        services.keep(args.logs)
         await nc.close()
         await redis.aclose()
     return {"ranks": shape.ranks, "hosts": shape.hosts, "beat_every_s": shape.beat_every,
@@ -308,17 +303,7 @@ def main() -> int:
                          "for its leases to expire, as before the presence probe)")
     ap.add_argument("--out", default="")
     ap.add_argument("--logs", default="", help="a folder to keep the services' logs in")
-    args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        plane = EmbeddedControlPlane(Path(tmp) / "plane").start()
-        try:
-            result = asyncio.run(bench(args, plane, Path(tmp)))
-        finally:
-            plane.stop()
-    report(result)
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2))
-    return 0
+    return on_a_plane(bench, report, ap.parse_args())
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -143,6 +143,13 @@ class Services:
 
     def count(self, name: str, text: str) -> int:
         return self.logs[name].read_text(errors="replace").count(text)
+
+    def keep(self, folder: str) -> None:
+        """Copy the logs to ``folder`` (nothing if empty)."""
+        if folder:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            for log in self.logs.values():
+                shutil.copy(log, Path(folder) / log.name)
 
     def stop(self) -> None:
         for p in self.procs.values():
@@ -404,10 +411,7 @@ async def bench(args: argparse.Namespace, plane: EmbeddedControlPlane,
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(sim, 10)
         services.stop()
-        if args.logs:
-            Path(args.logs).mkdir(parents=True, exist_ok=True)
-            for log in services.logs.values():
-                shutil.copy(log, Path(args.logs) / log.name)
+        services.keep(args.logs)
         pages.server.shutdown()
         await nc.close()
     return {"jobs": args.jobs, "hosts": shape.hosts, "per_host": shape.per_host,
@@ -515,7 +519,14 @@ def main() -> int:
                     help="longest wait for the probe's anomaly")
     ap.add_argument("--out", default="")
     ap.add_argument("--logs", default="", help="a folder to keep the services' logs in")
-    args = ap.parse_args()
+    return on_a_plane(bench, report, ap.parse_args())
+
+
+def on_a_plane(bench: Callable[[argparse.Namespace, EmbeddedControlPlane, Path],
+                               Awaitable[dict[str, Any]]],
+               report: Callable[[dict[str, Any]], None], args: argparse.Namespace) -> int:
+    """Run ``bench`` on a fresh embedded control plane (its files in a temporary folder),
+    print its ``report`` and write the result to ``--out``."""
     with tempfile.TemporaryDirectory() as tmp:
         plane = EmbeddedControlPlane(Path(tmp) / "plane").start()
         try:
