@@ -9,7 +9,9 @@ pass. ``bench/bench_failover.py`` measures the same at 16,384 ranks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -21,7 +23,7 @@ from tests.integration.recorder import running
 from tests.integration.test_detector_service import FakeJob, anomalies, of, settings, worker_exit
 from tests.integration.test_detector_sharding import lease_owners
 from tests.integration.test_remediator_service import diagnosis, settings_for, stage
-from trainguard.contract.subjects import Subjects
+from trainguard.contract.subjects import Subjects, stream_name
 from trainguard.runtime.bus import Bus
 from trainguard.runtime.topology import provision, streams
 from trainguard.services.detector.service import DetectorService
@@ -90,6 +92,49 @@ async def test_a_killed_detectors_job_moves_at_once_and_its_next_crash_is_seen(
                              timeout=TAKEOVER_WAIT, what="the survivor to see the crash")
             assert job in survivor.owned
             assert await owner() == "det-b"
+
+
+async def test_an_exit_the_killed_detector_held_is_read_back_from_the_stream(
+        nats_url: str, redis_url: str, prefix: str, job: str, nc: Any, tmp_path: Path) -> None:
+    """The dead owner's fetch held the exit unacknowledged: the consumer would send it
+    again only after its ack_wait (30 s). Here the test holds it, in the doomed detector's
+    stead (stopped, then killed): the survivor reads it back from the stream."""
+    subjects = Subjects(prefix)
+    bus = Bus(nc, subjects, source="test")
+    js = nc.jetstream()
+    await provision(js, streams(prefix))
+    seen = await anomalies(nc, subjects, job)
+    env = {"TRAINGUARD_NATS_URL": nats_url, "TRAINGUARD_REDIS_URL": redis_url,
+           "TRAINGUARD_PREFIX": prefix, "TRAINGUARD_INSTANCE_ID": "det-doomed",
+           "TRAINGUARD_LEASE_INTERVAL": "0.2"}
+    async with service_process("detector", env, tmp_path / "doomed.log", LEASE_TTL) as doomed:
+        await FakeJob(bus, job).hello()
+        await wait_until(lambda: _is(lease_owners(redis_url, prefix, [job]),
+                                     {job: "det-doomed"}), timeout=60,
+                         what="the doomed detector to own the job")
+        doomed.send_signal(signal.SIGSTOP)  # connected, fetching nothing
+        held = await js.pull_subscribe_bind("detector-exit", stream_name(prefix, "reports"))
+        await bus.publish_durable(subjects.exit(job, "host-1"),
+                                  worker_exit(job, 2, "x1", exit_code=1))
+
+        async def in_hand() -> bool:
+            """The exit is delivered and unacknowledged: to this fetch, or to the pull
+            request the doomed detector had open when it stopped."""
+            with contextlib.suppress(TimeoutError):
+                await held.fetch(1, timeout=0.2)
+            info = await js.consumer_info(stream_name(prefix, "reports"), "detector-exit")
+            return info.num_pending == 0 and info.num_ack_pending >= 1
+
+        await wait_until(in_hand, what="the exit held by the doomed side")
+        survivor = DetectorService(settings(nats_url, redis_url, prefix, instance_id="det-b",
+                                            lease_ttl=LEASE_TTL))
+        async with running(survivor):
+            await wait_until(lambda: survivor.elsewhere.get(job) == "det-doomed",
+                             what="the survivor to know the job's owner")
+            doomed.kill()
+            await doomed.wait()
+            await wait_until(lambda: [a for a in of(seen, "crash") if a.ranks == [2]],
+                             timeout=TAKEOVER_WAIT, what="the survivor to see the crash")
 
 
 async def test_a_killed_leaders_standby_leads_at_once_and_decides(

@@ -24,14 +24,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import datetime
 import logging
 import time
 from collections.abc import Sequence
 from typing import Any
 
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from prometheus_client import Counter, Gauge
 
-from trainguard.contract.errors import Retry
+from trainguard.contract.codec import decode_durable
+from trainguard.contract.errors import DecodeError, Retry
 from trainguard.contract.schemas import (
     CheckpointReport,
     NodeHello,
@@ -39,6 +42,7 @@ from trainguard.contract.schemas import (
     TelemetryMessage,
     WorkerExit,
 )
+from trainguard.contract.subjects import stream_name
 from trainguard.runtime.config import Settings, load_settings
 from trainguard.runtime.jobmetrics import JobMetrics
 from trainguard.runtime.presence import Presence
@@ -60,6 +64,8 @@ from .writebehind import Outage
 log = logging.getLogger("trainguard.detector")
 
 TELEMETRY_KINDS = ("hb", "step", "fp", "gpu", "node")
+REPLAY_MAX = 10_000
+"""At most this many of a dead owner's recent exits are read back on taking its job."""
 
 
 class DetectorService(Service[DetectorSettings]):
@@ -420,8 +426,44 @@ class DetectorService(Service[DetectorSettings]):
                 if preferred(job, live) not in (self.instance, None):
                     continue  # another survivor's (or the lease's expiry's)
                 async with self._own_lock:
-                    if job not in self.owned and await self.leases.take_from(job, owner):
-                        await self._adopt(job)
+                    if job in self.owned or not await self.leases.take_from(job, owner):
+                        continue
+                    await self._adopt(job)
+                await self._replay_exits(job)
+
+    async def _replay_exits(self, job: str) -> None:
+        """The job's exits of the last ``ack_wait``, read from the stream: those the dead
+        owner had fetched, or that the server sent to its last pull request before it
+        noticed the connection gone, come back only after the consumer's ``ack_wait``
+        (30 s: a crash right at the kill was seen 32 s late). Handling an exit twice
+        changes nothing (its crash is open already)."""
+        spec = next(c.spec for c in self.consumers() if c.spec.durable == "detector-exit")
+        since = datetime.datetime.fromtimestamp(time.time() - spec.ack_wait, datetime.UTC)
+        sub = await self.runtime.bus.js.pull_subscribe(
+            self.settings.subjects.pattern("exit", job=job),
+            stream=stream_name(self.settings.prefix, spec.stream),
+            config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME,
+                                  opt_start_time=since,
+                                  ack_policy=AckPolicy.NONE, inactive_threshold=10.0))
+        replayed = 0
+        try:
+            while replayed < REPLAY_MAX:
+                try:
+                    msgs = await sub.fetch(256, timeout=0.5)
+                except TimeoutError:
+                    break
+                for msg in msgs:
+                    with contextlib.suppress(DecodeError):
+                        self.detector.on_exit(decode_durable(msg.data, WorkerExit), time.time())
+                replayed += len(msgs)
+                if msgs[-1].metadata.num_pending == 0:
+                    break
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        await self._flush()
+        log.info("detector %s: %d exits of job %s replayed from the stream", self.instance,
+                 replayed, job)
 
     async def _step_aside(self, identity: Identity) -> None:
         """Another live process took our name: its jobs are its own; we go on as another."""
