@@ -33,8 +33,9 @@ from typing import Any
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from prometheus_client import Counter, Gauge
 
+from trainguard.contract.binding import check_bound
 from trainguard.contract.codec import decode_durable
-from trainguard.contract.errors import DecodeError, Retry
+from trainguard.contract.errors import DecodeError, Misaddressed, Retry
 from trainguard.contract.schemas import (
     CheckpointReport,
     NodeHello,
@@ -411,11 +412,13 @@ class DetectorService(Service[DetectorSettings]):
     async def _probe_peers(self) -> None:
         """Take over at once the jobs of a detector whose NATS connection is gone: its
         leases would keep them unwatched until they expire (``lease_ttl``)."""
-        assert self._presence is not None
-        for owner in sorted(set(self.elsewhere.values()) - {self.instance}):
-            if not await self._presence.absent(owner):
-                continue
-            self._presence.forget(owner)
+        presence = self._presence
+        assert presence is not None
+        owners = sorted(set(self.elsewhere.values()) - {self.instance})
+        # At once: asking after a live one waits out the request's timeout.
+        gone = await asyncio.gather(*(presence.absent(owner) for owner in owners))
+        for owner in (o for o, g in zip(owners, gone, strict=True) if g):
+            presence.forget(owner)
             await self.leases.deregister(owner)
             live = await self.leases.heartbeat()
             self.live = frozenset(live)
@@ -453,8 +456,10 @@ class DetectorService(Service[DetectorSettings]):
                 except TimeoutError:
                     break
                 for msg in msgs:
-                    with contextlib.suppress(DecodeError):
-                        self.detector.on_exit(decode_durable(msg.data, WorkerExit), time.time())
+                    with contextlib.suppress(DecodeError, Misaddressed):  # as the consumer
+                        ex = decode_durable(msg.data, WorkerExit)  # would dead-letter them
+                        check_bound(self.settings.subjects, msg.subject, ex)
+                        self.detector.on_exit(ex, time.time())
                 replayed += len(msgs)
                 if msgs[-1].metadata.num_pending == 0:
                     break
