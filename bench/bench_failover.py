@@ -26,8 +26,9 @@ the survivor's state reload (its log: milliseconds, values and bytes read). A ki
 process is started again before the next phase (the detector under its name).
 
 Run (default: 256 ranks, about a minute): ``.venv/bin/python bench/bench_failover.py``;
-the target's size: ``--ranks 16384 --beat-every 4 --repeat 3 --settle 8``. ``--peer-probe 0`` turns the
-detectors' presence probe off (a dead owner's jobs wait for its leases to expire).
+the target's size: ``--ranks 16384 --beat-every 4 --repeat 3 --settle 8``.
+``--peer-probe 0`` turns the detectors' presence probe off (a dead owner's jobs wait for
+its leases to expire).
 """
 
 from __future__ import annotations
