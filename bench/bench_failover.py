@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import re
 import sys
@@ -49,7 +48,7 @@ import redis.asyncio as aioredis
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_fleet import Fleet, Seen, Shape, connect, drive, table, watch
-from bench_jobs import Services, crash, on_a_plane, pct
+from bench_jobs import Services, crash, on_a_plane, pct, wind_down
 
 from trainguard.runtime.embedded import EmbeddedControlPlane
 from trainguard.runtime.state import Keys
@@ -242,12 +241,7 @@ async def bench(args: argparse.Namespace, plane_: EmbeddedControlPlane,
                 await asyncio.sleep(args.settle)
         late = sorted(lag) or [0.0]
     finally:
-        stop.set()
-        if sim is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(sim, 10)
-        services.stop()
-        services.keep(args.logs)
+        await wind_down(stop, sim, services, args.logs)
         await nc.close()
         await redis.aclose()
     return {"ranks": shape.ranks, "hosts": shape.hosts, "beat_every_s": shape.beat_every,

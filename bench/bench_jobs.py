@@ -406,12 +406,7 @@ async def bench(args: argparse.Namespace, plane: EmbeddedControlPlane,
         stalls = {d: services.count(d, "no answer from the NATS server") - stalls0[d]
                   for d in DETECTORS}
     finally:
-        stop.set()
-        if sim is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(sim, 10)
-        services.stop()
-        services.keep(args.logs)
+        await wind_down(stop, sim, services, args.logs)
         pages.server.shutdown()
         await nc.close()
     return {"jobs": args.jobs, "hosts": shape.hosts, "per_host": shape.per_host,
@@ -520,6 +515,18 @@ def main() -> int:
     ap.add_argument("--out", default="")
     ap.add_argument("--logs", default="", help="a folder to keep the services' logs in")
     return on_a_plane(bench, report, ap.parse_args())
+
+
+async def wind_down(stop: asyncio.Event, sim: asyncio.Task[None] | None, services: Services,
+                    logs: str) -> None:
+    """Stop the simulated fleet (``sim``, driven until ``stop``) and the services, keeping
+    their logs in ``logs`` (if given)."""
+    stop.set()
+    if sim is not None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(sim, 10)
+    services.stop()
+    services.keep(logs)
 
 
 def on_a_plane(bench: Callable[[argparse.Namespace, EmbeddedControlPlane, Path],
