@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LEASE_TTL = 60.0
 TAKEOVER_WAIT = 20.0
 """Well under ``LEASE_TTL``: the lease's expiry cannot be what moves a detector's job."""
-LEADER_TTL = 20.0
+LEADER_TTL = 40.0
 """The leader lock's: renewed, and asked after by the standby, every quarter of it. The
 standby's second 'no responders' comes at most half of it after the kill; the lock of a
 leader renewed last a quarter before its kill expires three quarters after it at the
