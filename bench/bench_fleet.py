@@ -314,8 +314,8 @@ class Fleet:
             time=time.time())) for r in range(shape.ranks if ranks else 0)]
         hellos: list[tuple[str, Any]] = [*node, *rank]
         for at in range(0, len(hellos), 256):
-            await asyncio.gather(*(self.bus.publish_durable(subject, msg)
-                                   for subject, msg in hellos[at:at + 256]))
+            await asyncio.gather(*(self.bus.publish_durable(subject, msg, retry_for=60.0)
+                                   for subject, msg in hellos[at:at + 256]))  # loaded hosts
 
     async def acks(self, nc: Any) -> None:
         """The survivors' agents acknowledge every command sent to them, each on its own

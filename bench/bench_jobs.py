@@ -52,12 +52,13 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -90,39 +91,65 @@ def cpu_s(pid: int) -> float:
 
 
 class Services:
-    """The services as subprocesses (``python -m trainguard service NAME``), logs in ``tmp``."""
+    """The services as subprocesses (``python -m trainguard service NAME``), logs in ``tmp``.
 
-    def __init__(self, plane: EmbeddedControlPlane, tmp: Path, webhook: str) -> None:
+    ``services`` maps each process's name to its service (a detector's name is its
+    ``instance_id``); ``env`` adds settings to every process. A process killed
+    (:meth:`kill`) can be started again (:meth:`spawn`), its log going on in the same file.
+    """
+
+    def __init__(self, plane: EmbeddedControlPlane, tmp: Path, webhook: str,
+                 services: dict[str, str] | None = None, prefix: str = PREFIX,
+                 env: dict[str, str] | None = None) -> None:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.logs: dict[str, Path] = {}
-        root = Path(__file__).resolve().parents[1]
-        base = {**os.environ, "TRAINGUARD_NATS_URL": plane.nats.url,
-                "TRAINGUARD_REDIS_URL": plane.redis.url, "TRAINGUARD_PREFIX": PREFIX,
-                "PYTHONPATH": os.pathsep.join([str(root / "libs"),
-                                               os.environ.get("PYTHONPATH", "")])}
-        for name, service in SERVICES.items():
-            env = dict(base)
-            if service == "detector":
-                env["TRAINGUARD_INSTANCE_ID"] = name
-            if service == "bridge":
-                env["TRAINGUARD_WEBHOOK_URL"] = webhook
-            self.logs[name] = tmp / f"{name}.log"
-            with self.logs[name].open("wb") as log:
-                self.procs[name] = subprocess.Popen(
-                    [sys.executable, "-m", "trainguard", "service", service], env=env,
-                    stdout=log, stderr=subprocess.STDOUT, cwd=str(root))
+        self.services = SERVICES if services is None else services
+        self.tmp, self.webhook = tmp, webhook
+        self.root = Path(__file__).resolve().parents[1]
+        self.base = {**os.environ, "TRAINGUARD_NATS_URL": plane.nats.url,
+                     "TRAINGUARD_REDIS_URL": plane.redis.url, "TRAINGUARD_PREFIX": prefix,
+                     "PYTHONPATH": os.pathsep.join([str(self.root / "libs"),
+                                                    os.environ.get("PYTHONPATH", "")]),
+                     **(env or {})}
+        for name in self.services:
+            self.spawn(name)
+
+    def spawn(self, name: str) -> None:
+        service = self.services[name]
+        env = dict(self.base)
+        if service == "detector":
+            env["TRAINGUARD_INSTANCE_ID"] = name
+        if service == "bridge":
+            env["TRAINGUARD_WEBHOOK_URL"] = self.webhook
+        self.logs[name] = self.tmp / f"{name}.log"
+        with self.logs[name].open("ab") as log:
+            self.procs[name] = subprocess.Popen(
+                [sys.executable, "-m", "trainguard", "service", service], env=env,
+                stdout=log, stderr=subprocess.STDOUT, cwd=str(self.root))
+
+    def kill(self, name: str) -> None:
+        """SIGKILL ``name``: no clean stop, its leases stay until they expire."""
+        self.procs[name].kill()
+        self.procs[name].wait()
 
     def pids(self) -> dict[str, int]:
         return {name: p.pid for name, p in self.procs.items()}
 
     def check(self) -> None:
         for name, p in self.procs.items():
-            if p.poll() is not None:
+            if p.poll() is not None and p.returncode != -signal.SIGKILL:
                 raise RuntimeError(f"{name} exited ({p.returncode}):\n"
                                    + self.logs[name].read_text()[-3000:])
 
     def count(self, name: str, text: str) -> int:
         return self.logs[name].read_text(errors="replace").count(text)
+
+    def keep(self, folder: str) -> None:
+        """Copy the logs to ``folder`` (nothing if empty)."""
+        if folder:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            for log in self.logs.values():
+                shutil.copy(log, Path(folder) / log.name)
 
     def stop(self) -> None:
         for p in self.procs.values():
@@ -379,15 +406,7 @@ async def bench(args: argparse.Namespace, plane: EmbeddedControlPlane,
         stalls = {d: services.count(d, "no answer from the NATS server") - stalls0[d]
                   for d in DETECTORS}
     finally:
-        stop.set()
-        if sim is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(sim, 10)
-        services.stop()
-        if args.logs:
-            Path(args.logs).mkdir(parents=True, exist_ok=True)
-            for log in services.logs.values():
-                shutil.copy(log, Path(args.logs) / log.name)
+        await wind_down(stop, sim, services, args.logs)
         pages.server.shutdown()
         await nc.close()
     return {"jobs": args.jobs, "hosts": shape.hosts, "per_host": shape.per_host,
@@ -495,7 +514,26 @@ def main() -> int:
                     help="longest wait for the probe's anomaly")
     ap.add_argument("--out", default="")
     ap.add_argument("--logs", default="", help="a folder to keep the services' logs in")
-    args = ap.parse_args()
+    return on_a_plane(bench, report, ap.parse_args())
+
+
+async def wind_down(stop: asyncio.Event, sim: asyncio.Task[None] | None, services: Services,
+                    logs: str) -> None:
+    """Stop the simulated fleet (``sim``, driven until ``stop``) and the services, keeping
+    their logs in ``logs`` (if given)."""
+    stop.set()
+    if sim is not None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(sim, 10)
+    services.stop()
+    services.keep(logs)
+
+
+def on_a_plane(bench: Callable[[argparse.Namespace, EmbeddedControlPlane, Path],
+                               Awaitable[dict[str, Any]]],
+               report: Callable[[dict[str, Any]], None], args: argparse.Namespace) -> int:
+    """Run ``bench`` on a fresh embedded control plane (its files in a temporary folder),
+    print its ``report`` and write the result to ``--out``."""
     with tempfile.TemporaryDirectory() as tmp:
         plane = EmbeddedControlPlane(Path(tmp) / "plane").start()
         try:

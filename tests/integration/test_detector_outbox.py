@@ -41,7 +41,7 @@ async def test_a_job_taken_back_starts_from_the_changes_still_pending(
         outbox.writes.pending.set(keys.dedupe(ROLE, job), "hang:during",
                                   dump_anomaly(hang(job, "during")))
         outbox.writes.pending.delete(keys.dedupe(ROLE, job), "hang:before")
-        open_, _ = await outbox.load(job, settle=1.0)
+        open_ = (await outbox.load(job, settle=1.0)).open
         assert sorted(open_) == ["hang:during"]
         assert [t.anomaly.id for t in outbox.pending] == ["during"]  # its publish is due
     finally:

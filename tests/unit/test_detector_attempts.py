@@ -10,7 +10,9 @@ thought gone. These tests drive the detector with such a job.
 from __future__ import annotations
 
 from trainguard.contract.schemas import Heartbeat, NodeHeartbeat, NodeHello, StepReport
+from trainguard.runtime.state import Progress, RankProgress
 from trainguard.services.detector.engine import Detector
+from trainguard.services.detector.job import RankInfo
 from trainguard.services.detector.thresholds import Thresholds
 
 T0 = 1_700_000_000.0
@@ -188,3 +190,28 @@ def test_a_job_launched_again_numbers_its_generations_anew() -> None:
                                          generation=1))
     progress = job.d.progress("j", job.now + 61)
     assert progress is not None and progress.generation == 1
+
+
+def test_a_large_job_taken_over_is_admitted_in_linear_time() -> None:
+    """A detector taking over 16,384 ranks on 2,048 hosts (each host seen for the first
+    time) counts each rank once: a recount per new host made it quadratic, 3.5 s of the
+    new owner's loop at that size (bench/bench_failover.py)."""
+    ranks, per_host = 4096, 8
+    progress = Progress(job="j", time=T0, world_size=ranks, last_step=10, ranks={
+        r: RankProgress(rank=r, host=f"node-{r // per_host}", step=10, last_seen=T0)
+        for r in range(ranks)})
+    successor = Detector(Thresholds(), clock=lambda: T0)
+    state = successor.job("j")
+    looked = 0
+    judge = state.current
+
+    def counted(r: RankInfo) -> bool:
+        nonlocal looked
+        looked += 1
+        return judge(r)
+
+    state.current = counted  # type: ignore[method-assign]
+    successor.restore("j", {}, progress, T0)
+    assert len(state.ranks) == ranks and state.active_count == ranks
+    assert state.expected == ranks
+    assert looked <= ranks, f"{looked} rank looks to admit {ranks} ranks"

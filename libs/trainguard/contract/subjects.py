@@ -12,6 +12,7 @@ Layout (docs/design.md, section 3), with the default prefix ``tg``::
     tg.<job>.cmd.all            tg.<job>.cmd.host.<host>    tg.<job>.cmd.rank.<rank>
     tg.<job>.ack.<issuer>       tg.<job>.rpc.resume
     tg.<job>.rpc.creds.<host>   tg.<job>.rpc.consumer.<host>   (an agent's asks, ``jwt`` mode)
+    tg._presence.<role>.<digest>   (a service process's presence: see :meth:`presence`)
 
 Jobs, hosts and issuers must be single tokens: letters, digits, ``-`` and ``_``. Anything
 else is refused with :class:`InvalidToken` rather than mangled, because a silently
@@ -20,6 +21,7 @@ rewritten name would route telemetry of two jobs into one.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 from typing import Final, Literal
@@ -30,6 +32,8 @@ _TOKEN = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 DEFAULT_PREFIX: Final = "tg"
 NODE_REG_PREFIX: Final = "host-"
+PRESENCE: Final = "_presence"
+"""The job token of :meth:`Subjects.presence` (no job's subjects have its kinds)."""
 
 EVENT_KINDS: Final[tuple[str, ...]] = ("anomaly", "diagnosis", "action", "incident", "checkpoint",
                                         "preflight")
@@ -179,6 +183,17 @@ class Subjects:
 
     def dead(self, job: str) -> str:
         return f"{self._job(job)}.dead"
+
+    def presence(self, role: str, name: str) -> str:
+        """The subject a live ``role`` process named ``name`` (a detector's instance name,
+        a remediator's lease token) answers on, as long as its NATS connection lives:
+        'no responders' to a request there is the server's word that it is gone. The name
+        goes in as a digest (a detector's may hold ``:``)."""
+        digest = hashlib.blake2b(name.encode(), digest_size=8).hexdigest()
+        return f"{self.prefix}.{PRESENCE}.{check_token('role', role)}.{digest}"
+
+    def presence_pattern(self) -> str:
+        return f"{self.prefix}.{PRESENCE}.>"
 
     # -- wildcards for subscriptions and stream capture ------------------------------
     def pattern(self, kind: str, job: str = "*", tail: str = "*") -> str:

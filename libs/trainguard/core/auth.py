@@ -67,7 +67,7 @@ def nats_permissions(role: Role, prefix: str = "tg", job: str = "*") -> dict[str
     on-call tool only read the event and dead-letter streams (ordered consumers, with their
     flow control). Nobody but the services may delete a consumer or touch a stream.
     """
-    from trainguard.contract.subjects import bucket_name, stream_name
+    from trainguard.contract.subjects import Subjects, bucket_name, stream_name
 
     p = f"{prefix}.{job if role in ('rank', 'agent') else '*'}"
 
@@ -105,6 +105,8 @@ def nats_permissions(role: Role, prefix: str = "tg", job: str = "*") -> dict[str
         case "detector" | "diagnoser" | "remediator" | "checkpointer" | "service":
             publish = [f"{p}.event.*", f"{p}.dead", "$JS.API.>", JS_ACK]
             subscribe += [f"{prefix}.>", "$JS.EVENT.>"]
+            if role in ("detector", "remediator"):  # ask after its peers' presence
+                publish += [Subjects(prefix).presence_pattern()]  # (runtime.presence)
             if role == "remediator":  # and draw its fencing epochs (trainguard.runtime.fencing)
                 publish += [f"{p}.cmd.>", f"{p}.rpc.*", f"$KV.{bucket_name(prefix)}.>"]
             if role == "checkpointer":

@@ -28,6 +28,15 @@ end
 return 0
 """
 
+_TAKE_FROM = """
+local holder = redis.call('GET', KEYS[1])
+if holder == false or holder == ARGV[2] then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
+  return 1
+end
+return 0
+"""
+
 _RENEW = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
@@ -100,6 +109,13 @@ class LeaseHolder:
         :meth:`acquire`; one whose name two live processes share must not use it.
         """
         return bool(await self.redis.eval(_TAKE, 1, key, self.holder, self.ttl_ms))
+
+    async def take_from(self, key: str, previous: str) -> bool:
+        """Take the lease on ``key`` if it is free or still names ``previous``: a holder
+        known to be gone (:mod:`trainguard.runtime.presence`) is not waited out. A lease
+        ``previous`` renewed under another's name meanwhile is left alone."""
+        return bool(await self.redis.eval(_TAKE_FROM, 1, key, self.holder, previous,
+                                          self.ttl_ms))
 
     async def renew(self, keys: Iterable[str]) -> set[str]:
         """Extend the leases on ``keys``; returns those this holder no longer has."""

@@ -38,15 +38,6 @@ ClaimStanding = Literal["free", "mine", "predecessor", "twin"]
 _LIVE_HERE: set[str] = set()
 """Tokens of the detectors running in this process (a pid does not tell them apart)."""
 
-_REPLACE = """
-local v = redis.call('GET', KEYS[1])
-if v == false or v == ARGV[1] then
-  redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
-  return 1
-end
-return 0
-"""
-
 
 def default_name(instance_id: str, health_port: int, host: str | None = None) -> str:
     """The name a detector runs under unless its claim says otherwise."""
@@ -117,8 +108,7 @@ class Identity:
             raw = value.decode() if isinstance(value, bytes) else value
             found = Claim.decode(raw)
             verdict = judge_claim(found, self.me, running=pid_running, live_here=_LIVE_HERE)
-            taken = verdict != "twin" and bool(await self.redis.eval(
-                _REPLACE, 1, key, raw or "", self.me.encode(), self._claim.ttl_ms))
+            taken = verdict != "twin" and await self._claim.take_from(key, raw or "")
             if not taken:
                 return await self._aside(f"claimed by {raw!r}")
             if verdict == "predecessor":

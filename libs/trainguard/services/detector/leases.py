@@ -12,6 +12,10 @@ A detector's name is stable across its restarts (:mod:`.identity`), so taking a 
 already names this detector succeeds at once: a restarted detector takes its jobs back
 without waiting out the leases of the process it replaces.
 
+A detector killed outright leaves its leases behind until they expire; its peers see
+its NATS connection gone (:mod:`trainguard.runtime.presence`) and take its jobs over at
+once (:meth:`Leases.take_from`), the one rendezvous hashing now prefers first.
+
 While Redis does not answer, no lease can be renewed, and none can be taken either: a
 detector keeps judging the jobs it owns for as long as their leases are valid **by its own
 clock** (a monotonic deadline, counted from before the request that last extended them, so
@@ -76,6 +80,15 @@ class Leases:
             self.valid_until[job] = started + self.ttl
         return taken
 
+    async def take_from(self, job: str, previous: str) -> bool:
+        """Take the job's lease if it is free or still names ``previous``, a detector
+        known to be gone (:mod:`trainguard.runtime.presence`)."""
+        started = time.monotonic()
+        taken = await self._held.take_from(self.key(job), previous)
+        if taken:
+            self.valid_until[job] = started + self.ttl
+        return taken
+
     async def renew(self, jobs: Iterable[str]) -> set[str]:
         """Extend our leases; returns the jobs whose lease we no longer hold."""
         started = time.monotonic()
@@ -113,5 +126,6 @@ class Leases:
         results = await pipe.execute()
         return sorted(results[2])
 
-    async def deregister(self) -> None:
-        await self.redis.zrem(self.registry_key, self.instance)
+    async def deregister(self, instance: str | None = None) -> None:
+        """Take ``instance`` (default: us) out of the registry, so hashing passes it by."""
+        await self.redis.zrem(self.registry_key, instance or self.instance)

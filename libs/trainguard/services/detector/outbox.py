@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -32,6 +33,19 @@ log = logging.getLogger("trainguard.detector")
 
 PUBLISHED = "pub:"
 """Prefix of the dedupe-hash fields holding the last published rev of an anomaly."""
+
+@dataclasses.dataclass
+class Reload:
+    """A job's state as a new owner read it from Redis, and what reading it cost."""
+
+    open: dict[str, Anomaly] = dataclasses.field(default_factory=dict)
+    progress: Progress | None = None
+    fields: int = 0
+    """Values read: the dedupe hash's fields and the progress record."""
+    bytes: int = 0
+    seconds: float = 0.0
+    """Reading and decoding, after our own pending writes settled."""
+
 
 Publish = Callable[[Transition], Awaitable[None]]
 
@@ -106,7 +120,7 @@ class AnomalyOutbox:
                      t.anomaly.id, t.job, t.anomaly.kind, t.anomaly.ranks[:16], t.anomaly.rev)
         return sent
 
-    async def load(self, job: str, settle: float) -> tuple[dict[str, Anomaly], Progress | None]:
+    async def load(self, job: str, settle: float) -> Reload:
         """What a new owner of ``job`` starts from: its open anomalies and last progress.
 
         Changes stored but not marked published are queued to be published again. Our own
@@ -116,15 +130,20 @@ class AnomalyOutbox:
         is still open when the job is taken back, and resolves.
         """
         await self.writes.settle(settle)
+        started = time.monotonic()
         key = self.keys.dedupe(ROLE, job)
-        stored = {_text(k): _text(v) for k, v in (await self.redis.hgetall(key)).items()}
+        pipe = self.redis.pipeline(transaction=False)  # one round trip for both
+        pipe.hgetall(key)
+        pipe.get(self.keys.progress(job))
+        raw_stored, raw_progress = await pipe.execute()
+        stored = {_text(k): _text(v) for k, v in raw_stored.items()}
+        size = sum(len(k) + len(v) for k, v in stored.items()) + len(raw_progress or "")
+        reload = Reload(fields=len(stored) + (raw_progress is not None), bytes=size)
         for field, value in self.writes.unwritten(key).items():
             if value is None:
                 stored.pop(field, None)
             else:
                 stored[field] = value
-        raw_progress = await self.redis.get(self.keys.progress(job))
-        open_: dict[str, Anomaly] = {}
         for field, value in stored.items():
             if field.startswith(PUBLISHED):
                 continue
@@ -136,12 +155,12 @@ class AnomalyOutbox:
             if anomaly.rev > int(stored.get(PUBLISHED + field, 0)):
                 self.pending.append(Transition(job, field, anomaly))
             if anomaly.status == "open":
-                open_[field] = anomaly
-        progress = None
+                reload.open[field] = anomaly
         if raw_progress:
             with contextlib.suppress(ValueError):
-                progress = decode_progress(raw_progress)
-        return open_, progress
+                reload.progress = decode_progress(raw_progress)
+        reload.seconds = time.monotonic() - started
+        return reload
 
     async def close(self, wait: float, changes: list[Transition]) -> None:
         """Publish and store ``changes`` and what is left, within about ``wait`` seconds."""

@@ -24,14 +24,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import datetime
 import logging
 import time
 from collections.abc import Sequence
 from typing import Any
 
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from prometheus_client import Counter, Gauge
 
-from trainguard.contract.errors import Retry
+from trainguard.contract.binding import check_bound
+from trainguard.contract.codec import decode_durable
+from trainguard.contract.errors import DecodeError, Misaddressed, Retry
 from trainguard.contract.schemas import (
     CheckpointReport,
     NodeHello,
@@ -39,8 +43,10 @@ from trainguard.contract.schemas import (
     TelemetryMessage,
     WorkerExit,
 )
+from trainguard.contract.subjects import stream_name
 from trainguard.runtime.config import Settings, load_settings
 from trainguard.runtime.jobmetrics import JobMetrics
+from trainguard.runtime.presence import Presence
 from trainguard.runtime.service import Consumer, Delivery, Runtime, Service
 from trainguard.runtime.state import Keys, encode_progress
 from trainguard.runtime.store import TRANSIENT_REDIS_ERRORS
@@ -59,6 +65,8 @@ from .writebehind import Outage
 log = logging.getLogger("trainguard.detector")
 
 TELEMETRY_KINDS = ("hb", "step", "fp", "gpu", "node")
+REPLAY_MAX = 10_000
+"""At most this many of a dead owner's recent exits are read back on taking its job."""
 
 
 class DetectorService(Service[DetectorSettings]):
@@ -93,6 +101,7 @@ class DetectorService(Service[DetectorSettings]):
         self.redis_outage = Outage("Redis")
         self.bus_view = BusView(settings.bus_stale_after, time.time())
         self._probe: BusProbe | None = None
+        self._presence: Presence | None = None
         self._stalls: Any = None
         self._jobs: JobMetrics | None = None
 
@@ -131,6 +140,8 @@ class DetectorService(Service[DetectorSettings]):
         self.instance = await self._identity.claim()
         self._leases = self._new_leases()
         nc = rt.bus.nc
+        self._presence = Presence(nc, self.settings.subjects, ROLE)
+        await self._presence.serve(self.instance)  # before any lease names us
         self.bus_view = BusView(self.cfg.bus_stale_after, time.time(), nc.stats["reconnects"])
         self._probe = BusProbe(nc, self.bus_view)
         self._probe.poke()
@@ -144,6 +155,8 @@ class DetectorService(Service[DetectorSettings]):
         rt.every(self.cfg.progress_interval, self._write_progress, "progress")
         rt.every(self.cfg.lease_interval, self._lease_round, "leases")
         rt.every(self.cfg.bus_probe_interval, self._poke_bus, "bus-probe")
+        if self.cfg.peer_probe_interval > 0:
+            rt.every(self.cfg.peer_probe_interval, self._probe_peers, "peers")
         self._started.set()
         log.info("detector %s started, owning %d jobs", self.instance, len(self.owned))
 
@@ -180,6 +193,8 @@ class DetectorService(Service[DetectorSettings]):
             return
         if self._probe is not None:
             await self._probe.close()
+        if self._presence is not None:
+            await self._presence.close()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._write_progress(), 2.0)
         await self.outbox.close(3.0, self.detector.drain())
@@ -277,13 +292,15 @@ class DetectorService(Service[DetectorSettings]):
 
     async def _adopt(self, job: str) -> None:
         """Take a job over: what is open and what was pending, then its telemetry."""
-        open_, progress = await self.outbox.load(job, self.cfg.lease_ttl)
-        self.detector.restore(job, open_, progress, time.time())
+        state = await self.outbox.load(job, self.cfg.lease_ttl)
+        self.detector.restore(job, state.open, state.progress, time.time())
         self.owned.add(job)
         self._free_since.pop(job, None)
         self.elsewhere.pop(job, None)
         await self._subscribe(job)
-        log.info("detector %s owns job %s (%d open anomalies)", self.instance, job, len(open_))
+        log.info("detector %s owns job %s (%d open anomalies; its state read in %.0f ms: "
+                 "%d values, %d bytes)", self.instance, job, len(state.open),
+                 state.seconds * 1000, state.fields, state.bytes)
 
     def _drop(self, job: str) -> None:
         self.owned.discard(job)
@@ -392,9 +409,72 @@ class DetectorService(Service[DetectorSettings]):
                 if job not in self.owned and await self.leases.acquire(job):
                     await self._adopt(job)
 
+    async def _probe_peers(self) -> None:
+        """Take over at once the jobs of a detector whose NATS connection is gone: its
+        leases would keep them unwatched until they expire (``lease_ttl``)."""
+        presence = self._presence
+        assert presence is not None
+        owners = sorted(set(self.elsewhere.values()) - {self.instance})
+        # At once: asking after a live one waits out the request's timeout.
+        gone = await asyncio.gather(*(presence.absent(owner) for owner in owners))
+        for owner in (o for o, g in zip(owners, gone, strict=True) if g):
+            presence.forget(owner)
+            await self.leases.deregister(owner)
+            live = await self.leases.heartbeat()
+            self.live = frozenset(live)
+            jobs = sorted(j for j, o in self.elsewhere.items() if o == owner)
+            log.warning("detector %s: detector %s is gone from the bus; taking over the "
+                        "jobs hashing gives us of its %d", self.instance, owner, len(jobs))
+            for job in jobs:
+                if preferred(job, live) not in (self.instance, None):
+                    continue  # another survivor's (or the lease's expiry's)
+                async with self._own_lock:
+                    if job in self.owned or not await self.leases.take_from(job, owner):
+                        continue
+                    await self._adopt(job)
+                await self._replay_exits(job)
+
+    async def _replay_exits(self, job: str) -> None:
+        """The job's exits of the last ``ack_wait``, read from the stream: those the dead
+        owner had fetched, or that the server sent to its last pull request before it
+        noticed the connection gone, come back only after the consumer's ``ack_wait``
+        (30 s: a crash right at the kill was seen 32 s late). Handling an exit twice
+        changes nothing (its crash is open already)."""
+        spec = next(c.spec for c in self.consumers() if c.spec.durable == "detector-exit")
+        since = datetime.datetime.fromtimestamp(time.time() - spec.ack_wait, datetime.UTC)
+        sub = await self.runtime.bus.js.pull_subscribe(
+            self.settings.subjects.pattern("exit", job=job),
+            stream=stream_name(self.settings.prefix, spec.stream),
+            config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME,
+                                  opt_start_time=since,
+                                  ack_policy=AckPolicy.NONE, inactive_threshold=10.0))
+        replayed = 0
+        try:
+            while replayed < REPLAY_MAX:
+                try:
+                    msgs = await sub.fetch(256, timeout=0.5)
+                except TimeoutError:
+                    break
+                for msg in msgs:
+                    with contextlib.suppress(DecodeError, Misaddressed):  # as the consumer
+                        ex = decode_durable(msg.data, WorkerExit)  # would dead-letter them
+                        check_bound(self.settings.subjects, msg.subject, ex)
+                        self.detector.on_exit(ex, time.time())
+                replayed += len(msgs)
+                if msgs[-1].metadata.num_pending == 0:
+                    break
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        await self._flush()
+        log.info("detector %s: %d exits of job %s replayed from the stream", self.instance,
+                 replayed, job)
+
     async def _step_aside(self, identity: Identity) -> None:
         """Another live process took our name: its jobs are its own; we go on as another."""
         for job in list(self.owned):
             self._drop(job)
         self.instance = await identity.step_aside()
         self._leases = self._new_leases()
+        if self._presence is not None:
+            await self._presence.serve(self.instance)

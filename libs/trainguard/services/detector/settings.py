@@ -26,6 +26,10 @@ class DetectorSettings(Settings, Thresholds):
     """A dead detector's jobs move to another within this long."""
     lease_interval: float = 2.0
     """How often leases are renewed and free jobs looked for (well under the TTL)."""
+    peer_probe_interval: float = 0.5
+    """How often the detector asks after the other detectors that own jobs (their NATS
+    presence, :mod:`trainguard.runtime.presence`); one gone is taken over after two
+    answers in a row, instead of after ``lease_ttl``. 0: never (leases expire)."""
     job_idle_expiry: float = 3600.0
     """A job silent this long is let go (state dropped, lease released)."""
     instance_id: str = ""

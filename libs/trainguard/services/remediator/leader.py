@@ -1,9 +1,11 @@
 """One acting remediator: a leader lease with a fencing token.
 
 The holder renews the lease every ``ttl / 4``; a replica takes over within ``ttl`` of the
-holder's death. Each new holder draws a fresh epoch, carried on every command so agents
-and ranks reject a deposed leader's late commands, and every write to shared state
-(blocklist, incidents) is fenced by the lease, so a deposed leader writes nothing. The
+holder's death, and within about two renewal periods when the holder's NATS connection
+ended with it (its presence, :mod:`trainguard.runtime.presence`). Each new holder draws a
+fresh epoch, carried on every command so agents and ranks reject a deposed leader's late
+commands, and every write to shared state (blocklist, incidents) is fenced by the lease,
+so a deposed leader writes nothing. The
 lease mechanics live in :mod:`trainguard.runtime.lease`; epochs come from the replicated NATS
 bucket of :mod:`trainguard.runtime.fencing` (a Redis ``INCR`` could repeat after a failover), and
 the leader keeps their Redis mirror raised for the readers that only speak Redis.
@@ -19,6 +21,7 @@ import redis.asyncio as aioredis
 from trainguard.contract.errors import TrainguardError
 from trainguard.runtime.fencing import Epochs, raise_mirror, read_mirror
 from trainguard.runtime.lease import LeaseHolder
+from trainguard.runtime.presence import Presence
 from trainguard.runtime.state import Keys
 
 
@@ -28,8 +31,12 @@ class NotLeader(TrainguardError):
 
 class Leadership:
     def __init__(self, redis: aioredis.Redis, keys: Keys, epochs: Epochs,
-                 role: str = "remediator", ttl: float = 3.0) -> None:
+                 role: str = "remediator", ttl: float = 3.0,
+                 presence: Presence | None = None) -> None:
         self.redis = redis
+        self.presence = presence
+        """Where a leader gone from the bus shows (its lease token's presence): the lock
+        is then taken at once, not after ``ttl``."""
         self.keys = keys
         self.epochs = epochs
         self.role = role
@@ -46,7 +53,7 @@ class Leadership:
                 await raise_mirror(self.redis, mirror, self.epoch)  # heals a failover's loss
                 return True
             self.leading = False
-        if await self.lease.acquire(self.lock):
+        if await self.lease.acquire(self.lock) or await self._take_from_gone():
             try:
                 self.epoch = await self.epochs.draw(self.role,
                                                     floor=await read_mirror(self.redis, mirror))
@@ -56,6 +63,17 @@ class Leadership:
                 raise
             self.leading = True
         return self.leading
+
+    async def _take_from_gone(self) -> bool:
+        """Take the lock from a holder gone from the bus (:mod:`trainguard.runtime.presence`)."""
+        if self.presence is None:
+            return False
+        holder = (await self.lease.owners([self.lock]))[self.lock]
+        if holder is None or holder == self.lease.holder \
+                or not await self.presence.absent(holder):
+            return False
+        self.presence.forget(holder)
+        return await self.lease.take_from(self.lock, holder)
 
     async def release(self) -> None:
         if self.leading:

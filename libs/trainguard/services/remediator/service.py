@@ -50,6 +50,7 @@ from trainguard.contract.targets import addressed
 from trainguard.runtime.fencing import Epochs
 from trainguard.runtime.jobmetrics import IncidentMetrics, PreflightMetrics
 from trainguard.runtime.logs import get_logger
+from trainguard.runtime.presence import Presence
 from trainguard.runtime.service import TRANSIENT_ERRORS, Consumer, Delivery, Runtime, Service
 from trainguard.runtime.state import Keys
 from trainguard.runtime.topology import ConsumerSpec
@@ -122,7 +123,10 @@ class RemediatorService(Service[RemediatorSettings]):
 
     async def start(self, rt: Runtime) -> None:
         epochs = Epochs(rt.bus.js, self.settings.prefix, self.settings.stream_replicas)
-        self.leader = Leadership(rt.redis, self.keys, epochs, ttl=self.settings.lease_ttl)
+        presence = Presence(rt.bus.nc, self.settings.subjects, "remediator")
+        self.leader = Leadership(rt.redis, self.keys, epochs, ttl=self.settings.lease_ttl,
+                                 presence=presence)
+        await presence.serve(self.leader.lease.holder)  # before the lock can name us
         self._metrics = IncidentMetrics(rt.metrics.registry, "remediator")
         self._preflights = PreflightMetrics(rt.metrics.registry)
         self._store = Store(rt.redis, self.keys, self.leader)
@@ -161,8 +165,11 @@ class RemediatorService(Service[RemediatorSettings]):
         if self._metrics is not None:
             self._metrics.leading(leading)
         if leading and not was:
-            log.info("remediator: leading with epoch %d", self.leader.epoch)
-            for inc in await self.store.open_all():
+            started = time.monotonic()
+            resumed = await self.store.open_all()
+            log.info("remediator: leading with epoch %d (%d open incidents read in %.0f ms)",
+                     self.leader.epoch, len(resumed), (time.monotonic() - started) * 1000)
+            for inc in resumed:
                 log.bind(job=inc.job, incident=inc.id).info("resuming incident %s of %s",
                                                             inc.id, inc.job)
                 self._run(inc)
