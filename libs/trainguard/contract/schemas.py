@@ -61,7 +61,8 @@ class Heartbeat(Telemetry, tag="hb.v1"):
     """Seconds the current phase has shown no work: no CPU time and no bytes read or
     written by the process (less trainguard's own threads) or its children (the data
     loader's workers). 0 while it works, and where it is not known (a phase younger than
-    a quarter second, no ``/proc``). A loader stuck, not refilling."""
+    a tenth of a second or than the usual step, no ``/proc``). A loader stuck, not
+    refilling."""
 
 
 RECOVERING_PHASE = "recovering"

@@ -23,7 +23,7 @@ STALL_BEAT_FACTOR = 4.0
 heartbeat (:meth:`RankState.stalled`)."""
 STALL_CHECK_S = 0.1
 """How often the transport thread asks :meth:`RankState.stalled`."""
-QUIET_LOOK_AFTER_S = 0.25
+QUIET_LOOK_AFTER_S = 0.1
 """A phase younger than this, or than the rank's usual step, is not looked at for work
 (:func:`looks_after`); from its first look on it counts as quiet while it shows none."""
 QUIET_BEAT_S = 1.0
