@@ -180,3 +180,24 @@ def test_a_rank_that_leaves_a_slow_batch_inside_the_stall_is_judged_on_its_new_p
     began = hang.evidence.phases["3"]
     assert began.phase == "compute"
     assert began.elapsed >= Thresholds().hang_floor, began
+
+
+def test_a_detector_that_just_took_the_job_over_finds_its_hang_as_soon() -> None:
+    """A takeover's grace holds silence for one ``hb_timeout`` (nothing heard yet); a hang
+    is judged inside it once every rank has been heard since: a killed owner's job is not
+    left unwatched for the grace."""
+    h = short_job()
+    h.sim.steps(300)
+    h.detector.grace(h.clock, [h.sim.cfg.job])
+    found = stall_until_hang(h, 3, "compute")
+    assert found <= 1.5 < Thresholds().hb_timeout
+
+
+def test_inside_the_grace_a_rank_not_heard_since_holds_every_judgement() -> None:
+    h = short_job()
+    h.sim.steps(300)
+    h.sim.silent.add(6)
+    h.detector.grace(h.clock, [h.sim.cfg.job])
+    until = h.job.judge_after
+    h.sim.stall(until - h.sim.now - 0.1, lambda r: "compute" if r == 3 else "comm")
+    assert h.events == []

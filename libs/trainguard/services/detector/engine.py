@@ -97,7 +97,9 @@ class Detector:
         self._overrides.pop(name, None)
 
     def grace(self, now: float, jobs: Iterable[str] | None = None) -> None:
-        """No silence or hang judgement for one ``hb_timeout``: we have not heard yet.
+        """No silence judgement for one ``hb_timeout``: we have not heard yet. A hang is
+        judged inside it once every rank has been heard since (the view of that job is
+        current: a detector that took a killed owner's job finds its hang as soon).
 
         Called while the detector's own view of the bus is stale and on the tick it is
         current again (every job: see :mod:`.busview`), and when it takes a job over (that
@@ -107,6 +109,7 @@ class Detector:
             job = self.jobs.get(name)
             if job is not None:
                 job.judge_after = max(job.judge_after, now + job.th.hb_timeout)
+                job.grace_from = now
 
     # -- messages -------------------------------------------------------------------------
     def on_telemetry(self, msg: TelemetryMessage) -> None:

@@ -173,7 +173,11 @@ class JobState:
         self.exited_count = 0
         self.expected = 1
         self.judge_after = now
-        """No silence or hang judgement before this (reconnect or takeover grace)."""
+        """No silence or hang judgement before this (reconnect or takeover grace), except
+        a hang once every rank has been heard since :attr:`grace_from`."""
+        self.grace_from = now
+        """When the last grace began: the detector's view of the job is current again once
+        every rank of the attempt has been heard since (:meth:`heard_all_since`)."""
         self.rejected_overrides: list[str] = []
         self.census: Census | None = None
         self.pending_long: list[tuple[str, float, int, float]] = []
@@ -390,6 +394,10 @@ class JobState:
         """``rank`` is outside the world the current group declared (an agent that has not
         caught up with a shrink yet still names it): not a rank to admit."""
         return 0 < self.world_size <= rank and self.world_incarnation == self.incarnation
+
+    def heard_all_since(self, t: float) -> bool:
+        """Every live rank of the attempt sent a heartbeat at or after ``t`` (O(ranks))."""
+        return all(r.last_hb >= t and r.heard for r in self.in_attempt())
 
     def in_attempt(self) -> list[RankInfo]:
         return [r for r in self.ranks.values() if self.current(r) and not r.exited]

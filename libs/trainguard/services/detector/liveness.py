@@ -329,9 +329,13 @@ class Liveness:
         """Time-based judgement: silence, process states, hang; and hang resolution."""
         job.census = None
         self.resolve(job, now)
-        if now < job.judge_after or not job.ranks:
+        if not job.ranks:
             return
-        self.judge_process_states(job, now)
+        graced = now < job.judge_after
+        if graced and not job.heard_all_since(job.grace_from):
+            return  # not heard from every rank since the grace began: nothing is judged
+        if not graced:
+            self.judge_process_states(job, now)
         stalled_since = job.last_progress if job.has_stepped else job.attempt_start
         stalled = now - stalled_since
         base, _ = self.hang_limit(job)
@@ -339,7 +343,8 @@ class Liveness:
         if stalled > min(base, job.th.checkpoint_slow_floor):
             census = job.take_census(now, stalled_since)
         excused = self.restarting_hosts(job, now)
-        self.judge_silence(job, census, now, excused)
+        if not graced:
+            self.judge_silence(job, census, now, excused)
         if census is None or stalled <= base or not census.live or excused \
                 or self.exit_pending(job, now) or self.recovering(census, now, job.th):
             return
