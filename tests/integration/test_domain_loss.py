@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -170,30 +171,55 @@ def latest(incidents: list[Incident]) -> dict[str, Incident]:
     return out
 
 
-@pytest.mark.parametrize("domain", ["switch sw-1", ""], ids=["topology", "no-topology"])
-async def test_a_lost_switch_is_one_incident_one_page_one_isolation(
-        nats_url: str, redis_url: str, prefix: str, job: str, nc: Any,
-        tmp_path: Path, domain: str) -> None:
-    """Without a topology the same hosts are one loss too, "hosts lost together"."""
-    (tmp_path / "topology.toml").write_text(TOPOLOGY)
-    topology = str(tmp_path / "topology.toml") if domain else ""
+@dataclass
+class Plane:
+    """The control plane around one simulated job, what it published and who paged."""
+
+    ranks: Job
+    agents: Agents
+    receiver: Receiver
+    incidents: list[Incident]
+    diagnoses: list[Diagnosis]
+    bus: Bus
+
+    def latest(self) -> dict[str, Incident]:
+        return latest(self.incidents)
+
+    async def until_restarted(self, back: frozenset[str] = frozenset()) -> None:
+        """The incident's restart done; then the survivors (and the hosts ``back``) come
+        back in the next attempt and train on, until the incident resolves."""
+        await wait_until(lambda: any(s.action == "restart" and s.status == "done"
+                                     for i in self.latest().values() for s in i.actions),
+                         timeout=WAIT, what="the incident's restart done")
+        self.ranks.alive |= back
+        self.ranks.restart()
+        await self.ranks.hello()
+        self.ranks.stepping = True
+        await wait_until(lambda: any(i.status == "resolved" for i in self.latest().values()),
+                         timeout=WAIT, what="the incident resolved")
+
+
+@contextlib.asynccontextmanager
+async def plane(nats_url: str, redis_url: str, prefix: str, job: str, nc: Any,
+                diagnoser: dict[str, Any]) -> AsyncIterator[Plane]:
+    """The real detector, diagnoser (``diagnoser``: its settings), remediator and bridge
+    on the servers, the agents answering, the job's 64 ranks stepping 20 steps in."""
     base = {"nats_url": nats_url, "redis_url": redis_url, "prefix": prefix}
     await provision(nc.jetstream(), streams(prefix))
     receiver = Receiver().start()
     bus = Bus(nc, Subjects(prefix), source="test")
     ranks = Job(bus, job)
     agents = Agents(nc, bus, job, ranks.alive)
-    incidents = await events(nc, prefix, job, "incident", Incident)
-    diagnoses = await events(nc, prefix, job, "diagnosis", Diagnosis)
-    services = [
-        DetectorService(load_settings(DetectorSettings, env={}, overrides={
-            **base, "tick_interval": 0.1, "progress_interval": 0.2, "lease_interval": 0.2,
-            "lease_ttl": 1.5, "hb_timeout": 2.0})),
-        DiagnoserService(load_settings(DiagnoserSettings, env={}, overrides={
-            **base, "domain_window": 1.5, "topology": topology})),
-        RemediatorService(load_settings(RemediatorSettings, env={},
-                                        overrides={**base, "lease_ttl": 1.0})),
-    ]
+    p = Plane(ranks, agents, receiver, await events(nc, prefix, job, "incident", Incident),
+              await events(nc, prefix, job, "diagnosis", Diagnosis), bus)
+    detector = DetectorService(load_settings(DetectorSettings, env={}, overrides={
+        **base, "tick_interval": 0.1, "progress_interval": 0.2, "lease_interval": 0.2,
+        "lease_ttl": 1.5, "hb_timeout": 2.0}))
+    services = [detector,
+                DiagnoserService(load_settings(DiagnoserSettings, env={},
+                                               overrides={**base, **diagnoser})),
+                RemediatorService(load_settings(RemediatorSettings, env={},
+                                                overrides={**base, "lease_ttl": 1.0}))]
     bridge = load_settings(BridgeSettings, env={}, overrides={
         **base, "webhook_url": f"{receiver.url}/ce"})
     try:
@@ -203,61 +229,59 @@ async def test_a_lost_switch_is_one_incident_one_page_one_isolation(
             await stack.enter_async_context(bridging(bridge))
             await agents.start()
             await ranks.hello()
-            detector = services[0]
-            assert isinstance(detector, DetectorService)
             await wait_until(lambda: job in detector.owned, timeout=WAIT, what="job owned")
             async with ranks.running():
                 await wait_until(lambda: ranks.step >= 20, timeout=WAIT, what="20 steps")
-                # Switch sw-1 goes: its hosts' ranks fall silent, the rest wait for them.
-                ranks.alive -= set(LOST)
-                ranks.stepping = False
-                failed_at = ranks.step
-
-                def one_done() -> bool:
-                    incs = latest(incidents)
-                    return any(s.action == "restart" and s.status == "done"
-                               for i in incs.values() for s in i.actions)
-
-                await wait_until(one_done, timeout=WAIT, what="the incident's restart done")
-                # The restart: the survivors come back in the next attempt and train on.
-                ranks.restart()
-                await ranks.hello()
-                ranks.stepping = True
-                await wait_until(lambda: any(i.status == "resolved"
-                                             for i in latest(incidents).values()),
-                                 timeout=WAIT, what="the incident resolved")
-                assert ranks.step > failed_at
-            await wait_until(lambda: len(receiver.at("/ce")) >= 2, timeout=WAIT,
-                             what="the page and its all-clear")
-            (inc,) = latest(incidents).values()
-            assert inc.cause == "hosts_lost" and inc.domain == domain
-            assert inc.hosts == LOST and inc.ranks == list(range(8 * PER_HOST))
-            isolate = [s for s in inc.actions if s.action == "isolate"]
-            assert len(isolate) == 1 and isolate[0].params["hosts"] == LOST
-            assert isolate[0].status == "done" and domain in isolate[0].detail
-            assert [s.action for s in inc.actions] == ["isolate", "restart"]
-            assert inc.summary.startswith(f"{domain or 'hosts lost together'}: 8 hosts, "
-                                          "32 ranks lost within")
-            # One diagnosis for the eight silences (a hang joins it, if one was raised).
-            opened = {d.id for d in diagnoses if d.status == "open"}
-            assert len(opened) == 1, [(d.cause, d.hosts) for d in diagnoses]
-            sent = [c for c in agents.commands if c.kind == "isolate"]
-            assert sorted(c.target for c in sent) == sorted(f"host.{h}" for h in LOST)
-            assert [c.target for c in agents.commands if c.kind == "restart"] == ["all"]
-            r = aioredis.Redis.from_url(redis_url, decode_responses=True)
-            try:
-                blocked = set(await r.hkeys(Keys(prefix).blocklist()))
-            finally:
-                await r.aclose()
-            assert set(LOST) <= blocked and not blocked - set(LOST)
-            # One page: firing, then resolved; nothing per host.
-            pages = receiver.at("/ce")
-            assert [p.headers["ce-tgstate"] for p in pages] == ["firing", "resolved"]
-            first = pages[0].json()
-            assert (first["cause"], first["domain"], first["id"]) == ("hosts_lost",
-                                                                     domain, inc.id)
+                yield p
     finally:
         receiver.stop()
+
+
+@pytest.mark.parametrize("domain", ["switch sw-1", ""], ids=["topology", "no-topology"])
+async def test_a_lost_switch_is_one_incident_one_page_one_isolation(
+        nats_url: str, redis_url: str, prefix: str, job: str, nc: Any,
+        tmp_path: Path, domain: str) -> None:
+    """Without a topology the same hosts are one loss too, "hosts lost together"."""
+    (tmp_path / "topology.toml").write_text(TOPOLOGY)
+    topology = str(tmp_path / "topology.toml") if domain else ""
+    async with plane(nats_url, redis_url, prefix, job, nc,
+                     {"domain_window": 1.5, "topology": topology}) as p:
+        ranks, agents, receiver, diagnoses = p.ranks, p.agents, p.receiver, p.diagnoses
+        # Switch sw-1 goes: its hosts' ranks fall silent, the rest wait for them.
+        ranks.alive -= set(LOST)
+        ranks.stepping = False
+        failed_at = ranks.step
+        await p.until_restarted()
+        assert ranks.step > failed_at
+        await wait_until(lambda: len(receiver.at("/ce")) >= 2, timeout=WAIT,
+                         what="the page and its all-clear")
+        (inc,) = p.latest().values()
+        assert inc.cause == "hosts_lost" and inc.domain == domain
+        assert inc.hosts == LOST and inc.ranks == list(range(8 * PER_HOST))
+        isolate = [s for s in inc.actions if s.action == "isolate"]
+        assert len(isolate) == 1 and isolate[0].params["hosts"] == LOST
+        assert isolate[0].status == "done" and domain in isolate[0].detail
+        assert [s.action for s in inc.actions] == ["isolate", "restart"]
+        assert inc.summary.startswith(f"{domain or 'hosts lost together'}: 8 hosts, "
+                                      "32 ranks lost within")
+        # One diagnosis for the eight silences (a hang joins it, if one was raised).
+        opened = {d.id for d in diagnoses if d.status == "open"}
+        assert len(opened) == 1, [(d.cause, d.hosts) for d in diagnoses]
+        sent = [c for c in agents.commands if c.kind == "isolate"]
+        assert sorted(c.target for c in sent) == sorted(f"host.{h}" for h in LOST)
+        assert [c.target for c in agents.commands if c.kind == "restart"] == ["all"]
+        r = aioredis.Redis.from_url(redis_url, decode_responses=True)
+        try:
+            blocked = set(await r.hkeys(Keys(prefix).blocklist()))
+        finally:
+            await r.aclose()
+        assert set(LOST) <= blocked and not blocked - set(LOST)
+        # One page: firing, then resolved; nothing per host.
+        pages = receiver.at("/ce")
+        assert [p.headers["ce-tgstate"] for p in pages] == ["firing", "resolved"]
+        first = pages[0].json()
+        assert (first["cause"], first["domain"], first["id"]) == ("hosts_lost",
+                                                                 domain, inc.id)
 
 
 TRACE = 'Traceback (most recent call last):\n  File "train.py", line 3\nKeyError: 17'
@@ -267,67 +291,27 @@ async def test_ranks_that_crash_together_on_many_hosts_are_one_incident_one_page
         nats_url: str, redis_url: str, prefix: str, job: str, nc: Any) -> None:
     """A storm: every rank of 8 hosts exits with the same error within half a second (their
     agents report each exit). One incident names them all, pages once and restarts the
-    job once; the restart budget counts one failure."""
-    base = {"nats_url": nats_url, "redis_url": redis_url, "prefix": prefix}
-    await provision(nc.jetstream(), streams(prefix))
-    receiver = Receiver().start()
-    bus = Bus(nc, Subjects(prefix), source="test")
-    ranks = Job(bus, job)
-    agents = Agents(nc, bus, job, ranks.alive)
-    incidents = await events(nc, prefix, job, "incident", Incident)
-    diagnoses = await events(nc, prefix, job, "diagnosis", Diagnosis)
-    services = [
-        DetectorService(load_settings(DetectorSettings, env={}, overrides={
-            **base, "tick_interval": 0.1, "progress_interval": 0.2, "lease_interval": 0.2,
-            "lease_ttl": 1.5})),
-        DiagnoserService(load_settings(DiagnoserSettings, env={}, overrides=base)),
-        RemediatorService(load_settings(RemediatorSettings, env={},
-                                        overrides={**base, "lease_ttl": 1.0})),
-    ]
-    bridge = load_settings(BridgeSettings, env={}, overrides={
-        **base, "webhook_url": f"{receiver.url}/ce"})
-    try:
-        async with contextlib.AsyncExitStack() as stack:
-            for svc in services:
-                await stack.enter_async_context(running(svc))
-            await stack.enter_async_context(bridging(bridge))
-            await agents.start()
-            await ranks.hello()
-            detector = services[0]
-            assert isinstance(detector, DetectorService)
-            await wait_until(lambda: job in detector.owned, timeout=WAIT, what="job owned")
-            async with ranks.running():
-                await wait_until(lambda: ranks.step >= 20, timeout=WAIT, what="20 steps")
-                crashed = [r for r, h in ranks.layout.items() if h in LOST]
-                ranks.alive -= set(LOST)
-                ranks.stepping = False
-                t0 = time.time()
-                for i, r in enumerate(crashed):
-                    host = ranks.layout[r]
-                    await bus.publish_durable(bus.subjects.exit(job, host), WorkerExit(
-                        id=f"x{r}", job=job, host=host, rank=r, local_rank=r % PER_HOST,
-                        pid=ranks.pid(r), exit_code=1, stderr_tail=TRACE, generation=1,
-                        time=t0 + 0.015 * i))
-                await wait_until(lambda: any(
-                    s.action == "restart" and s.status == "done"
-                    for i in latest(incidents).values() for s in i.actions),
-                    timeout=WAIT, what="the incident's restart done")
-                ranks.alive |= set(LOST)
-                ranks.restart()
-                await ranks.hello()
-                ranks.stepping = True
-                await wait_until(lambda: any(i.status == "resolved"
-                                             for i in latest(incidents).values()),
-                                 timeout=WAIT, what="the incident resolved")
-            await wait_until(lambda: len(receiver.at("/ce")) >= 2, timeout=WAIT,
-                             what="the page and its all-clear")
-            (inc,) = latest(incidents).values()
-            assert inc.cause == "process_crash" and inc.hosts == LOST
-            assert set(crashed) <= set(inc.ranks)
-            opened = {d.id for d in diagnoses if d.status == "open"}
-            assert len(opened) == 1, [(d.cause, d.hosts) for d in diagnoses]
-            assert [c.target for c in agents.commands if c.kind == "restart"] == ["all"]
-            pages = receiver.at("/ce")
-            assert [p.headers["ce-tgstate"] for p in pages] == ["firing", "resolved"]
-    finally:
-        receiver.stop()
+    job once."""
+    async with plane(nats_url, redis_url, prefix, job, nc, {}) as p:
+        ranks = p.ranks
+        crashed = [r for r, h in ranks.layout.items() if h in LOST]
+        ranks.alive -= set(LOST)
+        ranks.stepping = False
+        t0 = time.time()
+        for i, r in enumerate(crashed):
+            host = ranks.layout[r]
+            await p.bus.publish_durable(p.bus.subjects.exit(job, host), WorkerExit(
+                id=f"x{r}", job=job, host=host, rank=r, local_rank=r % PER_HOST,
+                pid=ranks.pid(r), exit_code=1, stderr_tail=TRACE, generation=1,
+                time=t0 + 0.015 * i))
+        await p.until_restarted(back=frozenset(LOST))
+        await wait_until(lambda: len(p.receiver.at("/ce")) >= 2, timeout=WAIT,
+                         what="the page and its all-clear")
+        (inc,) = p.latest().values()
+        assert inc.cause == "process_crash" and inc.hosts == LOST
+        assert set(crashed) <= set(inc.ranks)
+        opened = {d.id for d in p.diagnoses if d.status == "open"}
+        assert len(opened) == 1, [(d.cause, d.hosts) for d in p.diagnoses]
+        assert [c.target for c in p.agents.commands if c.kind == "restart"] == ["all"]
+        assert [x.headers["ce-tgstate"] for x in p.receiver.at("/ce")] == ["firing",
+                                                                          "resolved"]

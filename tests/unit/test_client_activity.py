@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import threading
@@ -145,33 +146,29 @@ def test_a_loader_worker_reading_is_work(
     assert looked_from_own_thread(busy_within)
 
 
-def test_the_trainers_own_thread_working_is_work() -> None:
+@contextlib.contextmanager
+def spinning(name: str) -> Iterator[None]:
+    """A thread named ``name`` burning CPU meanwhile."""
     stop = threading.Event()
 
     def spin() -> None:
         while not stop.is_set():
             sum(range(1000))
 
-    t = threading.Thread(target=spin, name="loader-prefetch")
+    t = threading.Thread(target=spin, name=name)
     t.start()
     try:
-        assert looked_from_own_thread(busy_within)
+        yield
     finally:
         stop.set()
         t.join(10)
+
+
+def test_the_trainers_own_thread_working_is_work() -> None:
+    with spinning("loader-prefetch"):
+        assert looked_from_own_thread(busy_within)
 
 
 def test_trainguards_own_threads_working_is_not_the_trainers_work() -> None:
-    stop = threading.Event()
-
-    def spin() -> None:
-        while not stop.is_set():
-            sum(range(1000))
-
-    t = threading.Thread(target=spin, name="trainguard-busy")
-    t.start()
-    try:
+    with spinning("trainguard-busy"):
         assert any(not looked_from_own_thread(window) for _ in range(5))
-    finally:
-        stop.set()
-        t.join(10)
