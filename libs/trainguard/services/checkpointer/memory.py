@@ -58,7 +58,9 @@ def summarize(held: Mapping[int, Held], now: float, ttl: float = DEFAULT_TTL
     newest = min(r.step for r in reports)
     taken = min(r.taken for r in reports if r.step == newest)
     oldest = max(min(r.kept_steps, default=r.step) for r in reports)
-    oldest_taken = max((r.oldest_taken or r.taken) for r in reports
+    # A step's time is its first rank's, for the newest and the oldest alike: the oldest
+    # step every rank holds is never younger than the newest.
+    oldest_taken = min((r.oldest_taken or r.taken) for r in reports
                        if min(r.kept_steps, default=r.step) == oldest)
     return MemorySummary(
         newest_step=newest, oldest_step=oldest,
