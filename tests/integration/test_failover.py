@@ -58,6 +58,21 @@ async def service_process(service: str, env: dict[str, str], log: Path,
                 await proc.wait()
 
 
+@asynccontextmanager
+async def survivor_of(doomed: asyncio.subprocess.Process, nats_url: str, redis_url: str,
+                      prefix: str, job: str) -> AsyncIterator[DetectorService]:
+    """A second detector, running once it knows ``job``'s owner, "det-doomed", which is
+    then SIGKILLed."""
+    survivor = DetectorService(settings(nats_url, redis_url, prefix, instance_id="det-b",
+                                        lease_ttl=LEASE_TTL))
+    async with running(survivor):
+        await wait_until(lambda: survivor.elsewhere.get(job) == "det-doomed",
+                         what="the survivor to know the job's owner")
+        doomed.kill()
+        await doomed.wait()
+        yield survivor
+
+
 async def test_a_killed_detectors_job_moves_at_once_and_its_next_crash_is_seen(
         nats_url: str, redis_url: str, prefix: str, job: str, nc: Any, tmp_path: Path) -> None:
     subjects = Subjects(prefix)
@@ -79,13 +94,7 @@ async def test_a_killed_detectors_job_moves_at_once_and_its_next_crash_is_seen(
                              what="the doomed detector to own the job")
         except AssertionError:
             raise AssertionError(log.read_text()[-3000:]) from None
-        survivor = DetectorService(settings(nats_url, redis_url, prefix, instance_id="det-b",
-                                            lease_ttl=LEASE_TTL))
-        async with running(survivor):
-            await wait_until(lambda: survivor.elsewhere.get(job) == "det-doomed",
-                             what="the survivor to know the job's owner")
-            doomed.kill()
-            await doomed.wait()
+        async with survivor_of(doomed, nats_url, redis_url, prefix, job) as survivor:
             await bus.publish_durable(subjects.exit(job, "host-1"),
                                       worker_exit(job, 2, "x1", exit_code=1))
             await wait_until(lambda: [a for a in of(seen, "crash") if a.ranks == [2]],
@@ -126,13 +135,7 @@ async def test_an_exit_the_killed_detector_held_is_read_back_from_the_stream(
             return info.num_pending == 0 and info.num_ack_pending >= 1
 
         await wait_until(in_hand, what="the exit held by the doomed side")
-        survivor = DetectorService(settings(nats_url, redis_url, prefix, instance_id="det-b",
-                                            lease_ttl=LEASE_TTL))
-        async with running(survivor):
-            await wait_until(lambda: survivor.elsewhere.get(job) == "det-doomed",
-                             what="the survivor to know the job's owner")
-            doomed.kill()
-            await doomed.wait()
+        async with survivor_of(doomed, nats_url, redis_url, prefix, job):
             await wait_until(lambda: [a for a in of(seen, "crash") if a.ranks == [2]],
                              timeout=TAKEOVER_WAIT, what="the survivor to see the crash")
 

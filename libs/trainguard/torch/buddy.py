@@ -423,6 +423,8 @@ def _read_copy(conn: socket.socket, header: BuddyHeader) -> BuddyCopy:
             raise ValueError(f"rank {header.rank}'s copy of step {header.step} ended "
                              f"after {got} of {header.nbytes} bytes")
         got += n
+    # ``header`` came through :meth:`Buddies._read`, which refuses one without the
+    # job's HMAC: only the job's own ranks' pickles are loaded.
     return BuddyCopy(rank=header.rank, step=header.step, crc=header.crc,
                      names=header.names, shapes=header.shapes, dtypes=header.dtypes,
                      values=pickle.loads(header.values), data=data, received=time.time())
