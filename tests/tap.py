@@ -12,6 +12,7 @@ from trainguard.contract.codec import decode_any_durable, decode_telemetry
 from trainguard.contract.envelope import H_ID, H_TYPE, normalize_headers
 from trainguard.contract.schemas import CommandAck, Durable, NodeHello, RankHello, WorkerExit
 from trainguard.contract.subjects import Subjects
+from trainguard.core.connection import flush
 from trainguard.runtime.bus import Bus
 from trainguard.runtime.topology import provision, streams
 
@@ -68,7 +69,7 @@ async def tapped(url: str, prefix: str, job: str,
         await nc.subscribe(s.pattern(kind, job=job), cb=on_tel)
     for kind in ("ack", "reg", "exit", "recovery"):
         await nc.subscribe(s.pattern(kind, job=job), cb=on_durable)
-    await nc.flush()
+    await flush(nc)
     try:
         yield tap, Bus(nc, s, source="trainguard/test")
     finally:

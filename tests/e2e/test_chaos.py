@@ -58,9 +58,18 @@ async def test_fault(runner: Runner, name: str) -> None:
     assert out.ok, (out.problems, runner.cluster.observer.timeline[-25:])
 
 
+@pytest.mark.timeout(SLOW_MACHINE_TIMEOUT)
 async def test_the_job_survived_everything(runner: Runner) -> None:
-    open_ = [i for i in runner.obs.incidents.values() if i.status in ("open", "mitigating")]
-    assert open_ == []
+    # Every incident ends: one the last fault set off may still be settling (its restart
+    # done, training not yet past its failure step).
+    def still_open() -> list[object]:
+        return [i for i in runner.obs.incidents.values() if i.status in ("open", "mitigating")]
+
+    try:
+        await wait_until(lambda: not still_open(), timeout=300, interval=0.5,
+                         what="every incident over")
+    except AssertionError:
+        assert still_open() == []
     # Still training after everything: more steps complete. How fast is the benchmark's
     # question (bench/bench_recovery.py measures goodput): a fixed goodput floor here failed
     # on a loaded machine, where every restart re-imports torch slowly, for no fault of ours.

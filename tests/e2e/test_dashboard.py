@@ -36,6 +36,7 @@ from trainguard import Guard
 from trainguard.contract.codec import encode_telemetry
 from trainguard.contract.schemas import CheckpointCommitted, Heartbeat, Incident, StepReport
 from trainguard.contract.subjects import Subjects
+from trainguard.core.connection import flush
 from trainguard.dashboard import DashboardServer, run_dashboard
 from trainguard.runtime.bus import Bus
 from trainguard.runtime.config import Settings, load_settings
@@ -245,8 +246,8 @@ async def publish_sim(nc: Any, prefix: str, sim_messages: list[Any]) -> None:
         elif isinstance(msg, StepReport):
             await nc.publish(s.step(msg.job, msg.rank), encode_telemetry(msg))
         if n % 2000 == 0:
-            await nc.flush()  # bounded pending bytes, as a real fleet's many connections
-    await nc.flush()
+            await flush(nc)  # bounded pending bytes, as a real fleet's many connections
+    await flush(nc)
 
 
 async def test_thousands_of_ranks_grouped_with_the_outliers_first_and_a_heat_map_on_demand(

@@ -37,6 +37,7 @@ from trainguard.contract.schemas import (
 )
 from trainguard.contract.subjects import Subjects
 from trainguard.contract.targets import addressed
+from trainguard.core.connection import flush
 from trainguard.demo.cluster import Cluster
 
 pytestmark = pytest.mark.timeout(420)  # the cluster's start on a loaded machine, then the job
@@ -105,7 +106,7 @@ class InPlaceCluster(Cluster):
         await self.nc.subscribe(s.pattern("hb", job=self.job), cb=beat)
         await self.nc.subscribe(s.pattern("recovery", job=self.job), cb=recovery)
         await self.nc.subscribe(s.pattern("reg", job=self.job), cb=hello)
-        await self.nc.flush()
+        await flush(self.nc)
 
     async def drill(self, kind: str, rank: int | list[int], **params: Any) -> None:
         one = rank if isinstance(rank, int) else rank[0]

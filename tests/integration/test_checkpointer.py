@@ -34,6 +34,7 @@ from trainguard.contract.schemas import (
     ResumePoint,
 )
 from trainguard.contract.subjects import Subjects
+from trainguard.core.connection import flush
 from trainguard.runtime.bus import Bus
 from trainguard.runtime.config import load_settings
 from trainguard.runtime.topology import provision, stream_name, streams
@@ -146,7 +147,7 @@ async def coordinator(nats_url: str, redis_url: str, prefix: str, job: str,
 
     await nc.subscribe(s.event(job, "checkpoint"), cb=on_event)
     await nc.subscribe(s.dead(job), cb=on_dead)
-    await nc.flush()
+    await flush(nc)
     try:
         async with running(CheckpointerService(
                 coordinator_settings(nats_url, redis_url, prefix, **extra))):

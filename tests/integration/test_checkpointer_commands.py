@@ -27,6 +27,7 @@ from trainguard.cli import checkpoints as cli
 from trainguard.contract.codec import decode_durable
 from trainguard.contract.schemas import Command, Incident
 from trainguard.core.auth import load_credentials, write_private
+from trainguard.core.connection import flush
 from trainguard.core.natsjwt import Permissions
 from trainguard.runtime.embedded import EmbeddedControlPlane
 from trainguard.runtime.state import Keys, Progress, encode_progress
@@ -116,7 +117,7 @@ async def commands(c: Coordinator, job: str) -> list[Command]:
         seen.append(decode_durable(msg.data, Command))
 
     await c.bus.nc.subscribe(c.s.cmd_all(job), cb=on_cmd)
-    await c.bus.nc.flush()
+    await flush(c.bus.nc)
     return seen
 
 

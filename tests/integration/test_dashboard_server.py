@@ -22,6 +22,7 @@ from trainguard.contract.codec import encode_telemetry
 from trainguard.contract.schemas import Heartbeat, StepReport
 from trainguard.contract.subjects import Subjects
 from trainguard.core.auth import access_from
+from trainguard.core.connection import flush
 from trainguard.runtime.embedded import free_port
 
 
@@ -55,7 +56,7 @@ async def publish_rank(nc: Any, prefix: str, job: str, rank: int) -> None:
         phase_elapsed=0.1)))
     await nc.publish(s.step(job, rank), encode_telemetry(StepReport(
         job=job, rank=rank, step=3, time=now, duration=0.2, phases={"compute": 0.15})))
-    await nc.flush()
+    await flush(nc)
 
 
 async def ranks_shown(base: str, job: str) -> list[int] | None:

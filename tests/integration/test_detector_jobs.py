@@ -19,6 +19,7 @@ from tests.integration.test_detector_service import (
 )
 from tests.integration.test_detector_sharding import _registered, split_jobs
 from trainguard.contract.subjects import Subjects
+from trainguard.core.connection import flush
 from trainguard.runtime.bus import Bus
 from trainguard.services.detector.service import DetectorService
 
@@ -47,7 +48,7 @@ async def test_a_crash_storm_in_one_job_does_not_hold_up_another_jobs_crash(
                     times[job].append(time.monotonic())
 
         await nc.subscribe(subjects.pattern("event", tail="anomaly"), cb=on_anomaly)
-        await nc.flush()
+        await flush(nc)
         await asyncio.gather(*(bus.publish_durable(subjects.exit(storm, f"host-{r // 2}"),
                                                    worker_exit(storm, r, f"s{r}", exit_code=1))
                                for r in range(STORM)))

@@ -21,6 +21,7 @@ from tests.integration.recorder import running
 from trainguard.contract.codec import decode_durable
 from trainguard.contract.schemas import Anomaly, Heartbeat, RankHello, StepReport, WorkerExit
 from trainguard.contract.subjects import Subjects
+from trainguard.core.connection import flush
 from trainguard.runtime.bus import Bus
 from trainguard.runtime.config import load_settings
 from trainguard.runtime.embedded import NatsServer
@@ -129,7 +130,7 @@ async def anomalies(nc: Any, subjects: Subjects, job: str = "*") -> list[Anomaly
         seen.append(decode_durable(msg.data, Anomaly))
 
     await nc.subscribe(subjects.pattern("event", job=job, tail="anomaly"), cb=cb)
-    await nc.flush()
+    await flush(nc)
     return seen
 
 

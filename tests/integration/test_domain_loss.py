@@ -35,6 +35,7 @@ from trainguard.contract.schemas import (
     WorkerExit,
 )
 from trainguard.contract.subjects import Subjects
+from trainguard.core.connection import flush
 from trainguard.runtime.bus import Bus
 from trainguard.runtime.config import load_settings
 from trainguard.runtime.state import Keys
@@ -159,7 +160,7 @@ async def events(nc: Any, prefix: str, job: str, kind: str, cls: Any) -> list[An
         got.append(decode_durable(msg.data, cls))
 
     await nc.subscribe(Subjects(prefix).event(job, kind), cb=cb)
-    await nc.flush()
+    await flush(nc)
     return got
 
 

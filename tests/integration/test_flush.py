@@ -68,3 +68,27 @@ async def test_nats_pys_own_flush_timeout_stops_receiving(private_nats: NatsServ
     """The reason :func:`flush` exists: if this ever passes no more, nats-py fixed it."""
     assert not await received_after_a_flush_timeout(private_nats,
                                                      lambda nc: nc.flush(timeout=0.3))
+
+
+async def test_a_subscription_is_in_place_once_flush_returns(private_nats: NatsServer) -> None:
+    """nats-py writes a flush's PING ahead of a SUB still queued for its flusher task, so its
+    PONG can come back before the server has the subscription (seen on a busy machine: a
+    message published from another connection right after was never delivered)."""
+    listener = await nats.connect(private_nats.url)
+    talker = await nats.connect(private_nats.url)
+    got: list[str] = []
+
+    async def on(msg: Any) -> None:
+        got.append(msg.subject)
+
+    try:
+        for i in range(200):
+            await listener.subscribe(f"s.{i}", cb=on)
+            await flush(listener)
+            await talker.publish(f"s.{i}", b"x")
+        await flush(talker)
+        await wait_until(lambda: len(got) == 200, what="every message", timeout=10)
+        assert sorted(got) == sorted(f"s.{i}" for i in range(200))
+    finally:
+        await listener.close()
+        await talker.close()

@@ -41,6 +41,7 @@ from trainguard.contract.rpc import (
 from trainguard.contract.schemas import NodeHello
 from trainguard.contract.subjects import Subjects, stream_name
 from trainguard.core.auth import access_from, write_private
+from trainguard.core.connection import flush
 from trainguard.core.identities import (
     Minter,
     Trust,
@@ -112,7 +113,7 @@ async def received(nc: Any, subject: str) -> list[str]:
         seen.append(msg.subject)
 
     await nc.subscribe(subject, cb=cb)
-    await nc.flush()
+    await flush(nc)
     return seen
 
 
@@ -137,12 +138,12 @@ async def test_a_rank_publishes_its_own_subjects_only(
         for subject in (S.step("j", 2), S.hb("k", 1), S.snap("j", 2), S.step("j", 1),
                         S.snap("j", 1)):
             await rank.nc.publish(subject, b"x")
-        await rank.nc.flush()
+        await flush(rank.nc)
         await wait_until(lambda: len(seen) == 2, what="the rank's own step and snapshot reports")
         await wait_until(lambda: rank.refused(S.step("j", 2)) and rank.refused(S.hb("k", 1))
                          and rank.refused(S.snap("j", 2)),
                          what="the server to refuse the foreign subjects")
-        await svc.nc.flush()
+        await flush(svc.nc)
         assert seen == [S.step("j", 1), S.snap("j", 1)]
 
 
@@ -155,7 +156,7 @@ async def test_a_rank_cannot_hear_another_ranks_commands_or_pull_an_agents_consu
         durable = agent_durable("j", "h1")
         pull = f"$JS.API.CONSUMER.MSG.NEXT.{stream_name(PREFIX, 'cmds')}.{durable}"
         await rank.nc.publish(pull, b"{}")
-        await rank.nc.flush()
+        await flush(rank.nc)
         await wait_until(lambda: rank.refused(S.cmd_rank("j", 2)) and rank.refused(pull),
                          what="both refusals")
         assert not rank.refused(S.cmd_rank("j", 1))
@@ -283,7 +284,7 @@ async def test_credentials_cli_mints_a_deployment_the_server_enforces(
             seen = await received(svc.nc, "tg.>")
             await rank.nc.publish(S.hb("j", 1), b"x")
             await rank.nc.publish(S.hb("j", 0), b"x")
-            await rank.nc.flush()
+            await flush(rank.nc)
             await wait_until(lambda: seen and rank.refused(S.hb("j", 1)),
                              what="rank 0's beat through, rank 1's refused")
             assert seen == [S.hb("j", 0)]
@@ -415,7 +416,7 @@ async def test_an_agent_obtains_and_renews_its_ranks_credentials_from_the_issuer
             seen = await received(svc.nc, "tg.>")
             await rank.nc.publish(S.step("j", 0), b"x")
             await rank.nc.publish(S.step("j", 1), b"x")
-            await rank.nc.flush()
+            await flush(rank.nc)
             await wait_until(lambda: seen and rank.refused(S.step("j", 0)), timeout=30,
                              what="rank 1's own report through, rank 0's refused")
             assert seen == [S.step("j", 1)]

@@ -28,6 +28,7 @@ from trainguard.contract.envelope import normalize_headers
 from trainguard.contract.schemas import Command, CommandAck, RankHello, RecoveryReport
 from trainguard.contract.subjects import Subjects
 from trainguard.contract.targets import addressed
+from trainguard.core.connection import flush
 from trainguard.recovery import groupstore
 from trainguard.runtime.bus import Bus
 from trainguard.runtime.topology import streams
@@ -80,7 +81,7 @@ async def recoveries(url: str, prefix: str, job: str
                 got.setdefault(report.id, report)
 
         await bus.nc.subscribe(subjects.pattern("recovery", job=job), cb=on_msg)
-        await bus.nc.flush()
+        await flush(bus.nc)
         yield got, tap, bus
 
 

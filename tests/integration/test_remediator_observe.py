@@ -16,6 +16,7 @@ from trainguard.cli import main
 from trainguard.contract.codec import decode_durable
 from trainguard.contract.schemas import Action, Command, Incident
 from trainguard.contract.subjects import Subjects
+from trainguard.core.connection import flush
 from trainguard.runtime.bus import Bus
 from trainguard.runtime.state import Keys
 
@@ -52,7 +53,7 @@ async def test_an_observed_job_is_paged_would_have_and_commanded_nothing_until_i
         first = await wait_until(lambda: next((i for i in seen if i.mitigated_at), None),
                                  what="the plan recorded")
         # Acting, the isolate and the restart went out before this revision was saved.
-        await nc.flush()
+        await flush(nc)
         assert commands == [] and agents.commands == []
         assert [(a.action, a.status) for a in first.actions] == [("isolate", "observed"),
                                                                   ("restart", "observed")]

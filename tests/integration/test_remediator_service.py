@@ -35,6 +35,7 @@ from trainguard.contract.schemas import (
     WorkerExit,
 )
 from trainguard.contract.subjects import Subjects
+from trainguard.core.connection import flush
 from trainguard.runtime.bus import Bus
 from trainguard.runtime.config import load_settings
 from trainguard.runtime.embedded import free_port
@@ -81,7 +82,7 @@ class Agents:
 
             await self.nc.subscribe(self.s.cmd_all(self.job), cb=cb)
             await self.nc.subscribe(self.s.cmd_host(self.job, host), cb=cb)
-        await self.nc.flush()
+        await flush(self.nc)
 
     def executed(self, kind: str) -> set[str]:
         """Ids of the ``kind`` commands the nodes actually ran (a broadcast counts once)."""

@@ -23,6 +23,7 @@ from trainguard.contract.codec import encode_durable
 from trainguard.contract.subjects import Subjects
 from trainguard.contract.targets import addressed
 from trainguard.core.auth import Role, load_credentials
+from trainguard.core.connection import flush
 from trainguard.runtime.embedded import EmbeddedControlPlane
 
 S = Subjects()
@@ -89,13 +90,13 @@ async def test_a_forged_command_never_reaches_a_receiver(connect: Any, job: str)
         got.append(msg.subject)
 
     await agent.nc.subscribe(S.cmd_all(job), cb=on_cmd)
-    await agent.nc.flush()
+    await flush(agent.nc)
     for forger in ("rank", "oncall", "agent", "detector", "diagnoser"):
         client = await connect(forger)
         subject, cmd = addressed(S, job, "restart", issuer="remediator", everyone=True,
                                  epoch=2**53)
         await client.nc.publish(subject, encode_durable(cmd))
-        await client.nc.flush()
+        await flush(client.nc)
         await wait_until(lambda c=client: any("permissions violation" in e.lower()
                                               for e in c.errors),
                          what=f"the server refusing {forger}'s command")
@@ -112,7 +113,7 @@ async def test_no_client_but_the_coordinator_answers_or_rolls_back(connect: Any,
     client = await connect(forger)
     # A fake coordinator: subscribing to the endpoints is refused.
     await client.nc.subscribe(S.rpc_resume(job))
-    await client.nc.flush()
+    await flush(client.nc)
     await wait_until(lambda: any("subscription" in e.lower() for e in client.errors),
                      what="the server refusing the fake coordinator")
     # Rolling back the resume pointer is not theirs to ask for.
@@ -279,7 +280,7 @@ async def test_an_agent_publishes_its_preflight_record_and_no_other_event(
         got.append(msg.subject)
 
     await reader.nc.subscribe(f"{S.prefix}.{job}.event.>", cb=on_event)
-    await reader.nc.flush()
+    await flush(reader.nc)
     for kind in ("incident", "action"):
         await agent.nc.publish(S.event(job, kind), b"{}")
 
@@ -287,7 +288,7 @@ async def test_an_agent_publishes_its_preflight_record_and_no_other_event(
         # Sent until heard: nats-server 2.15 now and then does not deliver a core message
         # published just after a new subscription (about 1 in 20 here, auth or not).
         await agent.nc.publish(S.event(job, "preflight"), b"{}")
-        await agent.nc.flush()
+        await flush(agent.nc)
         return S.event(job, "preflight") in got
 
     await wait_until(preflight_heard, interval=0.2,

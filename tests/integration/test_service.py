@@ -22,6 +22,7 @@ from trainguard.contract.envelope import normalize_headers
 from trainguard.contract.errors import MessageTooLarge, NotStarted
 from trainguard.contract.schemas import Anomaly, CommandAck, DeadLetter, Diagnosis
 from trainguard.contract.subjects import Subjects
+from trainguard.core.connection import flush
 from trainguard.runtime.bus import Bus
 from trainguard.runtime.embedded import NatsServer, RedisServer
 from trainguard.runtime.service import Delivery, Runtime
@@ -39,7 +40,7 @@ async def collect_dead(nc: Any, prefix: str, job: str) -> list[DeadLetter]:
         letters.append(decode_durable(msg.data, DeadLetter))
 
     await nc.subscribe(Subjects(prefix).dead(job), cb=cb)
-    await nc.flush()
+    await flush(nc)
     return letters
 
 

@@ -28,6 +28,7 @@ from trainguard.contract import envnames
 from trainguard.contract.codec import decode_telemetry
 from trainguard.contract.subjects import Subjects
 from trainguard.core.auth import Role, ensure_credentials, nats_authorization, redis_acl_file
+from trainguard.core.connection import flush
 from trainguard.runtime.bus import BusUnavailable, connect_nats
 from trainguard.runtime.config import load_settings
 from trainguard.runtime.embedded import LOOPBACK, free_port
@@ -183,7 +184,7 @@ async def test_a_service_and_a_guard_work_over_tls(secure_plane: SecurePlane, jo
 
         try:
             await nc.subscribe(Subjects(prefix).pattern("hb", tail=">"), cb=on_beat)
-            await nc.flush()
+            await flush(nc)
             monkeypatch.setenv(envnames.CREDENTIALS, str(secure_plane.creds["rank"]))
             monkeypatch.setenv(envnames.NATS_TLS_CA, str(secure_plane.pki / "ca.pem"))
             guard = trainguard.Guard(job=job, rank=0, world_size=1, host="node-a",

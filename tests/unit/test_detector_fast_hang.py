@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from trainguard.contract.schemas import Attempt, RankHello
 from trainguard.services.detector.synthetic import Harness, SimConfig
 from trainguard.services.detector.thresholds import Thresholds
 
@@ -141,6 +142,29 @@ def test_a_rank_that_has_not_completed_a_step_as_this_process_gets_the_startup_g
     [hang] = h.opened("hang")
     assert hang.evidence.limit_basis == "startup_grace"
     assert hang.evidence.unclear == "rank 3 on its first step"
+
+
+@pytest.mark.parametrize("stepped_since", [False, True])
+def test_a_survivor_on_its_first_step_after_the_group_went_on_at_another_size_gets_the_grace(
+        stepped_since: bool) -> None:
+    """Its group grew back (its hello at the new size): that step runs on a new mesh, which
+    compiles anew like a new process's first step. Once it completed a step there, the
+    fast floor is back."""
+    h = short_job()
+    h.sim.steps(300)
+    cfg = h.sim.cfg
+    h.detector.on_hello(RankHello(job=cfg.job, rank=3, world_size=cfg.ranks, host="node-0",
+                                  attempt=Attempt(restart_count=h.sim.attempt), time=h.clock),
+                        h.clock)
+    if stepped_since:
+        h.sim.steps(5)
+    found = stall_until_hang(h, 3, "compute", most=Thresholds().startup_grace + 12.0)
+    [hang] = h.opened("hang")
+    if stepped_since:
+        assert found <= 1.5 and hang.evidence.limit_basis == "hang_floor"
+    else:
+        assert found >= Thresholds().startup_grace
+        assert hang.evidence.unclear == "rank 3 on its first step"
 
 
 def test_every_rank_waiting_alike_names_no_culprit_and_gets_the_unclear_floor() -> None:

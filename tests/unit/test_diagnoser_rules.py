@@ -178,6 +178,7 @@ def test_a_lost_peer_is_no_fault_of_its_own_hosts_gpu() -> None:
                                    ["node-b"]), NOW - 5).publish
     d.observe_exit(exit_of(2, "node-b", "", NOW - 4, by="isolate"))
     peer = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer"
+    d.observe_exit(exit_of(1, "node-a", peer, NOW - 0.1))  # its own exit, reported first
     (joined,) = d.on_anomaly(crash(1, "node-a", peer, "c1"), NOW).publish
     assert joined.id == lost.id and joined.cause == "gpu_lost", joined
     assert 1 in joined.ranks

@@ -146,6 +146,30 @@ def test_an_absorbed_step_is_abandoned_and_run_again(guard: Guard) -> None:
     assert checkpoints == [3, 7]  # step 7 is saved once it really completed
 
 
+def test_a_peer_lost_after_a_step_completed_abandons_no_step(guard: Guard) -> None:
+    """Lost in the command agreement at step 7's end: 7 completed here (its update is in
+    the parameters, and on the ranks that saw the loss inside step 8 too), so its per-step
+    work runs as everywhere else and the group resumes after it; only no save is tried on
+    the broken group."""
+    rec = Scripted(lambda e: isinstance(e, ConnectionError), resume=8)
+    guard.set_recovery(rec)
+    ran, completed, checkpoints = [], [], []
+    for step in guard.steps(0, 10):
+        ran.append(step)
+        with guard.step(step):
+            pass
+        if step == 7 and not rec.recovered:
+            assert guard.commands._absorbs(7, ConnectionError("peer gone"))  # as agree() does
+        if guard.abandoned == step:
+            continue
+        completed.append(step)
+        if guard.should_checkpoint(step):
+            checkpoints.append(step)
+    assert ran == list(range(10)) and completed == list(range(10))
+    assert [s for s, _ in rec.recovered] == [8]  # the first step the loss kept from running
+    assert checkpoints == [3]  # not 7: the group was re-forming
+
+
 def test_other_errors_go_through_and_a_range_loop_absorbs_nothing(guard: Guard) -> None:
     guard.set_recovery(Scripted(lambda e: isinstance(e, ConnectionError), resume=0))
     with pytest.raises(ValueError, match="bad batch"):

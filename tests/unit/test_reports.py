@@ -116,12 +116,38 @@ def test_values_on_the_device_wait_without_blocking_then_go_out_in_order() -> No
     reports.pending.append(Pending(report(1), {"loss": slow, "extra.lr": fast}))
     reports.pending.append(Pending(Fingerprint(job="j", time=0.0, rank=0, step=1, checksum=0),
                                    {"checksum": OnDevice(42.0, done=True)}))
+    reports.pending.append(Pending(Fingerprint(job="j", time=0.0, rank=0, step=0, checksum=0),
+                                   {"checksum": OnDevice(7.0, done=True)}))
     reports.poll(force=False)
-    assert steps == [] and [f.checksum for f in fps] == [42] and len(reports.pending) == 1
+    # Step 0's fingerprint goes; step 1's waits behind its report (it may say non-finite).
+    assert steps == [] and [f.checksum for f in fps] == [7] and len(reports.pending) == 2
     slow.done = True
     reports.poll(force=False)
     assert [(r.loss, r.extra) for r in steps] == [(4.0, {"lr": 0.5})]
-    assert reports.pending == []
+    assert [f.checksum for f in fps] == [7, 42] and reports.pending == []
+
+
+def test_a_step_that_went_non_finite_sends_no_fingerprint() -> None:
+    """Replicas that all went NaN hold NaNs of different bit patterns (one written, others
+    computed): their checksums disagree, though no rank's hardware did anything wrong."""
+    torch = pytest.importorskip("torch")
+    model = torch.nn.Linear(2, 2)
+    reports, steps, fps = make(fingerprint_every=1)
+    reports.model = lambda: model
+    reports.record(Finished(0, loss=1.0), 0.1)
+    reports.record(Finished(1, loss=1.0), 0.1, nan_loss=True)
+    reports.record(Finished(2, grad_norm=INF), 0.1)
+    reports.record(Finished(3, loss=1.0), 0.1)
+    # On the device: the report and the fingerprint wait, and go out in order.
+    loss = OnDevice(math.nan)
+    reports.pending.append(Pending(report(4), {"loss": loss}))
+    reports.pending.append(Pending(Fingerprint(job="j", time=0.0, rank=0, step=4, checksum=0),
+                                   {"checksum": OnDevice(1.0, done=True)}))
+    reports.poll(force=False)
+    loss.done = True
+    reports.poll(force=False)
+    assert [s.nonfinite for s in steps] == [0, 1, 1, 0, 1]
+    assert [f.step for f in fps] == [0, 3]
 
 
 def test_close_reads_everything_and_a_device_far_behind_keeps_only_the_newest() -> None:

@@ -303,9 +303,21 @@ class Guard:
 
     @property
     def abandoned(self) -> int | None:
-        """The step a lost peer abandoned, until the loop recovers (None otherwise): code
-        after ``with guard.step(n)`` skips its per-step work when it is ``n``."""
-        return self._loop.abandoned if self._loop is not None else None
+        """The step a lost peer kept from completing, until the loop recovers (None
+        otherwise): code after ``with guard.step(n)`` skips its per-step work when it is
+        ``n`` (the step runs again). A peer lost after ``n`` completed (in the command
+        agreement at its end) abandons no step: ``n``'s work runs as on every other rank,
+        and the group resumes after it."""
+        loop = self._loop
+        if loop is None or loop.abandoned is None or loop.failed_step != loop.abandoned:
+            return None
+        return loop.abandoned
+
+    @property
+    def regrouping(self) -> bool:
+        """A lost peer was absorbed and the loop re-forms the group at its next iteration:
+        until then the group runs no collective (a save would meet a dead peer)."""
+        return self._loop is not None and self._loop.abandoned is not None
 
     @property
     def nonfinite_at(self) -> int | None:
@@ -366,7 +378,7 @@ class Guard:
         """True after every ``every_steps``-th step since ``from_step``: integer arithmetic,
         identical on every rank once they run the same ``set_interval``."""
         every, from_step = self._interval
-        if self.abandoned == step:
+        if self.regrouping:
             return False
         return every > 0 and step >= from_step and (step - from_step + 1) % every == 0
 

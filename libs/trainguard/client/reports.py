@@ -165,6 +165,8 @@ class Reports:
         self.nonfinite_at: int | None = None
         """The first step this rank reported a non-finite loss or gradient norm, since its
         state was last restored (:meth:`Guard.rewind` clears it)."""
+        self.last_finished: tuple[int, bool] = (-1, False)
+        """The step of the newest report finished, and whether it went non-finite."""
         self._replicas: tuple[int, tuple[str, int] | None] | None = None
         """(id of the last fingerprinted model, its replica group and size, or None where no
         other rank holds this rank's state)."""
@@ -207,11 +209,16 @@ class Reports:
     def poll(self, *, force: bool) -> None:
         """Send what the device has finished (everything, read now, with ``force``)."""
         still: list[Pending] = []
+        waiting: set[int] = set()
+        """Steps whose report is still on the device: their fingerprints wait behind it."""
         for p in self.pending:
-            if not (force or all(d.ready() for d in p.deferred.values())):
+            msg = p.message
+            if not (force or all(d.ready() for d in p.deferred.values())) \
+                    or (isinstance(msg, Fingerprint) and msg.step in waiting):
+                if isinstance(msg, StepReport):
+                    waiting.add(msg.step)
                 still.append(p)
                 continue
-            msg = p.message
             for name, d in p.deferred.items():
                 value = d.value()
                 if isinstance(msg, Fingerprint):
@@ -223,7 +230,7 @@ class Reports:
             if isinstance(msg, StepReport):
                 self._finish(msg)
             else:
-                self.publish_fingerprint(msg)
+                self._send_fingerprint(msg)
         self.pending = still[-PENDING_LIMIT:]
 
     def flush(self) -> None:
@@ -240,6 +247,7 @@ class Reports:
             report.nonfinite = bad
             if self.nonfinite_at is None:
                 self.nonfinite_at = report.step
+        self.last_finished = (report.step, bool(bad))
         norm = report.grad_norm
         if norm is not None:
             if not math.isfinite(norm):
@@ -324,14 +332,23 @@ class Reports:
         value = fingerprint(model)
         fp = Fingerprint(job=self.job, time=time.time(), seq=self.seq, rank=self.rank, step=n,
                          checksum=0, attempt=self.attempt, group=group, group_size=size)
-        if is_tensor(value):
-            if value.device.type == "cpu":
-                fp.checksum = int(value.item())
-                self.publish_fingerprint(fp)
-            else:
-                from trainguard.torch.values import defer_tensor
+        if is_tensor(value) and value.device.type != "cpu":
+            from trainguard.torch.values import defer_tensor
 
-                self.pending.append(Pending(fp, {"checksum": defer_tensor(value)}))
+            self.pending.append(Pending(fp, {"checksum": defer_tensor(value)}))
+            return
+        fp.checksum = int(value.item() if is_tensor(value) else value)
+        if self.pending:  # its step's report still waits on the device: it goes first
+            self.pending.append(Pending(fp, {}))
         else:
-            fp.checksum = int(value)
-            self.publish_fingerprint(fp)
+            self._send_fingerprint(fp)
+
+    def _send_fingerprint(self, fp: Fingerprint) -> None:
+        """Publish ``fp`` unless its step went non-finite here: NaN bit patterns differ from
+        rank to rank (a NaN written is not the NaN an operation makes), so replicas that all
+        went NaN would disagree, and the non-finite report is the evidence already. A step
+        report goes out before its step's fingerprint (both queue in order), so this knows."""
+        if self.last_finished == (fp.step, True):
+            log.debug("no fingerprint for step %d: it went non-finite", fp.step)
+            return
+        self.publish_fingerprint(fp)

@@ -45,11 +45,26 @@ async def flush(nc: Any, timeout: float = DEFAULT_FLUSH_S) -> None:
     cancelled) nats-py cancels the PONG's future, the PONG that comes later fails
     ``set_result`` inside the read loop, and the loop ends for good while the client still
     says it is connected: it never receives again. Here the PING waits without a bound in
-    a task that outlives our wait, so its PONG always finds a live future."""
+    a task that outlives our wait, so its PONG always finds a live future.
+
+    nats-py writes its PING straight to the socket, ahead of commands still queued for its
+    flusher task (a SUB just made, say): on a busy machine the PONG can come back before
+    the server has them. So a PING counts only when nothing was queued as it went out;
+    if something was, the PING has set the flusher going, and one more round covers it."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        queued = nc.pending_data_size
+        await _ping(nc, deadline - loop.time(), timeout)
+        if not queued:
+            return
+
+
+async def _ping(nc: Any, left: float, timeout: float) -> None:
     ping = asyncio.ensure_future(nc.flush(timeout=NEVER))
     _flushes.add(ping)
     ping.add_done_callback(_forget)
-    done, _ = await asyncio.wait({ping}, timeout=timeout)
+    done, _ = await asyncio.wait({ping}, timeout=max(left, 0.0))
     if ping not in done:
         raise TimeoutError(f"the NATS server did not answer a flush within {timeout:g} s")
     ping.result()

@@ -24,6 +24,7 @@ from typing import Any
 import nats.errors
 
 from trainguard.contract.subjects import Subjects
+from trainguard.core.connection import flush
 
 
 class Presence:
@@ -47,7 +48,7 @@ class Presence:
 
         self._served[name] = await self.nc.subscribe(self.subjects.presence(self.role, name),
                                                      cb=heard)
-        await self.nc.flush()
+        await flush(self.nc)
 
     async def absent(self, name: str) -> bool:
         """Ask whether ``name`` is connected; True once the server has said 'no responders'

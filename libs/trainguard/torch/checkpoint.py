@@ -380,8 +380,8 @@ class Checkpointer:
         self._model, self._optimizer = model, optimizer
         if step == self._last_step:
             return
-        if step == self.guard.abandoned:
-            log.info("step %d was abandoned (a peer was lost): not saved", step)
+        if self.guard.regrouping:
+            log.info("step %d not saved: a peer was lost and the group re-forms", step)
             return
         self.wait()
         self._last_step = step

@@ -141,6 +141,9 @@ class Detector:
         if r.exited:
             job.revive(r, hello.time or now)  # a new process under the same attempt
         r.local_rank = hello.local_rank
+        # A live process says hello again when its group goes on at another size: its next
+        # step runs on a new mesh (compiled anew), like a new process's first step.
+        r.formed_at = max(r.formed_at, hello.time or now)
         if job.current(r):
             job.set_world(hello.world_size, hello.time or now)
         # A rank's new process resumed from a checkpoint (or started afresh): the loss and

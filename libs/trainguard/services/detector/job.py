@@ -46,10 +46,10 @@ CLOSED_PHASES = frozenset({"closed", "exited", "done"})
 class RankInfo:
     """What the detector knows about one rank of the job."""
 
-    __slots__ = ("attempt", "coll_done", "coll_seq", "compute_recent", "exited", "hb_step",
-                 "heard", "host", "last_hb", "last_step", "local_rank", "phase",
+    __slots__ = ("attempt", "coll_done", "coll_seq", "compute_recent", "exited", "formed_at",
+                 "hb_step", "heard", "host", "last_hb", "last_step", "local_rank", "phase",
                  "phase_start", "pid", "proc_since", "proc_state", "quiet_since", "rank",
-                 "straggle", "straggle_since", "straggling")
+                 "stepped_at", "straggle", "straggle_since", "straggling")
 
     def __init__(self, rank: int, attempt: int, t: float, host: str, window: int) -> None:
         self.rank = rank
@@ -77,10 +77,20 @@ class RankInfo:
         self.coll_seq = 0
         self.coll_done = 0
         self.last_step: int | None = None
+        self.formed_at = t
+        """When the group last formed around this process (its start, or its hello at a
+        new size): the first step after it may compile anew (a new mesh)."""
+        self.stepped_at: float | None = None
+        """When it last completed a step (the report's time)."""
         self.exited = False
         self.straggle.clear()
         self.straggle_since: float | None = None
         self.compute_recent.clear()
+
+    @property
+    def warming_up(self) -> bool:
+        """No step completed since the group formed around this process."""
+        return self.stepped_at is None or self.stepped_at <= self.formed_at
 
 
 class StepBucket:
@@ -483,6 +493,8 @@ class JobState:
                 self.rolled_back(t)
         if r.last_step is None or step > r.last_step:
             r.last_step = step
+        if r.stepped_at is None or t > r.stepped_at:
+            r.stepped_at = t
         if self.max_step is None or step > self.max_step:
             if self.max_step is not None:
                 self.steps_seen += 1

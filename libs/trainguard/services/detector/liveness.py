@@ -226,8 +226,9 @@ class Liveness:
             return HangLimit(th.startup_grace, "startup_grace", th.startup_grace, "")
         why = self.unclear(job, census, culprits)
         if self.first_step(job, culprits) is not None:
-            # A process's first step (a replacement or a host taken back warming up, its
-            # first step compiling) may take as long as a job's: the same grace.
+            # A process's first step (a replacement or a host taken back warming up, a
+            # survivor's first on the new mesh of a grown or shrunk group, compiling) may
+            # take as long as a job's: the same grace.
             return HangLimit(th.startup_grace, "startup_grace", th.startup_grace, why)
         floor, basis = ((max(th.unclear_hang_floor, th.hang_floor), "unclear_hang_floor")
                         if why else (th.hang_floor, "hang_floor"))
@@ -281,8 +282,9 @@ class Liveness:
 
     @staticmethod
     def first_step(job: JobState, culprits: list[int]) -> int | None:
-        """A rank holding the job up that has not completed a step as this process."""
-        return next((i for i in culprits if i in job.ranks and job.ranks[i].last_step is None),
+        """A rank holding the job up that has not completed a step as this process, or
+        since its group went on at another size (:attr:`RankInfo.warming_up`)."""
+        return next((i for i in culprits if i in job.ranks and job.ranks[i].warming_up),
                     None)
 
     @staticmethod

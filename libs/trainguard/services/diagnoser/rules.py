@@ -607,13 +607,14 @@ class Diagnoser:
         return found
 
     def _root_exit(self, job: str, now: float) -> WorkerExit | None:
-        """The first exit no command initiated, within the window."""
-        recent = [e for e in self.exits.get(job, ()) if not e.initiated_by
-                  and e.exit_code not in (0, None) and now - e.time <= self.window]
-        non_peer = [e for e in recent
-                    if not PEER_ERROR.search(f"{e.error}\n{e.stderr_tail}")]
-        pool = non_peer or recent
-        return min(pool, key=lambda e: e.time) if pool else None
+        """The first exit within the window that no command initiated and whose own words
+        are not a lost peer's: an exit that only says a peer went away (a collective timed
+        out, a connection closed) is no root, though it came first (the crash itself, its
+        exit reported before it, or a rank that noticed the loss sooner)."""
+        roots = [e for e in self.exits.get(job, ()) if not e.initiated_by
+                 and e.exit_code not in (0, None) and now - e.time <= self.window
+                 and not PEER_ERROR.search(f"{e.error}\n{e.stderr_tail}")]
+        return min(roots, key=lambda e: e.time) if roots else None
 
 
 def _hosts_of(a: Anomaly, ev: HangEvidence, ranks: list[int]) -> list[str]:
