@@ -56,8 +56,8 @@ class InPlaceCluster(Cluster):
 
     def __init__(self, workdir: Path, job: str, trainer: list[str],
                  hosts: tuple[str, ...] = ("node-a", "node-b"), nproc: int = 2,
-                 steps: int = STEPS) -> None:
-        super().__init__(workdir, job, steps=steps, step_time=0.05, ckpt_every=10,
+                 steps: int = STEPS, ckpt_every: int = 10) -> None:
+        super().__init__(workdir, job, steps=steps, step_time=0.05, ckpt_every=ckpt_every,
                          model="tiny", hosts=hosts, nproc=nproc)
         self.trainer = trainer
         self.final = workdir / "final.pt"
@@ -183,7 +183,8 @@ async def cluster(tmp_path: Path, job: str, request: pytest.FixtureRequest
     c = InPlaceCluster(tmp_path, job, [*(OFTEN_SYNC if "nan" in name or back else RARE_SYNC),
                                        *(["--ddp"] if "ddp" in name else [])],
                        *((("node-a", "node-b", "node-c"), 1) if three else ()),
-                       **({"steps": 100_000} if back else {}))
+                       **({"steps": 100_000} if back else {}),
+                       **({"ckpt_every": 100_000} if "before_the_first" in name else {}))
     async with running(c):
         yield c
 
@@ -284,6 +285,31 @@ async def test_a_nan_rolls_back_in_place_with_no_process_restarted(
     # interval back.
     assert inc.recovery.tier == "memory", inc.recovery
     assert inc.failure_step is not None and inc.recovery.resumed_step == inc.failure_step
+    await c.finished()
+    survivors_kept(c, set())
+
+
+async def test_a_nan_before_the_first_checkpoint_rolls_back_to_memory_in_place(
+        cluster: InPlaceCluster) -> None:
+    """Nothing on disk yet (no checkpoint in this run's first 150 steps): the coordinator
+    has nothing to point at, the ranks' memory snapshots are all there is to go back to,
+    and the reload takes them alone, where the rollback used to fail and escalate."""
+    c = cluster
+    await wait_until(lambda: all((v := c.observer.ranks.get(r)) is not None
+                                 and (v.step or -1) >= 30 for r in range(4)),
+                     timeout=120, interval=0.5, what="30 steps on every rank")
+    await c.drill("nan", 0)
+    await wait_until(lambda: c.incident(lambda i: i.status in ("resolved", "escalated"))
+                     is not None, timeout=150, interval=0.5, what="the NaN's incident over")
+    inc = c.incident(lambda i: i.status in ("resolved", "escalated"))
+    assert inc is not None and (inc.status, inc.cause) == ("resolved", "numeric"), c.story()
+    assert [(a.action, a.status) for a in inc.actions] == [("rollback", "done"),
+                                                          ("restart", "skipped")], inc.actions
+    assert "reload in place from memory" in inc.actions[0].detail
+    assert inc.recovery is not None and (inc.recovery.path, inc.recovery.tier) == (
+        "in_place", "memory"), inc.recovery
+    assert not any(k.status == "committed" for k in c.observer.checkpoints
+                   if inc.failure_step is None or k.step < inc.failure_step)
     await c.finished()
     survivors_kept(c, set())
 

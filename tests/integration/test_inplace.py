@@ -25,6 +25,7 @@ from tests.tap import Tap, tapped
 from trainguard.contract import envnames
 from trainguard.contract.codec import decode_any_durable
 from trainguard.contract.envelope import normalize_headers
+from trainguard.contract.rpc import MEMORY_ONLY
 from trainguard.contract.schemas import Command, CommandAck, RankHello, RecoveryReport
 from trainguard.contract.subjects import Subjects
 from trainguard.contract.targets import addressed
@@ -262,6 +263,24 @@ async def test_a_rollback_below_a_nan_restores_the_memory_snapshot_before_it(
         "rollback", "in_place", "memory", 6), report
     assert "the snapshot of step 19" in report.reason
     assert all("from memory" in a.detail for a in acks)
+    assert same_params(run.final_params(), baseline) == []
+
+
+async def test_a_rollback_with_nothing_on_disk_restores_the_memory_snapshot_alone(
+        baseline: dict[str, Any], tmp_path: Path, nats_url: str, prefix: str,
+        job: str) -> None:
+    """A NaN before the first checkpoint: the coordinator has nothing on disk to point at,
+    so the reload names no disk step (``MEMORY_ONLY``) and every rank restores its memory
+    snapshot of step 19 alone."""
+    ckpt = tmp_path / "ckpt"
+    args = [*ARGS, "--ckpt-root", str(ckpt), "--ckpt-every", "1000", "--sync-every", "5",
+            "--nan-at", "1:20", "--memory-snapshots", "1"]
+    run, report, acks = await reloaded_at_25(tmp_path, nats_url, prefix, job, args, {
+        "step": MEMORY_ONLY, "path": "", "below": 20})
+    assert (report.kind, report.tier, report.resumed_step, report.steps_lost) == (
+        "rollback", "memory", 20, 6), report
+    assert all("from memory" in a.detail for a in acks)
+    assert not list(ckpt.glob(f"{job}/step-*"))  # nothing was ever on disk
     assert same_params(run.final_params(), baseline) == []
 
 

@@ -25,6 +25,7 @@ from tests.integration.test_service import collect_dead
 from trainguard import Guard
 from trainguard.cli import checkpoints as cli
 from trainguard.contract.codec import decode_telemetry, encode_telemetry
+from trainguard.contract.rpc import ROLLBACK, RollbackRequest, call
 from trainguard.contract.schemas import SnapshotReport
 from trainguard.contract.subjects import Subjects
 from trainguard.runtime.topology import provision, streams
@@ -117,6 +118,16 @@ async def test_the_ranks_memory_snapshots_show_beside_the_checkpoints(
         assert age is not None and 0 <= age < 60
         copy = series("trainguard_memory_snapshot_copy_seconds")
         assert copy == pytest.approx(memory["copy_seconds"])
+
+        # Nothing on disk yet: a rollback below step 3 goes back to the ranks' memory (to
+        # step 2 at the newest); below step 0 there is nothing to go back to at all.
+        subjects = Subjects(prefix)
+        back = await call(nc, subjects, job, ROLLBACK, RollbackRequest(below_step=3), 10)
+        assert (back.ok, back.step, back.memory_step) == (False, None, 2), back
+        assert "reload in place from memory" in back.reason
+        none = await call(nc, subjects, job, ROLLBACK, RollbackRequest(below_step=0), 10)
+        assert (none.step, none.memory_step) == (None, None)
+        assert "starts from scratch" in none.reason
 
         # A report that speaks for another rank than its subject is dead-lettered unread.
         dead = await collect_dead(nc, prefix, job)

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from trainguard.contract.rpc import RollbackReply
+from trainguard.contract.rpc import MEMORY_ONLY, RollbackReply
 from trainguard.contract.schemas import (
     AckOutcome,
     CommandAck,
@@ -283,6 +283,8 @@ RELOAD_POINTS = [
     ("done", RollbackReply(ok=True, job="j", step=60), (60, "")),
     ("failed", RollbackReply(ok=False, job="j", reason="nothing below"), None),
     ("failed", None, None),
+    # Nothing on disk yet, but every rank's memory goes back far enough.
+    ("done", RollbackReply(ok=False, job="j", memory_step=7), (MEMORY_ONLY, "")),
 ]
 
 

@@ -231,6 +231,8 @@ ROLLBACKS = [
     (RollbackReply(ok=False, job="j", reason="nothing below step 10"), "", "failed",
      "nothing below step 10"),
     (RollbackReply(ok=False, job="j"), "", "failed", "no checkpoint"),
+    (RollbackReply(ok=False, job="j", memory_step=7, reason="memory only"), "", "done",
+     "memory only"),
     (None, "", "failed", "the coordinator has no checkpoint"),
     (None, "no answer from the checkpoint coordinator (TimeoutError())", "failed",
      "no answer from the checkpoint coordinator (TimeoutError())"),

@@ -13,7 +13,7 @@ other endpoints answer with their reply Struct; an empty request means all defau
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Generic, Literal, Protocol, TypeVar
+from typing import Any, Final, Generic, Literal, Protocol, TypeVar
 
 import msgspec
 
@@ -74,6 +74,15 @@ class RollbackReply(msgspec.Struct, kw_only=True):
     suspect_steps: list[int] = []
     """Checkpoints at or above ``below_step`` that the rollback marked suspect."""
     reason: str = ""
+    memory_step: int | None = None
+    """No checkpoint on disk below ``below_step`` (``step`` None; a failure before the
+    first save, say), but every rank holds a memory snapshot below it, the newest at most
+    this step: a ``reload`` in place from memory only (its ``step`` :data:`MEMORY_ONLY`)."""
+
+
+MEMORY_ONLY: Final = -1
+"""A ``reload``'s ``step`` when no checkpoint on disk backs it: the ranks restore the newest
+memory snapshot below its ``below`` that every rank holds, or fail (nothing to go back to)."""
 
 
 class CatalogueRequest(msgspec.Struct, kw_only=True):

@@ -52,6 +52,7 @@ from trainguard.contract.envelope import uuid7
 from trainguard.contract.envnames import flag
 from trainguard.contract.errors import ConfigError, TrainguardError
 from trainguard.contract.increment import INCREMENT_FILE, Increment, encode_increment
+from trainguard.contract.rpc import MEMORY_ONLY
 from trainguard.contract.runrecord import DATA_POLICIES, DatasetManifest, RunRecord
 from trainguard.contract.schemas import (
     CheckpointReport,
@@ -900,10 +901,14 @@ class Checkpointer:
 
     def _on_reload(self, cmd: Command) -> str:
         """``reload``: roll back in place to committed checkpoint ``params.step`` (at the same
-        step on every rank), and let ``guard.steps`` continue after it."""
+        step on every rank), or to the memory snapshot every rank holds below
+        ``params.below`` where it is as new; with ``step`` :data:`MEMORY_ONLY` (nothing on
+        disk yet) to that snapshot alone. ``guard.steps`` continues after it."""
         step = int(cmd.params["step"])
-        path = str(cmd.params.get("path") or self.path_for(step))
         below = cmd.params.get("below")
+        if step == MEMORY_ONLY and below is None:
+            raise ValueError("a reload from memory only needs params.below (the onset)")
+        path = str(cmd.params.get("path") or self.path_for(step))
         model = self.guard.model if self.guard.model is not None else self._model
         optimizer = self.guard.optimizer if self.guard.optimizer is not None else self._optimizer
         if model is None:
@@ -917,6 +922,8 @@ class Checkpointer:
             if snapshot is not None:
                 loaded, source, tier = self._restore_snapshot(snapshot, model, optimizer), \
                     "memory", "memory"
+            elif step == MEMORY_ONLY:
+                raise RuntimeError(f"no checkpoint on disk to go back to, and {why_not}")
             else:
                 loaded, source, tier = self.load(path, model, optimizer), path, "disk"
         except BaseException:

@@ -550,6 +550,17 @@ class CheckpointerService(Service[CheckpointerSettings]):
         for s in out.suspect_steps:
             await self._announce(job, s)
         if not out.pointer.new:
+            memory = await self._memory.summary(job) if self._memory is not None else None
+            if memory is not None and memory.oldest_step < req.below_step:
+                newest = min(memory.newest_step, req.below_step - 1)
+                log.bind(job=job).info("rollback of %s below step %d: no checkpoint on disk; "
+                                       "memory snapshots from step %d", job, req.below_step,
+                                       memory.oldest_step)
+                return ROLLBACK.encode_reply(RollbackReply(
+                    ok=False, job=job, suspect_steps=out.suspect_steps, memory_step=newest,
+                    reason=f"no committed, non-suspect checkpoint below step "
+                           f"{req.below_step}; every rank holds memory snapshots of steps "
+                           f"{memory.oldest_step}..{newest}: a reload in place from memory"))
             return ROLLBACK.encode_reply(RollbackReply(
                 ok=False, job=job, suspect_steps=out.suspect_steps,
                 reason=f"no committed, non-suspect checkpoint below step {req.below_step}: "

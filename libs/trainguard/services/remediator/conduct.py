@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from trainguard.contract.rpc import RollbackReply
+from trainguard.contract.rpc import MEMORY_ONLY, RollbackReply
 from trainguard.contract.schemas import CommandAck, HookRun, Incident, IncidentStep
 
 from . import hooks, recovery
@@ -379,9 +379,12 @@ class Reload:
 
 
 def reload_point(step: IncidentStep, reply: RollbackReply | None) -> tuple[int, str] | None:
-    """Where a done rollback put the resume pointer (step, path), to reload in place."""
-    if step.status != "done" or reply is None or reply.step is None:
+    """Where a done rollback put the resume pointer (step, path), to reload in place; with
+    no checkpoint on disk to go back to, :data:`MEMORY_ONLY` (the ranks' memory alone)."""
+    if step.status != "done" or reply is None:
         return None
+    if reply.step is None:
+        return (MEMORY_ONLY, "") if reply.memory_step is not None else None
     return reply.step, reply.point.path if reply.point is not None else ""
 
 

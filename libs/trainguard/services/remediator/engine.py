@@ -526,9 +526,12 @@ def save_outcome(reply: SaveReply | None, error: str = "") -> Outcome:
 
 
 def rollback_outcome(reply: RollbackReply | None, error: str = "") -> Outcome:
-    """A rollback without a checkpoint to go back to fails (the incident escalates)."""
+    """A rollback without a checkpoint to go back to fails (the incident escalates), unless
+    every rank holds a memory snapshot to go back to."""
     if reply is None:
         return Outcome("failed", error or "the coordinator has no checkpoint")
+    if reply.step is None and reply.memory_step is not None:
+        return Outcome("done", reply.reason or f"memory snapshots to step {reply.memory_step}")
     if reply.step is None:
         return Outcome("failed", reply.reason or "no checkpoint")
     return Outcome("done", f"resume pointer at step {reply.step}")
