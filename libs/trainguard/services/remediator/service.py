@@ -69,6 +69,13 @@ from .store import Store
 
 log = get_logger("trainguard.remediator")
 
+NOT_LEADER_RETRY_S = 0.05
+"""How soon a standby hands a diagnosis (or pre-flight) back for redelivery. The replicas
+share one consumer, so about half the messages reach a standby first: a second's delay
+there (jittered to 1.5 s) was added to every other decision. Handed back this soon, the
+next delivery likely reaches the leader; with no leader yet, the message cycles cheaply
+until one takes over (or it ages into the dead-letter subject, as any retry does)."""
+
 TRANSIENT_PAUSE_S, TRANSIENT_PAUSE_MAX_S = 0.5, 5.0
 """Backoff of an incident whose step met Redis or JetStream away."""
 
@@ -210,7 +217,7 @@ class RemediatorService(Service[RemediatorSettings]):
         now = time.time()
         gate = preflight.decide(report, self.policy, now)
         if gate is not None and not self.leader.leading:
-            raise Retry(delay=1.0, reason="not the leader")
+            raise Retry(delay=NOT_LEADER_RETRY_S, reason="not the leader")
         if self._preflights is not None:
             self._preflights.observe(report)
         if gate is None:
@@ -237,7 +244,7 @@ class RemediatorService(Service[RemediatorSettings]):
     async def on_diagnosis(self, d: Diagnosis, delivery: Delivery) -> None:
         assert self.leader is not None
         if not self.leader.leading:
-            raise Retry(delay=1.0, reason="not the leader")
+            raise Retry(delay=NOT_LEADER_RETRY_S, reason="not the leader")
         now = time.time()
         found = rules.find_incident(await self.store.of(d.job), d, self.policy.cooldown_s, now)
         if found is None:
