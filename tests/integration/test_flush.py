@@ -92,3 +92,25 @@ async def test_a_subscription_is_in_place_once_flush_returns(private_nats: NatsS
     finally:
         await listener.close()
         await talker.close()
+
+
+async def test_a_flush_returns_while_its_connection_keeps_publishing(
+        private_nats: NatsServer) -> None:
+    """Commands queued as each PING goes out make another round; a connection that never
+    stops publishing still gets its flush answered (in a few rounds, not at the timeout)."""
+    nc = await nats.connect(private_nats.url)
+    stop = asyncio.Event()
+
+    async def publish() -> None:
+        while not stop.is_set():
+            await nc.publish("noise", b"x" * 64)
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(publish())
+    try:
+        await wait_until(lambda: nc.pending_data_size > 0, what="commands queued")
+        await flush(nc, 5.0)
+    finally:
+        stop.set()
+        await task
+        await nc.close()

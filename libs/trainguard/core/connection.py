@@ -33,6 +33,9 @@ NEVER: Final = 365 * 24 * 3600.0
 """A flush timeout that never ends (see :func:`flush`)."""
 DEFAULT_FLUSH_S: Final = 10.0
 
+FLUSH_ROUNDS: Final = 3
+"""PINGs one :func:`flush` sends at most (see there)."""
+
 _flushes: set[asyncio.Future[Any]] = set()
 """PINGs still waiting for their PONG after their caller stopped waiting."""
 
@@ -50,10 +53,12 @@ async def flush(nc: Any, timeout: float = DEFAULT_FLUSH_S) -> None:
     nats-py writes its PING straight to the socket, ahead of commands still queued for its
     flusher task (a SUB just made, say): on a busy machine the PONG can come back before
     the server has them. So a PING counts only when nothing was queued as it went out;
-    if something was, the PING has set the flusher going, and one more round covers it."""
+    if something was, the PING has set the flusher going, and the next round covers it
+    (at most :data:`FLUSH_ROUNDS`: a connection that never stops publishing must not keep
+    its flush waiting for a quiet moment)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    while True:
+    for _ in range(FLUSH_ROUNDS):
         queued = nc.pending_data_size
         await _ping(nc, deadline - loop.time(), timeout)
         if not queued:
