@@ -151,8 +151,10 @@ async def test_every_sample_once_and_the_same_loss_curve_after_a_fault(
     final = trained(lines)
     if fault == "replaced":  # nothing went back: no step of any rank ran twice
         assert len(lines) == len(final), collections.Counter((r, s) for r, s, *_ in lines)
-    else:
+    elif fault == "rolled_back":
         assert len(lines) > len(final), "steps after the restored state ran again"
+    # A restart may lose nothing: ranks killed right after the checkpoint of the step every
+    # rank completed last resume at the next one, and no step runs twice.
     want_params, want = baseline(tmp_path, nats_url, prefix)
     assert sorted(final) == sorted(want), "every rank ran every step"
     differ = [(k, final[k], want[k]) for k in sorted(want) if final[k] != want[k]]

@@ -310,6 +310,10 @@ async def test_a_nan_before_the_first_checkpoint_rolls_back_to_memory_in_place(
         "in_place", "memory"), inc.recovery
     assert not any(k.status == "committed" for k in c.observer.checkpoints
                    if inc.failure_step is None or k.step < inc.failure_step)
+    # Before, nothing to roll back to meant a restart from step 0: every step so far lost.
+    print(f"NaN at step {inc.failure_step} before any checkpoint: "
+          f"{inc.recovery.steps_lost} step(s) lost from memory in {inc.recovery.seconds} s "
+          f"(a restart from scratch: {inc.failure_step} lost)")
     await c.finished()
     survivors_kept(c, set())
 
